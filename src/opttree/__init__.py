@@ -1,0 +1,21 @@
+"""opttree: lossless speculative decoding over adaptive draft trees (OPT-Tree) for Hugging Face causal LMs."""
+
+from .config import SpecConfig
+from .engine import Generation, GenerationOutput, generate, stream
+from .policies import available as available_policies
+from .policies import register_policy
+from .stats import GenerationStats
+from .tree import DraftTree
+
+__all__ = [
+    "SpecConfig",
+    "Generation",
+    "GenerationOutput",
+    "GenerationStats",
+    "DraftTree",
+    "generate",
+    "stream",
+    "register_policy",
+    "available_policies",
+]
+__version__ = "0.1.0"

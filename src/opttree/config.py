@@ -1,0 +1,43 @@
+"""The one configuration object of a generation call, validated once, up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# CPU defaults (2-core machine, the shipped pair): see README "Choosing budget, delta and depth".
+DEFAULT_BUDGET = 16
+DEFAULT_DELTA = 0.2
+DEFAULT_MAX_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    tree: str = "opt"  # tree policy name (see opttree.policies.available())
+    budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
+    delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
+    max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"budget must be an integer >= 1 (draft nodes per step), got {self.budget!r}")
+        if not 0 <= self.delta < 1:
+            raise ValueError(f"delta must be in [0, 1) (expected tokens), got {self.delta!r}")
+        if not isinstance(self.max_depth, int) or self.max_depth < 1:
+            raise ValueError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

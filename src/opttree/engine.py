@@ -1,0 +1,214 @@
+"""The speculative decoding loop: draft -> verify -> accept -> compact -> emit (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from .cache import check_model, compact, context_window, new_cache
+from .config import SpecConfig
+from .drafters import Drafter, ModelDrafter
+from .policies import TreePolicy, make_policy
+from .sampling import choose_tokens
+from .stats import GenerationStats
+from .tree import DraftTree, leaf_paths
+from .verify import accept_matching, verify_tree
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # (1, prompt + new) long
+    stats: GenerationStats
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        """(new,) the generated token ids only."""
+        return self.sequences[0, self.sequences.shape[1] - self.stats.new_tokens :]
+
+
+class Stopper:
+    """Where an emitted chunk must end: EOS, a stop string, or max_new_tokens, at the exact token."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], stop: Sequence[str], tokenizer=None):
+        self.remaining = max_new_tokens
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+        self.stop, self.tokenizer = list(stop), tokenizer
+        self.generated: list[int] = []
+
+    def cut(self, chunk: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends here)."""
+        end = min(chunk.shape[0], self.remaining)
+        is_eos = torch.isin(chunk[:end], self.eos).nonzero()
+        if is_eos.numel():
+            end = int(is_eos[0]) + 1  # the EOS token itself is emitted, as transformers does
+        if self.stop:
+            end = self._stop_string_end(chunk[:end].tolist(), end)
+        chunk = chunk[:end]
+        self.remaining -= end
+        return chunk, self.remaining == 0 or bool(torch.isin(chunk[-1:], self.eos).any()) or self._stopped
+
+    _stopped = False
+
+    def _stop_string_end(self, tokens: list[int], end: int) -> int:
+        for i in range(len(tokens)):
+            text = self.tokenizer.decode(self.generated + tokens[: i + 1])
+            if any(s in text for s in self.stop):
+                self._stopped = True
+                end = i + 1
+                break
+        self.generated += tokens[:end]
+        return end
+
+
+class Generation:
+    """An iterator over emitted chunks (LongTensor (C,)); `.stats` and `.sequences` fill in as it runs."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        input_ids: torch.Tensor,
+        drafter: Drafter | None,
+        policy: TreePolicy,
+        config: SpecConfig,
+        stopper: Stopper,
+    ):
+        self.target, self.drafter, self.policy, self.config, self.stopper = target, drafter, policy, config, stopper
+        self.committed = input_ids  # (T,) prompt + tokens emitted so far
+        self.prompt_len = input_ids.shape[0]
+        self.stats = GenerationStats()
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return self.committed[None]  # (1, T)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        cfg, stats, target, drafter = self.config, self.stats, self.target, self.drafter
+        generator = torch.Generator().manual_seed(cfg.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            cache = new_cache()  # holds committed[:-1]; the last committed token is the root
+            if self.prompt_len > 1:
+                prefix = self.committed[:-1]
+                target(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0])[None], past_key_values=cache)
+            if drafter is not None:
+                drafter.start(self.committed)
+            stats.prefill_s = time.perf_counter() - start
+            finished = False
+            while not finished:
+                prefix_len = self.committed.shape[0] - 1
+                t0 = time.perf_counter()
+                # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
+                depth_limit = self.stopper.remaining - 1
+                tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty()
+                t1 = time.perf_counter()
+                # 2. verify: one target forward over [root] + tree
+                logits = verify_tree(target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
+                t2 = time.perf_counter()
+                # 3. accept: the target's choice at every node, followed from the root
+                choice = choose_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)  # (N+1,)
+                accepted, bonus = accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
+                # 4. compact both caches to the root + accepted path
+                compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1]))
+                if drafter is not None:
+                    drafter.accept(tree.draft_slots[accepted])
+                # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
+                chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
+                self.committed = torch.cat([self.committed, chunk])
+                stats.draft_s += t1 - t0
+                stats.verify_s += t2 - t1
+                stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
+                stats.time_s = time.perf_counter() - start
+                yield chunk
+        stats.time_s = time.perf_counter() - start
+
+
+def stream(
+    target: PreTrainedModel,
+    input_ids,
+    draft: PreTrainedModel | Drafter | None = None,
+    *,
+    tokenizer=None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    **options,
+) -> Generation:
+    """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
+    fields (tree, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed)."""
+    config = SpecConfig(**options)
+    policy = make_policy(config)
+    ids = _prompt_ids(input_ids, target)
+    max_len = ids.shape[0] + config.max_new_tokens
+    _check_fits(target, "target", max_len)
+    check_model(target, "target", max_len)
+    drafter = None
+    if policy.needs_drafter:
+        if draft is None:
+            raise ValueError(f"tree={config.tree!r} needs a draft model (draft=...); use tree='ar' for plain decoding")
+        if isinstance(draft, PreTrainedModel):
+            _check_vocab(target, draft)
+            _check_fits(draft, "draft", max_len)
+            check_model(draft, "draft", max_len)
+            draft = ModelDrafter(draft)
+        drafter = draft
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
+    if eos_token_id is None:
+        eos_token_id = getattr(target.generation_config, "eos_token_id", None)
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    stopper = Stopper(config.max_new_tokens, eos_ids, stop or [], tokenizer)
+    return Generation(target, ids, drafter, policy, config, stopper)
+
+
+def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> GenerationOutput:
+    """Generate with speculative decoding; same output as `target.generate` (exactly, at temperature 0).
+
+    Returns `.sequences` (1, prompt + new) and `.stats`. Arguments as for `stream`.
+    """
+    run = stream(target, input_ids, draft, **kwargs)
+    for _ in run:
+        pass
+    return GenerationOutput(run.sequences, run.stats)
+
+
+def _prompt_ids(input_ids, target: PreTrainedModel) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise NotImplementedError(f"batch size {ids.shape[0]}: opttree decodes one sequence at a time (batch 1)")
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape (1, T) or (T,), got {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("empty prompt: input_ids must hold at least one token")
+    vocab = _vocab_size(target)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
+    return ids.to(target.device)
+
+
+def _vocab_size(model: PreTrainedModel) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+
+
+def _check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    vt, vd = _vocab_size(target), _vocab_size(draft)
+    if vt != vd:
+        raise ValueError(
+            f"draft and target vocabularies differ: target has {vt} tokens, draft has {vd}; "
+            "the draft must share the target's tokenizer"
+        )
+
+
+def _check_fits(model: PreTrainedModel, role: str, max_len: int) -> None:
+    window = context_window(model)
+    if window is not None and max_len > window:
+        raise ValueError(
+            f"prompt + max_new_tokens = {max_len} tokens exceeds the {role} model's context window of {window}"
+        )

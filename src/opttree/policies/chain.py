@@ -1,0 +1,43 @@
+"""Classic speculative decoding: a chain of the draft's greedy tokens, `budget` long."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SpecConfig
+from ..drafters import Drafter
+from ..tree import DraftTree
+from . import register_policy
+
+
+@register_policy("chain")
+class Chain:
+    needs_drafter = True
+
+    def __init__(self, config: SpecConfig):
+        self.length = config.budget
+
+    def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
+        length = min(self.length, depth_limit)
+        logq = drafter.root(committed)  # (V,)
+        tokens, scores, slots = [], [], []
+        score = torch.zeros(())
+        for depth in range(1, length + 1):
+            token = logq.argmax()
+            score = score + logq[token]
+            tokens.append(token)
+            scores.append(score)
+            if depth < length:
+                parent_slot = torch.tensor([depth - 2]) if depth > 1 else torch.tensor([-1])
+                logq = drafter.expand(token.view(1), parent_slot)[0]
+                slots.append(depth - 1)
+            else:
+                slots.append(-1)
+        n = len(tokens)
+        return DraftTree(
+            tokens=torch.stack(tokens),
+            parents=torch.arange(n) - 1,
+            depths=torch.arange(1, n + 1),
+            scores=torch.stack(scores),
+            draft_slots=torch.tensor(slots, dtype=torch.long),
+        )

@@ -1,0 +1,43 @@
+"""Small pure sampling helpers shared by plain decoding, drafting and verification."""
+
+from __future__ import annotations
+
+import torch
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, with the semantics of transformers' warpers.
+
+    logits: (..., V) -> (..., V) log-space scores, -inf where a token is filtered out.
+    """
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1)  # ascending, like transformers' TopPLogitsWarper
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted[..., -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """(..., V) logits -> (..., V) the distribution plain sampling would draw from."""
+    return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def choose_tokens(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One target choice per row: argmax at temperature 0, otherwise an independent sample.
+
+    logits: (R, V) -> (R,) long. Drawing one sample per tree node and following the matching
+    children is exact for deterministic candidate sets (DESIGN.md section 6).
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = target_probs(logits, temperature, top_k, top_p)  # (R, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

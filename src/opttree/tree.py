@@ -1,0 +1,88 @@
+"""The draft tree as flat tensors, and pure functions that derive masks, positions and paths.
+
+Nodes are stored parents-before-children (sorted by depth). The root (the last committed token,
+not yet in the target's cache) is implicit: it is not one of the N nodes, and `parents == -1` means
+"child of the root". Everything the verifier needs is derived from `parents` and `depths`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # (N,) long: drafted token ids
+    parents: torch.Tensor  # (N,) long: index of the parent node, -1 for children of the root
+    depths: torch.Tensor  # (N,) long: 1 for children of the root
+    scores: torch.Tensor  # (N,) float: log p-hat, the draft's path log-probability
+    draft_slots: torch.Tensor  # (N,) long: the drafter's KV slot of the node this step, -1 if never run
+    # Draft distributions the candidates were *sampled* from, for recursive rejection sampling:
+    # (N + 1, V), row 0 = root, row i + 1 = node i. None for deterministic (top-k) candidate sets.
+    draft_probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> "DraftTree":
+        long = torch.empty(0, dtype=torch.long, device=device)
+        return DraftTree(long, long, long, torch.empty(0, device=device), long)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(N,) parents -> (N, N) bool, [i, j] True iff node j is node i or one of its ancestors.
+
+    Loops over depth (at most N times, in practice the tree depth), never over nodes.
+    """
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)  # (N, N)
+    rows = torch.arange(n, device=parents.device)
+    current = parents.clone()  # (N,) the ancestor reached so far, -1 once past the root
+    while bool((current >= 0).any()):
+        live = current >= 0
+        mask[rows[live], current[live]] = True
+        current = torch.where(live, parents[current.clamp(min=0)], current)
+    return mask
+
+
+def tree_attention_mask(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Mask for one forward over [root] + nodes: (N + 1, prefix_len + N + 1) bool, True = attend.
+
+    Every query sees the committed prefix (already cached) and the root; a node also sees its
+    ancestors and itself. Row 0 is the root.
+    """
+    n = parents.shape[0]
+    device = parents.device
+    tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)  # (N+1, N+1) over [root] + nodes
+    tree[:, 0] = True
+    tree[1:, 1:] = ancestor_mask(parents)
+    prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=device)  # (N+1, P)
+    return torch.cat([prefix, tree], dim=1)  # (N+1, P+N+1)
+
+
+def position_ids(depths: torch.Tensor, root_position: int) -> torch.Tensor:
+    """(N,) depths -> (N + 1,) positions of [root] + nodes: the root sits at `root_position`."""
+    zero = torch.zeros(1, dtype=torch.long, device=depths.device)
+    return root_position + torch.cat([zero, depths])
+
+
+def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """Root-to-leaf paths: (leaves, max_depth) node indices ordered by depth, padded with -1."""
+    n = parents.shape[0]
+    if n == 0:
+        return torch.empty(0, 0, dtype=torch.long, device=parents.device)
+    has_child = torch.zeros(n, dtype=torch.bool, device=parents.device)
+    has_child[parents[parents >= 0]] = True
+    leaves = (~has_child).nonzero().squeeze(1)  # (L,)
+    on_path = ancestor_mask(parents)[leaves]  # (L, N): node j lies on the path to leaf l
+    leaf_idx, node_idx = on_path.nonzero(as_tuple=True)
+    paths = torch.full((leaves.shape[0], int(depths.max())), -1, dtype=torch.long, device=parents.device)
+    paths[leaf_idx, depths[node_idx] - 1] = node_idx
+    return paths  # (L, D)

@@ -1,0 +1,109 @@
+"""Verification: one target forward over [root] + tree, and acceptance as pure functions."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from .tree import DraftTree, position_ids, tree_attention_mask
+
+
+def masked_forward(
+    model: PreTrainedModel,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    allowed: torch.Tensor,
+) -> torch.Tensor:
+    """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
+
+    input_ids: (Q,), positions: (Q,), allowed: (Q, cache_len + Q) bool, True = attend.
+    Returns logits (Q, V). sdpa takes the bool mask as is; eager needs an additive float mask.
+    """
+    mask = allowed[None, None]  # (1, 1, Q, K)
+    if model.config._attn_implementation == "eager":
+        dtype = model.dtype
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    out = model(
+        input_ids=input_ids[None],
+        position_ids=positions[None],
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits[0]  # (Q, V)
+
+
+def verify_tree(
+    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int
+) -> torch.Tensor:
+    """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
+    call and `prefix_len + N + 1` after it. Returns logits (N + 1, V): row 0 = root."""
+    tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
+    allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
+    return masked_forward(target, cache, tokens, position_ids(tree.depths, prefix_len), allowed)
+
+
+def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Follow, from the root, the children whose token equals the target's choice at their parent.
+
+    choice: (N + 1,) the target's token at [root] + nodes (argmax for greedy, one sample per node for
+    stochastic verification of deterministic candidates). paths: (L, D) from `leaf_paths`.
+    Returns (accepted node indices root->leaf (A,), bonus token ()).
+    """
+    if len(tree) == 0:
+        return tree.tokens, choice[0]
+    valid = paths >= 0  # (L, D)
+    nodes = paths.clamp(min=0)
+    parent_choice = choice[tree.parents[nodes] + 1]  # (L, D): target's token at each node's parent
+    match = valid & (tree.tokens[nodes] == parent_choice)  # (L, D)
+    accepted_len = match.long().cumprod(dim=1).sum(dim=1)  # (L,)
+    best = int(accepted_len.argmax())
+    length = int(accepted_len[best])
+    accepted = paths[best, :length]  # (A,)
+    bonus = choice[accepted[-1] + 1] if length else choice[0]
+    return accepted, bonus
+
+
+def accept_rejection_sampling(
+    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling for children *sampled* from the draft without replacement.
+
+    target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
+    tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
+    At each node, for each child x in order: accept with min(1, p(x) / q(x)); on rejection
+    p <- norm(max(p - q, 0)), q(x) <- 0, q <- norm(q). If no child is accepted, sample from p.
+    Returns (accepted node indices (A,), bonus token ()).
+    """
+    assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
+    accepted: list[int] = []
+    node = -1  # -1 = root
+    children_of = _children_lists(tree.parents)
+    while True:
+        p = target_p[node + 1].clone()
+        q = tree.draft_probs[node + 1].clone()
+        next_node = None
+        for child in children_of[node + 1]:
+            x = int(tree.tokens[child])
+            ratio = float(p[x]) / max(float(q[x]), 1e-30)
+            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+                next_node = child
+                break
+            p = (p - q).clamp(min=0)
+            p = p / p.sum() if float(p.sum()) > 0 else target_p[node + 1]
+            q[x] = 0
+            q = q / q.sum() if float(q.sum()) > 0 else q
+        if next_node is None:
+            bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
+            return torch.tensor(accepted, dtype=torch.long), bonus
+        accepted.append(next_node)
+        node = next_node
+
+
+def _children_lists(parents: torch.Tensor) -> list[list[int]]:
+    """children_of[i + 1] = node indices whose parent is i (index 0 = the root), in node order."""
+    children: list[list[int]] = [[] for _ in range(parents.shape[0] + 1)]
+    for child, parent in enumerate(parents.tolist()):
+        children[parent + 1].append(child)
+    return children
