@@ -1,0 +1,82 @@
+"""Tiny randomly initialised models and a scripted drafter, shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+)
+
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gpt_neox": GPTNeoXConfig, "phi3": Phi3Config}
+
+
+def tiny_model(arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
+               init: float = 0.2, attn: str = "sdpa", max_positions: int = 512, **extra):
+    """A small random causal LM in fp32 and eval mode. A large `init` makes its predictions peaky,
+    so fp32 rounding never decides an argmax."""
+    torch.manual_seed(seed)
+    heads = max(hidden // 16, 2)
+    config = CONFIGS[arch](
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **({"num_key_value_heads": heads // 2} if arch != "gpt_neox" else {}),
+        **extra,
+    )
+    config._attn_implementation = attn
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None, **kwargs) -> torch.Tensor:
+    """transformers' own greedy decoding: the reference output (1, prompt + new)."""
+    with torch.inference_mode():
+        return model.generate(
+            prompt, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+            pad_token_id=0, attention_mask=torch.ones_like(prompt), **kwargs,
+        )
+
+
+class ScriptedDrafter:
+    """A drafter whose distribution at a node is a fixed random function of the node's path.
+
+    Lets tests enumerate the full candidate tree and compare with brute force."""
+
+    def __init__(self, vocab: int, seed: int = 0, sharpness: float = 2.0):
+        self.vocab, self.seed, self.sharpness = vocab, seed, sharpness
+        self.paths: list[tuple[int, ...]] = []
+        self.expand_calls: list[int] = []
+
+    def logq(self, path: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((self.seed,) + path) % (2**31))
+        return torch.log_softmax(self.sharpness * torch.randn(self.vocab, generator=g), dim=-1)
+
+    def start(self, input_ids):
+        pass
+
+    def root(self, committed):
+        self.paths = []
+        return self.logq(())
+
+    def expand(self, tokens, parent_slots):
+        self.expand_calls.append(tokens.shape[0])
+        rows = []
+        for token, parent in zip(tokens.tolist(), parent_slots.tolist()):
+            path = (self.paths[parent] if parent >= 0 else ()) + (token,)
+            self.paths.append(path)
+            rows.append(self.logq(path))
+        return torch.stack(rows)
+
+    def accept(self, slots):
+        pass

@@ -1,0 +1,170 @@
+"""Training tooling: tokenizer round-trip, corpus split, LM training, checkpoint/resume, distillation."""
+
+import argparse
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from opttree.train.corpus import encode_documents, load_texts, split_files, top_level_name
+from opttree.train.distill import evaluate_pair, make_distill_loss
+from opttree.train.lm import (ModelShape, TrainConfig, build_llama, eval_windows, evaluate_lm, load_checkpoint,
+                              lm_loss, lr_at, make_optimizer, save_final, train_loop, WindowSampler)
+from opttree.train.tokenizer import load_tokenizer, train_tokenizer
+
+CODE = '''def add(a, b):
+    """Return the sum."""
+    return a + b
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def bump(self, k=1):
+        self.n += k
+        return self.n
+'''
+TINY = ModelShape(hidden=32, layers=1, heads=2, intermediate=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer([CODE * 3, "import os\nprint('hi')\n\tx = 1\n"], vocab_size=300, out_dir=out)
+    return load_tokenizer(out)
+
+
+@pytest.fixture(scope="module")
+def tokens(tokenizer):
+    return encode_documents(tokenizer, [CODE] * 40)
+
+
+def test_tokenizer_round_trips_exactly(tokenizer):
+    samples = ["", " ", "  leading spaces", "\ttab\tseparated\t", "\n\nnewlines\r\n\r\n", "trailing  \n",
+               "unicode: héllo wörld 日本語 🐍 ∑", CODE, "a  b   c    d", "<|endoftext|> inside text"]
+    for text in samples:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    assert tokenizer(" x", add_special_tokens=False)["input_ids"] != tokenizer("x", add_special_tokens=False)["input_ids"]
+    assert tokenizer.eos_token == tokenizer.bos_token == tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id is not None
+
+
+def test_corpus_split_is_fixed_and_skips_site_packages(tmp_path):
+    for rel in ["json/__init__.py", "json/decoder.py", "os.py", "test/test_json/t.py", "site-packages/x/y.py",
+                "email/mime/text.py", "notes.txt", "json.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(f"# {rel}\n".encode() + b"\xff\n")  # invalid utf-8 byte is skipped
+    split = split_files(tmp_path, ("json", "email"))
+    assert split["train"] == ["os.py", "test/test_json/t.py"]
+    assert split["heldout"] == ["email/mime/text.py", "json.py", "json/__init__.py", "json/decoder.py"]
+    assert top_level_name("email/mime/text.py") == "email" and top_level_name("json.py") == "json"
+    assert load_texts(tmp_path, "train", ("json", "email")) == ["# os.py\n\n", "# test/test_json/t.py\n\n"]
+
+
+def test_lr_schedule_warms_up_then_decays():
+    cfg = TrainConfig(run_dir=".", lr=1.0, warmup_steps=10, min_lr_ratio=0.1, steps=100)
+    assert lr_at(0, 0.0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, 0.09, cfg) == pytest.approx(0.5 * (1 + np.cos(np.pi * 0.09)) * 0.9 + 0.1)
+    assert lr_at(50, 1.0, cfg) == pytest.approx(0.1)
+    assert lr_at(50, 0.5, cfg) == pytest.approx(0.55)
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(run_dir=tmp_path, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=5, steps=40, eval_every=1000,
+                eval_windows=8, bf16=False, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_lm_training_reduces_heldout_loss(tmp_path, tokenizer, tokens):
+    torch.manual_seed(0)
+    model = build_llama(TINY, tokenizer, max_positions=64)
+    windows = eval_windows(tokens, 32, 8)
+    before = evaluate_lm(model, windows, bf16=False)["heldout_loss"]
+    metrics = train_loop(model, lm_loss, tokens, lambda m: evaluate_lm(m, windows, False), _cfg(tmp_path, bf16=True))
+    assert metrics["step"] == 40
+    assert metrics["heldout_loss"] < before - 1.5, (before, metrics)
+    assert (tmp_path / "ckpt.pt").exists() and (tmp_path / "log.jsonl").exists()
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, tokenizer, tokens):
+    def fresh():
+        torch.manual_seed(0)
+        return build_llama(TINY, tokenizer, max_positions=64)
+
+    no_eval = lambda m: {}
+    straight = fresh()
+    train_loop(straight, lm_loss, tokens, no_eval, _cfg(tmp_path / "a", steps=20))
+
+    interrupted = fresh()
+    train_loop(interrupted, lm_loss, tokens, no_eval, _cfg(tmp_path / "b", steps=20, stop_after=8))
+    restored, cfg = fresh(), _cfg(tmp_path / "b", steps=20)
+    optimizer = make_optimizer(restored, cfg)
+    step, _ = load_checkpoint(tmp_path / "b" / "ckpt.pt", restored, optimizer, WindowSampler(tokens, 32, 8, 0))
+    assert step == 8
+    assert all(torch.equal(p, q) for p, q in zip(interrupted.state_dict().values(), restored.state_dict().values()))
+    assert all(s["step"].item() == 8 for s in optimizer.state_dict()["state"].values())
+    assert not torch.equal(straight.model.embed_tokens.weight, restored.model.embed_tokens.weight)
+
+    resumed = fresh()
+    train_loop(resumed, lm_loss, tokens, no_eval, _cfg(tmp_path / "b", steps=20, resume=True))
+    for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_saved_model_loads_with_from_pretrained_and_same_logits(tmp_path, tokenizer, tokens):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = build_llama(TINY, tokenizer, max_positions=64).eval()
+    save_final(model, tokenizer, tmp_path / "final")
+    assert model.dtype == torch.float32  # saving does not alter the trained model
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32).eval()
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():  # weights are stored in bf16 (buffers such as rope inv_freq are not)
+        p.data = p.data.to(torch.bfloat16).to(torch.float32)
+    ids = torch.from_numpy(tokens[:40].astype(np.int64))[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "final")).decode(tokenizer(CODE)["input_ids"]) == CODE
+    assert loaded.config.tie_word_embeddings
+
+
+def test_distillation_reduces_kl_to_target(tmp_path, tokenizer, tokens):
+    torch.manual_seed(0)
+    target = build_llama(ModelShape(64, 2, 2, 128), tokenizer, max_positions=64)
+    windows = eval_windows(tokens, 32, 8)
+    train_loop(target, lm_loss, tokens, lambda m: {}, _cfg(tmp_path / "t", steps=80))  # a confident target
+    target.eval().requires_grad_(False)
+    torch.manual_seed(1)
+    draft = build_llama(TINY, tokenizer, max_positions=64)
+    before = evaluate_pair(target, draft, windows, bf16=False)
+    after = train_loop(draft, make_distill_loss(target, ce_weight=0.0), tokens,
+                       lambda m: evaluate_pair(target, m, windows, bf16=False), _cfg(tmp_path / "d", steps=80))
+    assert after["heldout_kl"] < 0.5 * before["heldout_kl"], (before, after)
+    assert after["top1_agreement"] > before["top1_agreement"] + 0.2, (before, after)
+    assert 0.0 <= after["top1_agreement"] <= 1.0
+
+
+def test_distill_loss_is_zero_for_identical_models(tokenizer, tokens):
+    torch.manual_seed(0)
+    model = build_llama(TINY, tokenizer, max_positions=64).eval()
+    batch = torch.from_numpy(tokens[:66].astype(np.int64)).view(2, 33)
+    loss, logs = make_distill_loss(model, ce_weight=0.0)(model, batch)
+    assert loss.item() == pytest.approx(0.0, abs=1e-5)
+    assert logs["ce"] > 0
+
+
+def test_cli_registers_train_subcommands():
+    from opttree.train.cli import cmd_pair, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", "pair", "--out", "x", "--minutes-target", "2", "--minutes-draft", "1"])
+    assert args.func is cmd_pair and args.minutes_target == 2.0 and args.minutes_draft == 1.0
+    args = parser.parse_args(["train", "lm", "--tokenizer", "t", "--run-dir", "r", "--steps", "5", "--resume"])
+    assert args.steps == 5 and args.resume and args.shape is None
+    with pytest.raises(ValueError):
+        ModelShape.parse("512,8,8")

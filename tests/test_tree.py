@@ -1,0 +1,87 @@
+"""The tree's derived tensors against brute force, and tree attention against causal attention."""
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from opttree.cache import new_cache
+from opttree.tree import ancestor_mask, leaf_paths, position_ids, tree_attention_mask
+from opttree.verify import verify_tree
+from opttree.tree import DraftTree
+
+
+def random_parents(n: int, seed: int) -> torch.Tensor:
+    """A random tree with nodes stored parents-before-children."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1]
+    for i in range(1, n):
+        parents.append(int(torch.randint(-1, i, (1,), generator=g)))
+    return torch.tensor(parents[:n])
+
+
+def branch(parents: torch.Tensor, node: int) -> list[int]:
+    """Brute force: the node's root->node path."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+def depths_of(parents):
+    return torch.tensor([len(branch(parents, i)) for i in range(len(parents))])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ancestor_mask_matches_brute_force(seed):
+    parents = random_parents(25, seed)
+    mask = ancestor_mask(parents)
+    for i in range(25):
+        expected = torch.zeros(25, dtype=torch.bool)
+        expected[branch(parents, i)] = True
+        assert torch.equal(mask[i], expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_attention_row_is_causal_attention_over_the_branch(seed):
+    parents, prefix = random_parents(20, seed), 7
+    mask = tree_attention_mask(parents, prefix)
+    assert mask.shape == (21, prefix + 21)
+    assert torch.equal(mask[0], torch.cat([torch.ones(prefix + 1), torch.zeros(20)]).bool())
+    for i in range(20):
+        expected = torch.zeros(prefix + 21, dtype=torch.bool)
+        expected[: prefix + 1] = True  # committed prefix + root
+        expected[[prefix + 1 + j for j in branch(parents, i)]] = True
+        assert torch.equal(mask[i + 1], expected)
+
+
+def test_positions_and_leaf_paths():
+    parents = random_parents(30, 11)
+    depths = depths_of(parents)
+    assert torch.equal(position_ids(depths, 5), torch.cat([torch.tensor([5]), 5 + depths]))
+    paths = leaf_paths(parents, depths)
+    leaves = set(range(30)) - set(parents.tolist())
+    assert paths.shape == (len(leaves), int(depths.max()))
+    got = {tuple(p for p in row.tolist() if p >= 0) for row in paths}
+    assert got == {tuple(branch(parents, leaf)) for leaf in leaves}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_equals_causal_forward_per_branch(arch, attn):
+    model = tiny_model(arch, attn=attn, seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 96, (9,), generator=g)
+    parents = random_parents(12, 5)
+    depths = depths_of(parents)
+    tree = DraftTree(torch.randint(0, 96, (12,), generator=g), parents, depths, torch.zeros(12), -torch.ones(12, dtype=torch.long))
+    with torch.inference_mode():
+        cache = new_cache()
+        model(input_ids=prompt[None, :-1], past_key_values=cache)
+        logits = verify_tree(model, cache, prompt[-1], tree, prompt.shape[0] - 1)  # (13, V)
+        full = model(input_ids=prompt[None]).logits[0, -1]
+        torch.testing.assert_close(logits[0], full, atol=1e-4, rtol=1e-4)
+        for i in range(12):
+            seq = torch.cat([prompt, tree.tokens[branch(parents, i)]])
+            causal = model(input_ids=seq[None]).logits[0, -1]
+            torch.testing.assert_close(logits[i + 1], causal, atol=1e-4, rtol=1e-4)
