@@ -1,0 +1,280 @@
+"""``opttree train {tokenizer,lm,draft,pair}``: build the shipped model pair from the stdlib source.
+
+The main CLI calls :func:`register`; ``python -m opttree.train.cli train ...`` works stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+# With the default (spinning) OpenMP wait policy, a 2-thread torch training step on a 2-core machine
+# shared with any other busy process gets ~10x slower; passive waiting avoids it. Only effective when
+# set before torch is first imported (python -m opttree.train.cli ... ; otherwise export it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+DEFAULT_INSTALL_DIR = Path(__file__).resolve().parents[1] / "models"
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _add_corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="root of *.py files (default: this Python's stdlib source)")
+    p.add_argument("--heldout-modules", default=None,
+                   help="comma-separated top-level names held out (default: opttree.train.corpus.HELDOUT_MODULES)")
+
+
+def _add_train_args(p: argparse.ArgumentParser, lr: float, batch_size: int) -> None:
+    p.add_argument("--run-dir", type=Path, required=True, help="checkpoints, logs, and final/ go here")
+    p.add_argument("--shape", default=None, help="hidden,layers,heads,intermediate")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=None, help="step budget")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock budget (schedule follows it)")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument("--ckpt-minutes", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    p.add_argument("--resume", action="store_true", help="continue from run-dir/ckpt.pt if present")
+    p.add_argument("--cache-dir", type=Path, default=None, help="encoded-corpus cache (default: run-dir/data)")
+    _add_corpus_args(p)
+
+
+def _train_config(args, steps=None, minutes=None, run_dir=None):
+    from .lm import TrainConfig
+
+    return TrainConfig(run_dir=run_dir or args.run_dir, seq_len=args.seq_len, batch_size=args.batch_size,
+                       lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+                       grad_clip=args.grad_clip, steps=steps if steps is not None else args.steps,
+                       minutes=minutes if minutes is not None else args.minutes, eval_every=args.eval_every,
+                       eval_windows=args.eval_windows, ckpt_minutes=args.ckpt_minutes, seed=args.seed,
+                       bf16=not args.no_bf16, resume=args.resume)
+
+
+def _heldout(args) -> tuple[str, ...]:
+    from .corpus import HELDOUT_MODULES
+
+    return tuple(args.heldout_modules.split(",")) if args.heldout_modules else HELDOUT_MODULES
+
+
+def _tokens(tokenizer, args, cache_dir: Path):
+    from .corpus import load_or_encode
+
+    t0 = time.perf_counter()
+    train = load_or_encode(tokenizer, args.corpus, "train", cache_dir, _heldout(args))
+    heldout = load_or_encode(tokenizer, args.corpus, "heldout", cache_dir, _heldout(args))
+    _log(f"corpus: {len(train):,} train tokens, {len(heldout):,} held-out tokens "
+         f"({100 * len(heldout) / (len(train) + len(heldout)):.1f}%), {time.perf_counter() - t0:.0f}s")
+    return train, heldout
+
+
+def cmd_tokenizer(args) -> None:
+    from .corpus import load_texts
+    from .tokenizer import train_tokenizer
+
+    t0 = time.perf_counter()
+    texts = load_texts(args.corpus, "train", _heldout(args))
+    tok = train_tokenizer(texts, args.vocab_size, args.out)
+    _log(f"tokenizer: {len(tok)} tokens from {len(texts)} train files -> {args.out} "
+         f"({time.perf_counter() - t0:.0f}s)")
+
+
+def cmd_lm(args) -> None:
+    from .lm import TARGET_SHAPE, ModelShape, train_lm
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    train, heldout = _tokens(tok, args, args.cache_dir or args.run_dir / "data")
+    shape = ModelShape.parse(args.shape) if args.shape else TARGET_SHAPE
+    _, metrics = train_lm(tok, train, heldout, shape, _train_config(args), _log)
+    _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
+
+
+def cmd_draft(args) -> None:
+    from .distill import load_target, train_draft
+    from .lm import DRAFT_SHAPE, ModelShape
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target)
+    train, heldout = _tokens(tok, args, args.cache_dir or args.run_dir / "data")
+    shape = ModelShape.parse(args.shape) if args.shape else DRAFT_SHAPE
+    _, metrics = train_draft(target, tok, train, heldout, shape, _train_config(args), args.ce_weight, _log)
+    _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
+
+
+def one_token_latency_ms(model, dtype, prefix: int = 200, repeats: int = 30) -> float:
+    """Median wall time of a one-token forward on top of a ``prefix``-token DynamicCache."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    m = copy.deepcopy(model).to(dtype).eval()
+    ids = torch.randint(0, m.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.no_grad():
+        cache = m(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=m.config)).past_key_values
+        x, pos = ids[:, -1:], torch.tensor([[prefix]])
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            m(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-1)  # back to the prefix
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def evaluate_shipped(target_dir: Path, draft_dir: Path, heldout_tokens, seq_len: int, n_windows: int) -> dict:
+    """Metrics of the saved (bf16-weight) pair, loaded as fp32 and run under bf16 autocast."""
+    import torch
+
+    from .distill import evaluate_pair, load_target
+    from .lm import eval_windows, evaluate_lm, n_params
+
+    target, draft = load_target(target_dir), load_target(draft_dir)
+    windows = eval_windows(heldout_tokens, seq_len, n_windows)
+    t = evaluate_lm(target, windows)
+    d = evaluate_pair(target, draft, windows)
+    lat = {f"{name}_{dt}_ms": round(one_token_latency_ms(m, getattr(torch, dt)), 3)
+           for name, m in (("target", target), ("draft", draft)) for dt in ("float32", "bfloat16")}
+    return {"heldout_tokens_evaluated": int(windows[:, 1:].numel()),
+            "target_params": n_params(target), "draft_params": n_params(draft),
+            "target_heldout_loss": t["heldout_loss"], "target_heldout_ppl": t["heldout_ppl"],
+            "draft_heldout_loss": d["heldout_loss"], "draft_heldout_ppl": d["heldout_ppl"],
+            "draft_heldout_kl": d["heldout_kl"], "draft_top1_agreement": d["top1_agreement"],
+            "one_token_latency_prefix200": lat}
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def cmd_pair(args) -> None:
+    """tokenizer -> target -> draft -> evaluation -> install; every stage resumes or is skipped if done."""
+    from .corpus import load_texts
+    from .distill import load_target, train_draft
+    from .lm import DRAFT_SHAPE, TARGET_SHAPE, ModelShape, train_lm
+    from .tokenizer import load_tokenizer, train_tokenizer
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        _log("== tokenizer")
+        train_tokenizer(load_texts(args.corpus, "train", _heldout(args)), args.vocab_size, tok_dir)
+    tok = load_tokenizer(tok_dir)
+    train, heldout = _tokens(tok, args, out / "data")
+    args.resume = True  # the pair command is always restartable
+
+    target_dir = out / "target"
+    if not (target_dir / "final" / "model.safetensors").exists():
+        _log("== target")
+        cfg = _train_config(args, steps=args.steps_target, minutes=args.minutes_target, run_dir=target_dir)
+        cfg.lr, cfg.batch_size = args.lr_target, args.batch_size_target
+        train_lm(tok, train, heldout, ModelShape.parse(args.target_shape) if args.target_shape else TARGET_SHAPE,
+                 cfg, _log)
+    draft_dir = out / "draft"
+    if not (draft_dir / "final" / "model.safetensors").exists():
+        _log("== draft")
+        cfg = _train_config(args, steps=args.steps_draft, minutes=args.minutes_draft, run_dir=draft_dir)
+        cfg.lr, cfg.batch_size = args.lr_draft, args.batch_size_draft
+        train_draft(load_target(target_dir / "final"), tok, train, heldout,
+                    ModelShape.parse(args.draft_shape) if args.draft_shape else DRAFT_SHAPE, cfg,
+                    args.ce_weight, _log)
+
+    _log("== evaluation of the saved pair")
+    metrics = evaluate_shipped(target_dir / "final", draft_dir / "final", heldout, args.seq_len,
+                               args.final_eval_windows)
+    for name, d in (("target", target_dir), ("draft", draft_dir)):
+        run = json.loads((d / "final_metrics.json").read_text())
+        metrics[f"{name}_train_minutes"] = round(run.get("elapsed_min", 0.0), 2)
+        metrics[f"{name}_train_steps"] = run.get("step")
+        metrics[f"{name}_train_tokens_seen"] = run.get("tokens_seen")
+        metrics[f"{name}_shape"] = run.get("shape")
+    metrics["corpus_train_tokens"], metrics["corpus_heldout_tokens"] = int(len(train)), int(len(heldout))
+    metrics["heldout_modules"] = list(_heldout(args))
+    metrics["pair_command_minutes_this_invocation"] = round((time.perf_counter() - t_start) / 60, 2)
+    metrics["size_bytes"] = _dir_size(target_dir / "final") + _dir_size(draft_dir / "final")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    _log(json.dumps(metrics, indent=2))
+
+    if args.install_dir is not None:
+        for name, d in (("target", target_dir), ("draft", draft_dir)):
+            dest = Path(args.install_dir) / name
+            if dest.exists():
+                shutil.rmtree(dest)
+            shutil.copytree(d / "final", dest)
+        (Path(args.install_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        _log(f"installed target and draft into {args.install_dir}")
+
+
+def register(subparsers) -> None:
+    """Add ``train {tokenizer,lm,draft,pair}`` to an argparse subparsers object."""
+    train = subparsers.add_parser("train", help="train the tokenizer, target LM and draft model")
+    sub = train.add_subparsers(dest="train_command", required=True)
+
+    p = sub.add_parser("tokenizer", help="byte-level BPE on the corpus' train split")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    _add_corpus_args(p)
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = sub.add_parser("lm", help="pretrain a Llama target from scratch")
+    p.add_argument("--tokenizer", type=Path, required=True)
+    _add_train_args(p, lr=1e-3, batch_size=8)
+    p.set_defaults(func=cmd_lm)
+
+    p = sub.add_parser("draft", help="distil a small Llama draft from a target")
+    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
+    p.add_argument("--ce-weight", type=float, default=0.1, help="weight of next-token CE vs KL")
+    _add_train_args(p, lr=2e-3, batch_size=8)
+    p.set_defaults(func=cmd_draft)
+
+    p = sub.add_parser("pair", help="tokenizer + target + draft + eval + install: reproduces the shipped pair")
+    p.add_argument("--out", type=Path, required=True, help="work dir (restartable)")
+    p.add_argument("--minutes-target", type=float, default=70.0)
+    p.add_argument("--minutes-draft", type=float, default=20.0)
+    p.add_argument("--steps-target", type=int, default=None)
+    p.add_argument("--steps-draft", type=int, default=None)
+    p.add_argument("--target-shape", default=None, help="hidden,layers,heads,intermediate (default 512,8,8,1376)")
+    p.add_argument("--draft-shape", default=None, help="hidden,layers,heads,intermediate (default 256,1,4,688)")
+    p.add_argument("--lr-target", type=float, default=1e-3)
+    p.add_argument("--lr-draft", type=float, default=2e-3)
+    p.add_argument("--batch-size-target", type=int, default=8)
+    p.add_argument("--batch-size-draft", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--ce-weight", type=float, default=0.1)
+    p.add_argument("--final-eval-windows", type=int, default=256)
+    p.add_argument("--install-dir", type=Path, default=DEFAULT_INSTALL_DIR,
+                   help=f"copy final models to INSTALL_DIR/{{target,draft}} (default {DEFAULT_INSTALL_DIR})")
+    p.add_argument("--no-install", dest="install_dir", action="store_const", const=None)
+    _add_train_args(p, lr=1e-3, batch_size=8)
+    p.set_defaults(func=cmd_pair)
+    for action in p._actions:  # pair manages run dirs, budgets, lr and batch size per model itself
+        if action.dest in ("run_dir", "steps", "minutes", "lr", "batch_size", "shape", "resume", "cache_dir"):
+            action.required = False
+            action.help = argparse.SUPPRESS
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m opttree.train.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
