@@ -1,0 +1,134 @@
+"""Command line: `opttree demo | generate | train | bench | calibrate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import config as defaults
+from .policies import available
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def add_decoding_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that decodes (kebab-case versions of SpecConfig's fields)."""
+    parser.add_argument("--target", help="target model directory (default: the shipped pair)")
+    parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="weights and activations; float32 is the exactness reference (default: bfloat16)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_tree_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree", default="opt", help=f"tree policy: {', '.join(available())} (default: opt)")
+    parser.add_argument("--budget", default=str(defaults.DEFAULT_BUDGET),
+                        help=f"draft nodes per step, or 'auto' for the calibrated value (default: {defaults.DEFAULT_BUDGET})")
+    parser.add_argument("--delta", type=float, default=defaults.DEFAULT_DELTA)
+    parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH)
+
+
+def load_pair(args):
+    """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
+    from transformers import AutoTokenizer
+
+    from .demo import demo_paths, load_model
+
+    dtype = DTYPES[args.dtype]
+    if args.target is None:
+        target_path, draft_path = demo_paths()
+        draft_path = args.draft or draft_path
+    else:
+        target_path, draft_path = args.target, args.draft
+    target = load_model(target_path, dtype)
+    draft = load_model(draft_path, dtype) if draft_path else None
+    return target, draft, AutoTokenizer.from_pretrained(target_path)
+
+
+def resolve_budget(args, target, draft) -> tuple[int, float]:
+    """--budget N, or 'auto': the budget and delta recommended by `opttree calibrate` for this pair."""
+    if args.budget != "auto":
+        try:
+            return int(args.budget), args.delta
+        except ValueError:
+            raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {args.budget!r}") from None
+    from .bench.calibrate import auto_settings
+
+    return auto_settings(target, draft)
+
+
+def cmd_generate(args) -> int:
+    from .engine import stream
+
+    target, draft, tokenizer = load_pair(args)
+    budget, delta = resolve_budget(args, target, draft)
+    prompt_ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    run = stream(
+        target, prompt_ids, draft, tokenizer=tokenizer, stop=args.stop, tree=args.tree, budget=budget, delta=delta,
+        max_depth=args.max_depth, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+    )
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+    for chunk in run:
+        if not args.json:
+            print(tokenizer.decode(chunk), end="", flush=True)
+    new = run.sequences[0, prompt_ids.shape[1]:]
+    s = run.stats
+    if args.json:
+        print(json.dumps({
+            "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
+            "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
+            "time_s": s.time_s, "tree": args.tree, "budget": budget, "delta": delta, "stats": s.to_dict(),
+        }))
+    else:
+        print(f"\n\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "
+              f"{s.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the shipped pair: OPT-Tree vs plain decoding on a few code prompts")
+    add_decoding_args(demo)
+    add_tree_args(demo)
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(func=lambda a: __import__("opttree.demo", fromlist=["run_demo"]).run_demo(a))
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding")
+    add_decoding_args(gen)
+    add_tree_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(func=cmd_generate)
+
+    for module in ("opttree.train.cli", "opttree.bench.cli"):
+        try:
+            __import__(module, fromlist=["register"]).register(sub)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, NotImplementedError, FileNotFoundError) as err:
+        print(f"opttree: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
