@@ -80,3 +80,50 @@ class ScriptedDrafter:
 
     def accept(self, slots):
         pass
+
+
+def exact_joint(target, prompt: torch.Tensor, steps: int, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """Enumerate the target's exact distribution of its first `steps` sampled tokens, with
+    transformers' own warpers (an independent reference for temperature / top-k / top-p)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    joint = {(): 1.0}
+    for _ in range(steps):
+        grown = {}
+        for seq, p in joint.items():
+            ids = torch.cat([prompt[0], torch.tensor(seq, dtype=torch.long)])[None]
+            with torch.inference_mode():
+                logits = target(input_ids=ids).logits[:, -1].float()
+            probs = warpers(ids, logits).softmax(-1)[0]
+            for token, q in enumerate(probs.tolist()):
+                if q > 0:
+                    grown[seq + (token,)] = p * q
+        joint = grown
+    return joint
+
+
+def chi_square_pvalue(counts: dict, expected_probs: dict, runs: int) -> float:
+    """Pearson chi-square p-value, cells with expected count < 5 merged into one."""
+    from scipy.stats import chisquare
+
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    assert set(counts) <= set(expected_probs), f"impossible outcomes sampled: {set(counts) - set(expected_probs)}"
+    for cell, p in expected_probs.items():
+        if p * runs >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(p * runs)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += p * runs
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)

@@ -1,0 +1,88 @@
+"""Cache compaction against recomputation, and acceptance against a brute-force walk."""
+
+import pytest
+import torch
+from helpers import tiny_model
+from test_tree import depths_of, random_parents
+
+from opttree.cache import compact, new_cache
+from opttree.drafters import ModelDrafter
+from opttree.tree import DraftTree, leaf_paths
+from opttree.verify import accept_matching, verify_tree
+
+
+def brute_force_accept(tree, choice):
+    accepted, node = [], -1
+    while True:
+        children = [i for i in range(len(tree)) if int(tree.parents[i]) == node]
+        match = [i for i in children if int(tree.tokens[i]) == int(choice[node + 1])]
+        if not match:
+            return accepted, int(choice[node + 1])
+        node = match[0]
+        accepted.append(node)
+
+
+def random_tree(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    parents = random_parents(n, seed)
+    # distinct tokens among siblings, as top-k candidates are
+    tokens = torch.empty(n, dtype=torch.long)
+    for p in set(parents.tolist()):
+        kids = (parents == p).nonzero().squeeze(1)
+        tokens[kids] = torch.randperm(vocab, generator=g)[: kids.numel()]
+    return DraftTree(tokens, parents, depths_of(parents), torch.zeros(n), torch.arange(n))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_accept_matching_equals_walking_the_tree(seed):
+    tree = random_tree(15, 6, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    # choices biased toward the drafted tokens so that long paths get accepted
+    choice = torch.where(torch.rand(16, generator=g) < 0.7, torch.cat([tree.tokens[:1], tree.tokens]), torch.randint(0, 6, (16,), generator=g))
+    accepted, bonus = accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
+    expected, expected_bonus = brute_force_accept(tree, choice)
+    assert accepted.tolist() == expected and int(bonus) == expected_bonus
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("seed", range(3))
+def test_compacted_cache_gives_the_logits_of_recomputation(arch, seed):
+    model = tiny_model(arch, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 96, (11,), generator=g)
+    tree = random_tree(14, 96, seed)
+    with torch.inference_mode():
+        cache = new_cache()
+        model(input_ids=prompt[None, :-1], past_key_values=cache)
+        verify_tree(model, cache, prompt[-1], tree, prompt.shape[0] - 1)
+        leaf = int(leaf_paths(tree.parents, tree.depths)[-1].max())
+        path = [leaf]
+        while int(tree.parents[path[-1]]) >= 0:
+            path.append(int(tree.parents[path[-1]]))
+        path = torch.tensor(path[::-1])
+        compact(cache, prompt.shape[0] - 1, torch.cat([torch.tensor([0]), path + 1]))
+        committed = torch.cat([prompt, tree.tokens[path]])
+        assert cache.get_seq_length() == committed.shape[0]
+        nxt = torch.tensor([5])
+        pos = torch.tensor([[committed.shape[0]]])
+        got = model(input_ids=nxt[None], position_ids=pos, past_key_values=cache).logits[0, -1]
+        expected = model(input_ids=torch.cat([committed, nxt])[None]).logits[0, -1]
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_cache_after_accept_matches_recomputation():
+    model = tiny_model("llama", seed=5)
+    drafter = ModelDrafter(model)
+    prompt = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        drafter.start(prompt)
+        drafter.root(prompt)
+        first = drafter.expand(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, -1]))  # slots 0-2
+        drafter.expand(torch.tensor([6, 7]), torch.tensor([1, 0]))  # slots 3 (under 4), 4 (under 3)
+        drafter.accept(torch.tensor([1, 3, -1]))  # accepted 4 -> 6 -> (an unexpanded leaf)
+        committed = torch.cat([prompt, torch.tensor([4, 6, 9, 11])])  # + the leaf token and the bonus
+        got = drafter.root(committed)
+        expected = torch.log_softmax(model(input_ids=committed[None]).logits[0, -1], -1)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        causal = torch.log_softmax(model(input_ids=torch.cat([prompt, torch.tensor([4])])[None]).logits[0, -1], -1)
+        torch.testing.assert_close(first[1], causal, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,60 @@
+"""Sampling is lossless: the first tokens follow the target's exact distribution."""
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import chi_square_pvalue, exact_joint, tiny_model
+
+import opttree
+import opttree.engine
+
+VOCAB, STEPS, RUNS = 5, 3, 2500
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=11, init=0.6)
+    draft = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=12, init=0.6)
+    prompt = torch.tensor([[1, 3, 0, 4]])
+    return target, draft, prompt
+
+
+def sample_counts(target, draft, prompt, runs=RUNS, **kw) -> Counter:
+    counts = Counter()
+    for seed in range(runs):
+        out = opttree.generate(target, prompt, draft, max_new_tokens=STEPS, seed=seed, eos_token_id=[], **kw)
+        counts[tuple(out.new_tokens.tolist())] += 1
+    return counts
+
+
+@pytest.mark.parametrize("tree,budget,warp", [
+    ("opt", 4, {}),
+    ("opt", 3, {"top_p": 0.7}),
+    ("opt", 4, {"top_k": 3}),
+    ("chain", 2, {"temperature": 0.7}),
+])
+def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp):
+    target, draft, prompt = pair
+    warp = {"temperature": 1.0, **warp}
+    exact = exact_joint(target, prompt, STEPS, **warp)
+    counts = sample_counts(target, draft, prompt, tree=tree, budget=budget, delta=0.0, max_depth=3, **warp)
+    assert chi_square_pvalue(counts, exact, RUNS) > 1e-3
+
+
+def test_the_check_detects_a_biased_acceptance_rule(pair, monkeypatch):
+    """Test of the test: accepting the draft's first child a little too often is caught."""
+    target, draft, prompt = pair
+    original = opttree.engine.accept_matching
+    coin = torch.Generator().manual_seed(0)
+
+    def biased(tree, choice, paths):
+        if len(tree) and float(torch.rand((), generator=coin)) < 0.15:
+            choice = choice.clone()
+            choice[0] = tree.tokens[0]  # take the top draft token as if the target had sampled it
+        return original(tree, choice, paths)
+
+    monkeypatch.setattr(opttree.engine, "accept_matching", biased)
+    exact = exact_joint(target, prompt, STEPS, temperature=1.0)
+    counts = sample_counts(target, draft, prompt, tree="opt", budget=4, delta=0.0, max_depth=3, temperature=1.0)
+    assert chi_square_pvalue(counts, exact, RUNS) < 1e-3
