@@ -1,6 +1,7 @@
 """opttree: lossless speculative decoding over adaptive draft trees (OPT-Tree) for Hugging Face causal LMs."""
 
 from .config import SpecConfig
+from .demo import demo_models
 from .engine import Generation, GenerationOutput, generate, stream
 from .policies import available as available_policies
 from .policies import register_policy
@@ -9,6 +10,7 @@ from .tree import DraftTree
 
 __all__ = [
     "SpecConfig",
+    "demo_models",
     "Generation",
     "GenerationOutput",
     "GenerationStats",
