@@ -2,9 +2,8 @@
 
 import pytest
 import torch
+from helpers import char_tokenizer as make_char_tokenizer
 from helpers import hf_greedy, tiny_model
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
 import opttree
 
@@ -84,10 +83,7 @@ def _inside_at_first(chunks, token):
 
 @pytest.fixture(scope="module")
 def char_tokenizer():
-    alphabet = [chr(c) for c in range(33, 33 + 96)]
-    tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(alphabet)}, unk_token=alphabet[0]))
-    tok.decoder = decoders.Fuse()  # one character per token, no separators
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    return make_char_tokenizer()
 
 
 def test_stop_string_inside_an_accepted_chunk(pair, char_tokenizer):
