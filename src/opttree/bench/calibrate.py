@@ -1,0 +1,398 @@
+"""Hardware-aware budget (DESIGN.md section 9): `opttree calibrate` and `--budget auto`.
+
+1. Latency curves: target and draft forward time for k = 1..K new tokens after a ~200-token KV
+   cache (a root and k - 1 children, the engine's masked forward), median of repeats.
+2. A short calibration run: every (budget, delta) of a grid on a few prompts, interleaved with
+   plain decoding, recording mean accepted length (MAL), tree size, draft layers and tokens/s.
+3. Estimate, per grid point: tokens/s = new tokens / (steps * step time + prefill), with
+   step time = T_target(nodes + 1) + T_draft(MAL) + layers * T_draft(width) + overhead,
+   where the overhead per step is what plain decoding spends outside its forward.
+4. Recommend the grid point with the best estimate, confirmed by measurement: if its measured
+   tokens/s falls below CONFIRM of the best measured one, the measured best is recommended.
+
+The profile is saved as DIR/profile.json and in the user cache (`profile_path`), keyed by the two
+models' configurations and dtype; `auto_settings(target, draft)` reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import context_window, new_cache, truncate
+from ..drafters import ModelDrafter
+from ..engine import generate
+from ..tree import position_ids, tree_attention_mask
+from ..verify import masked_forward
+from .report import machine_info, now
+
+PROFILE_VERSION = 1
+CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
+DEFAULT_BUDGETS = (2, 4, 8, 12, 16, 24, 32)
+DEFAULT_DELTAS = (0.1, 0.3, 0.6)
+CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
+    "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items, or -1.\"\"\"\n",
+    "import json\nimport os\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
+    "class LRUCache:\n    \"\"\"A least-recently-used cache with a fixed capacity.\"\"\"\n\n    def __init__(self, capacity):\n",
+    "def parse_args(argv=None):\n    import argparse\n\n    parser = argparse.ArgumentParser(description=\"Copy files.\")\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    result = []\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+]
+
+
+# ---- 1. latency curves ---------------------------------------------------------------------------
+
+
+def latency_curve(model, context: torch.Tensor, max_tokens: int, repeats: int = 7) -> list[float]:
+    """Median seconds of one forward over k = 1..max_tokens new tokens after `context` (C,) is cached.
+
+    Returns a list whose entry k - 1 is T(k). The k values are interleaved within each repeat.
+    """
+    if max_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_tokens and repeats must be >= 1, got {max_tokens}, {repeats}")
+    cache = new_cache()
+    with torch.inference_mode():
+        model(input_ids=context[None], position_ids=torch.arange(context.shape[0])[None], past_key_values=cache)
+        forward_seconds(model, cache, context, max_tokens)  # warm-up at the largest size
+        times = [[forward_seconds(model, cache, context, k) for k in range(1, max_tokens + 1)] for _ in range(repeats)]
+    return [statistics.median(column) for column in zip(*times)]
+
+
+def forward_seconds(model, cache, context: torch.Tensor, k: int) -> float:
+    """One masked forward of a root and k - 1 children after the cached context, then drop them."""
+    prefix_len = context.shape[0]
+    parents = torch.full((k - 1,), -1, dtype=torch.long)  # (k-1,) every node a child of the root
+    tokens = context[torch.arange(k) % prefix_len]  # (k,) any in-vocabulary ids
+    allowed = tree_attention_mask(parents, prefix_len)  # (k, P + k)
+    positions = position_ids(torch.ones(k - 1, dtype=torch.long), prefix_len)  # (k,)
+    start = time.perf_counter()
+    masked_forward(model, cache, tokens, positions, allowed)
+    elapsed = time.perf_counter() - start
+    truncate(cache, prefix_len)
+    return elapsed
+
+
+def context_ids(prompt_ids: list[torch.Tensor], length: int) -> torch.Tensor:
+    """(length,) token ids: the calibration prompts concatenated and repeated, a realistic cache."""
+    joined = torch.cat([ids.flatten() for ids in prompt_ids])
+    return joined.repeat(length // joined.shape[0] + 1)[:length]
+
+
+# ---- 2. the calibration run ----------------------------------------------------------------------
+
+
+class CountingDrafter:
+    """A drafter that counts its tree layers (expand calls) and their widths, for the cost model."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.layers = 0
+        self.layer_tokens = 0
+
+    def start(self, input_ids):
+        self.inner.start(input_ids)
+
+    def root(self, committed):
+        return self.inner.root(committed)
+
+    def expand(self, tokens, parent_slots):
+        self.layers += 1
+        self.layer_tokens += tokens.shape[0]
+        return self.inner.expand(tokens, parent_slots)
+
+    def accept(self, slots):
+        self.inner.accept(slots)
+
+
+@dataclass
+class Tally:
+    """Totals of one setting over the calibration prompts."""
+
+    budget: int | None  # None: plain decoding
+    delta: float | None
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0  # draft nodes verified
+    layers: int = 0  # drafter forwards over tree layers
+    layer_tokens: int = 0
+    prefill_s: float = 0.0
+    time_s: float = 0.0
+
+    @property
+    def measured_tps(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+
+def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas, options: dict,
+                    progress: bool = True) -> tuple[Tally, list[Tally]]:
+    """Plain decoding and every (budget, delta) on every prompt, interleaved per prompt (rotated order)."""
+    plain = Tally(None, None)
+    grid = [Tally(b, d) for b in budgets for d in deltas]
+    settings = [plain] + grid
+    generate(target, prompts[0], draft, tree="opt", budget=budgets[0], delta=deltas[0],
+             **{**options, "max_new_tokens": min(16, options["max_new_tokens"])})  # warm-up
+    bar = tqdm(total=len(prompts) * len(settings), desc="calibrate", unit="run", disable=not progress)
+    for i, ids in enumerate(prompts):
+        shift = i % len(settings)
+        for tally in settings[shift:] + settings[:shift]:
+            drafter = CountingDrafter(ModelDrafter(draft))
+            tree = dict(tree="ar") if tally.budget is None else dict(tree="opt", budget=tally.budget, delta=tally.delta)
+            start = time.perf_counter()
+            out = generate(target, ids, drafter, **tree, **options)
+            tally.time_s += time.perf_counter() - start
+            tally.new_tokens += out.stats.new_tokens
+            tally.steps += out.stats.steps
+            tally.drafted += out.stats.drafted_tokens
+            tally.prefill_s += out.stats.prefill_s
+            tally.layers += drafter.layers
+            tally.layer_tokens += drafter.layer_tokens
+            bar.update()
+    bar.close()
+    return plain, grid
+
+
+# ---- 3. the estimate -----------------------------------------------------------------------------
+
+
+def at(curve: list[float], k: float) -> float:
+    """T(k) from a latency curve (entry k - 1), k rounded and clamped to the measured range."""
+    return curve[min(max(round(k), 1), len(curve)) - 1]
+
+
+def overhead_per_step(plain: Tally, t_target: list[float]) -> float:
+    """Seconds per plain-decoding step spent outside the target forward (sampling, caches, Python)."""
+    return max((plain.time_s - plain.prefill_s) / plain.steps - t_target[0], 0.0)
+
+
+def estimated_tps(tally: Tally, t_target: list[float], t_draft: list[float], overhead: float) -> float:
+    """DESIGN.md section 9: tokens / (steps * (T_target(n+1) + T_draft(MAL) + layers*T_draft(width) + overhead) + prefill)."""
+    steps = tally.steps
+    mal = tally.new_tokens / steps
+    layers = tally.layers / steps
+    width = tally.layer_tokens / tally.layers if tally.layers else 1
+    step_s = at(t_target, tally.drafted / steps + 1) + at(t_draft, mal) + layers * at(t_draft, width) + overhead
+    return tally.new_tokens / (steps * step_s + tally.prefill_s)
+
+
+def grid_rows(plain: Tally, grid: list[Tally], t_target: list[float], t_draft: list[float]) -> list[dict]:
+    overhead = overhead_per_step(plain, t_target)
+    rows = []
+    for tally in grid:
+        rows.append({
+            "budget": tally.budget,
+            "delta": tally.delta,
+            "mean_accepted_length": tally.new_tokens / tally.steps,
+            "nodes_per_step": tally.drafted / tally.steps,
+            "draft_layers_per_step": tally.layers / tally.steps,
+            "estimated_tokens_per_second": estimated_tps(tally, t_target, t_draft, overhead),
+            "measured_tokens_per_second": tally.measured_tps,
+            "measured_speedup": tally.measured_tps / plain.measured_tps,
+        })
+    return rows
+
+
+# ---- 4. the recommendation -----------------------------------------------------------------------
+
+
+def recommend(rows: list[dict]) -> dict:
+    """The best estimate, unless measurement disagrees by more than CONFIRM (then the measured best)."""
+    by_estimate = max(rows, key=lambda r: r["estimated_tokens_per_second"])
+    by_measure = max(rows, key=lambda r: r["measured_tokens_per_second"])
+    confirmed = by_estimate["measured_tokens_per_second"] >= CONFIRM * by_measure["measured_tokens_per_second"]
+    chosen = by_estimate if confirmed else by_measure
+    return {
+        "budget": chosen["budget"],
+        "delta": chosen["delta"],
+        "chosen_by": "estimate (confirmed by measurement)" if confirmed else "measurement (the estimate's choice "
+        f"n={by_estimate['budget']}, delta={by_estimate['delta']} measured below {CONFIRM:.0%} of the best)",
+        "estimated_tokens_per_second": chosen["estimated_tokens_per_second"],
+        "measured_tokens_per_second": chosen["measured_tokens_per_second"],
+        "best_measured": {k: by_measure[k] for k in ("budget", "delta", "measured_tokens_per_second")},
+        "fraction_of_best_measured": chosen["measured_tokens_per_second"] / by_measure["measured_tokens_per_second"],
+    }
+
+
+# ---- the whole calibration -----------------------------------------------------------------------
+
+
+def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_BUDGETS, deltas=DEFAULT_DELTAS,
+              max_tokens: int = 64, context: int = 200, repeats: int = 7, max_new_tokens: int = 64,
+              max_depth: int = 8, temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
+              progress: bool = True) -> dict:
+    """Measure, estimate and recommend. Returns the profile (a JSON-able dict). Prompts: ids (1, T)."""
+    if draft is None:
+        raise ValueError("calibrate needs a draft model (--draft)")
+    if not prompts:
+        raise ValueError("calibrate needs at least one prompt")
+    budgets, deltas = sorted(set(budgets)), sorted(set(deltas))
+    if budgets[0] < 1 or budgets[-1] + 1 > max_tokens:
+        raise ValueError(f"calibration budgets must be in [1, max_tokens - 1 = {max_tokens - 1}], got {budgets}; "
+                         "raise --max-tokens or lower --budgets")
+    window = min(w for w in (context_window(target), context_window(draft), 10**9) if w is not None)
+    if context + max_tokens > window:
+        raise ValueError(f"context {context} + max_tokens {max_tokens} exceeds the models' context window {window}")
+    cached = context_ids(prompts, context)
+    t_target = latency_curve(target, cached, max_tokens, repeats)
+    t_draft = latency_curve(draft, cached, max_tokens, repeats)
+    options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
+                   eos_token_id=eos_token_id)
+    plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress)
+    rows = grid_rows(plain, grid, t_target, t_draft)
+    return {
+        "version": PROFILE_VERSION,
+        "key": profile_key(target, draft),
+        "date": now(),
+        "machine": machine_info(),
+        "target": target.config._name_or_path,
+        "draft": draft.config._name_or_path,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats),
+        "latency": {"k": list(range(1, max_tokens + 1)), "target_s": t_target, "draft_s": t_draft},
+        "overhead_per_step_s": overhead_per_step(plain, t_target),
+        "ar_tokens_per_second": plain.measured_tps,
+        "grid": rows,
+        "recommended": recommend(rows),
+    }
+
+
+# ---- the saved profile ---------------------------------------------------------------------------
+
+
+def profile_key(target, draft) -> str:
+    """A stable hash of both models' names, configurations and dtypes."""
+    parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype)}
+             for m in (target, draft)]
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def profile_dir() -> Path:
+    """$OPTTREE_CACHE_DIR, else $XDG_CACHE_HOME/opttree, else ~/.cache/opttree; profiles/ inside."""
+    root = os.environ.get("OPTTREE_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "opttree"
+    return Path(root) / "profiles"
+
+
+def profile_path(target, draft) -> Path:
+    return profile_dir() / f"{profile_key(target, draft)}.json"
+
+
+def save_profile(profile: dict, out_dir: Path | None = None) -> list[Path]:
+    """Write the profile to the user cache (where `auto_settings` looks) and to out_dir/profile.json."""
+    paths = [profile_dir() / f"{profile['key']}.json"]
+    if out_dir is not None:
+        paths.append(Path(out_dir) / "profile.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile, indent=1) + "\n")
+    return paths
+
+
+def load_profile(target, draft) -> dict:
+    if draft is None:
+        raise ValueError("--budget auto needs a draft model: calibration profiles belong to a target/draft pair")
+    path = profile_path(target, draft)
+    if not path.exists():
+        raise ValueError(
+            f"no calibration profile for this target/draft pair ({target.dtype}) at {path}; "
+            "run `opttree calibrate` with the same --target, --draft and --dtype first, or give --budget N"
+        )
+    profile = json.loads(path.read_text())
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"calibration profile {path} has version {profile.get('version')}, expected "
+                         f"{PROFILE_VERSION}; run `opttree calibrate` again")
+    return profile
+
+
+def auto_settings(target, draft) -> tuple[int, float]:
+    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine."""
+    chosen = load_profile(target, draft)["recommended"]
+    return int(chosen["budget"]), float(chosen["delta"])
+
+
+# ---- reports -------------------------------------------------------------------------------------
+
+
+def latency_table(profile: dict) -> str:
+    lat = profile["latency"]
+    lines = ["| k (new tokens) | target ms | draft ms |", "|---:|---:|---:|"]
+    lines += [f"| {k} | {1000 * t:.2f} | {1000 * d:.2f} |" for k, t, d in zip(lat["k"], lat["target_s"], lat["draft_s"])]
+    return "\n".join(lines)
+
+
+def grid_table(profile: dict) -> str:
+    lines = ["| budget | delta | mean accepted length | nodes/step | draft layers/step | estimated tokens/s | "
+             "measured tokens/s | measured speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in profile["grid"]:
+        lines.append(f"| {r['budget']} | {r['delta']:g} | {r['mean_accepted_length']:.2f} | {r['nodes_per_step']:.1f} | "
+                     f"{r['draft_layers_per_step']:.2f} | {r['estimated_tokens_per_second']:.1f} | "
+                     f"{r['measured_tokens_per_second']:.1f} | {r['measured_speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def markdown(profile: dict) -> str:
+    rec, s = profile["recommended"], profile["settings"]
+    best = rec["best_measured"]
+    return "\n".join([
+        "# opttree calibrate",
+        "",
+        f"- date {profile['date']}; machine: {profile['machine']['processor']}, {profile['machine']['cpu_count']} CPUs, "
+        f"{profile['machine']['torch_threads']} torch threads",
+        f"- target `{profile['target']}`, draft `{profile['draft']}`, dtype {profile['dtype']}",
+        f"- calibration run: {s['prompts']} prompts x {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
+        f"max depth {s['max_depth']}; plain decoding {profile['ar_tokens_per_second']:.1f} tokens/s",
+        f"- **recommended: budget {rec['budget']}, delta {rec['delta']:g}** ({rec['chosen_by']}): estimated "
+        f"{rec['estimated_tokens_per_second']:.1f} tokens/s, measured {rec['measured_tokens_per_second']:.1f}; "
+        f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "
+        f"tokens/s ({rec['fraction_of_best_measured']:.0%} of it reached)",
+        "",
+        "## Forward latency after a cached context of " f"{s['context']} tokens (median of {s['repeats']})",
+        "",
+        latency_table(profile),
+        "",
+        "## Calibration grid",
+        "",
+        grid_table(profile),
+        "",
+    ])
+
+
+def plot_latency(profile: dict, path: Path) -> Path:
+    """latency.png: forward time vs new tokens, both models (the OPT-Tree paper's Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lat = profile["latency"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(lat["k"], [1000 * t for t in lat["target_s"]], marker=".", label=f"target ({profile['target']})")
+    ax.plot(lat["k"], [1000 * t for t in lat["draft_s"]], marker=".", label=f"draft ({profile['draft']})")
+    ax.set_xlabel(f"new tokens per forward (after {profile['settings']['context']} cached)")
+    ax.set_ylabel("forward latency (ms, median)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(profile: dict, out_dir: Path) -> dict[str, Path]:
+    """profile.json (also in the user cache), calibration.md, latency.png in out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cached, local = save_profile(profile, out_dir)
+    (out_dir / "calibration.md").write_text(markdown(profile))
+    return {"profile": local, "cached_profile": cached, "markdown": out_dir / "calibration.md",
+            "latency_plot": plot_latency(profile, out_dir / "latency.png")}

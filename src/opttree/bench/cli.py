@@ -1,0 +1,193 @@
+"""`opttree bench` and `opttree calibrate`; the main CLI calls `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
+
+DEFAULT_METHODS = "all"
+DEFAULT_BUDGETS = "4,8,16"
+
+
+def register(subparsers) -> None:
+    from ..cli import add_decoding_args
+
+    bench = subparsers.add_parser("bench", help="speed of opttree's tree policies and transformers' peers, "
+                                  "side by side on your prompts (results.json, tables, plots)")
+    add_decoding_args(bench)
+    bench.add_argument("--prompts", required=True, help="Spec-Bench (.jsonl: turns, category), HumanEval "
+                       "(.jsonl: prompt) or plain text (one prompt per line)")
+    bench.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: ar, tree policies "
+                       "(opt, chain, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every one "
+                       "(default: all). ar always runs: it is the baseline")
+    bench.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated draft-node budgets, each tree "
+                       "policy runs at every one; 'auto' = the calibrated budget and delta (default: 4,8,16)")
+    bench.add_argument("--delta", type=float, default=DEFAULT_DELTA)
+    bench.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
+    bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
+    bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
+    bench.add_argument("--per-category", type=int, help="at most this many prompts of each category")
+    bench.add_argument("--limit", type=int, help="at most this many prompts in all")
+    bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the summary rows as JSON")
+    bench.set_defaults(func=cmd_bench)
+
+    cal = subparsers.add_parser("calibrate", help="measure forward latency and recommend budget and delta "
+                                "for this machine (used by --budget auto)")
+    add_decoding_args(cal)
+    cal.set_defaults(max_new_tokens=64)
+    cal.add_argument("--prompts", help="calibration prompts, any bench format (default: a few built-in code prompts)")
+    cal.add_argument("--limit", type=int, default=6, help="prompts from --prompts (default: 6)")
+    cal.add_argument("--max-tokens", type=int, default=64, help="latency curve up to this many new tokens (default: 64)")
+    cal.add_argument("--context", type=int, default=200, help="cached tokens before the timed forwards (default: 200)")
+    cal.add_argument("--repeats", type=int, default=7, help="timed repeats per point, the median is kept (default: 7)")
+    cal.add_argument("--budgets", help="budget grid (default: 2,4,8,12,16,24,32)")
+    cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.6)")
+    cal.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
+    cal.add_argument("--out", default="calibration", help="output directory (default: calibration)")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    cal.set_defaults(func=cmd_calibrate)
+
+
+# ---- argument parsing ----------------------------------------------------------------------------
+
+
+def parse_list(text: str, kind, flag: str) -> list:
+    """'4,8,16' -> [4, 8, 16]; a clear error naming the flag otherwise."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{flag} is empty")
+    try:
+        return [kind(item) for item in items]
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}, got {text!r}") from None
+
+
+def parse_budgets(text: str, delta: float, target, draft) -> list[tuple[int, float | None]]:
+    """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated delta."""
+    budgets = []
+    for item in parse_list(text, str, "--budgets"):
+        if item == "auto":
+            from .calibrate import auto_settings
+
+            budget, auto_delta = auto_settings(target, draft)
+            budgets.append((budget, auto_delta))
+            continue
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"--budgets entries must be integers >= 1 or 'auto', got {item!r}")
+        budgets.append((int(item), None))
+    if not 0 <= delta < 1:
+        raise ValueError(f"--delta must be in [0, 1), got {delta}")
+    return list(dict.fromkeys(budgets))
+
+
+def method_names(text: str) -> list[str]:
+    from .methods import method_table
+
+    names = parse_list(text, str, "--methods")
+    return list(method_table()) if names == ["all"] else names
+
+
+def as_command(name: str, args) -> str:
+    """The command line that repeats this run, every option spelled out (defaults included)."""
+    words = ["opttree", name]
+    for key, value in vars(args).items():
+        if key in ("command", "func") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        words += [flag] if value is True else [flag, str(value)]
+    return shlex.join(words)
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    from ..cli import load_pair
+    from . import report
+    from .methods import Settings, expand_methods
+    from .prompts import encode, load_prompts
+    from .runner import prepare, run_bench
+
+    categories = parse_list(args.categories, str, "--categories") if args.categories else None
+    prompts = load_prompts(args.prompts, categories, args.limit, args.per_category)
+    names = method_names(args.methods)
+    target, draft, tokenizer = load_pair(args)
+    specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft))
+    settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
+                        eos_token_id=tokenizer.eos_token_id)
+    cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
+    for s in skipped:
+        print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
+    records = run_bench(target, draft, cases, specs, settings, args.repeats, progress=not args.no_progress)
+    results = {
+        "meta": {
+            "command": as_command("bench", args),
+            "date": report.now(),
+            "machine": report.machine_info(),
+            "target": target.config._name_or_path,
+            "draft": None if draft is None else draft.config._name_or_path,
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "prompt_file": str(args.prompts),
+            "prompts": len(cases),
+            "repeats": args.repeats,
+            "settings": vars(settings),
+            "methods": [{"label": s.label, "method": s.name, "budget": s.budget, "delta": s.delta} for s in specs],
+        },
+        "prompts": [{"prompt_id": c.prompt.id, "category": c.prompt.category, "prompt_tokens": c.ids.shape[1]}
+                    for c in cases],
+        "skipped": skipped,
+        "records": records,
+        "summary": report.summarize(records),
+    }
+    paths = report.write(results, Path(args.out))
+    if args.json:
+        print(json.dumps([{k: r[k] for k in report.SUMMARY_KEYS} for r in results["summary"]]))
+    else:
+        overall = [r for r in results["summary"] if r["category"] == report.ALL]
+        print(report.table(overall))
+        print(f"\nwrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from ..cli import load_pair
+    from . import calibrate
+    from .prompts import encode, load_prompts, parse_text
+
+    target, draft, tokenizer = load_pair(args)
+    if args.prompts:
+        prompts = load_prompts(args.prompts, limit=args.limit)
+    else:
+        prompts = parse_text(calibrate.CALIBRATION_PROMPTS, "builtin")
+    budgets = parse_list(args.budgets, int, "--budgets") if args.budgets else calibrate.DEFAULT_BUDGETS
+    deltas = parse_list(args.deltas, float, "--deltas") if args.deltas else calibrate.DEFAULT_DELTAS
+    if any(not 0 <= d < 1 for d in deltas):
+        raise ValueError(f"--deltas must be in [0, 1), got {deltas}")
+    profile = calibrate.run_calibration(
+        target, draft, [encode(tokenizer, p) for p in prompts], budgets=budgets, deltas=deltas,
+        max_tokens=args.max_tokens, context=args.context, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+        max_depth=args.max_depth, temperature=args.temperature, seed=args.seed, eos_token_id=tokenizer.eos_token_id,
+        progress=not args.no_progress,
+    )
+    paths = calibrate.write(profile, Path(args.out))
+    rec = profile["recommended"]
+    if args.json:
+        print(json.dumps(dict(rec, profile=str(paths["cached_profile"]))))
+    else:
+        print(calibrate.grid_table(profile))
+        best = rec["best_measured"]
+        print(f"\nrecommended: --budget {rec['budget']} --delta {rec['delta']:g} ({rec['chosen_by']}); measured "
+              f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
+              f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
+              f"{profile['ar_tokens_per_second']:.1f} tokens/s")
+        print(f"saved {paths['cached_profile']} (used by --budget auto) and {paths['profile']}", file=sys.stderr)
+    return 0

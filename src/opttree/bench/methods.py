@@ -1,0 +1,230 @@
+"""Benchmark methods: a registry of small factories, each returning `run(prompt_ids) -> Run`.
+
+- `ar` and every tree policy of `opttree.policies.available()` run through `opttree.generate`.
+- Peers run through transformers' own `generate`: `hf-assisted` (assisted generation with the same
+  draft, the assistant's default schedule), `hf-assisted-heuristic` (schedule 'heuristic'),
+  `hf-lookup` (prompt lookup decoding, 10 tokens) and `hf-ar` (transformers' plain decoding).
+
+Every method is timed the same way: wall time around the one generate call, prefill included,
+tokenization outside. Steps of the HF peers are counted with a forward pre-hook on the target.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, SpecConfig
+from ..engine import generate
+from ..policies import available, make_policy
+
+HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of hf-lookup
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every method of one benchmark shares."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own
+    max_depth: int = DEFAULT_MAX_DEPTH
+    eos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One column of the benchmark: a method name, with a budget (and delta) for tree policies."""
+
+    name: str
+    budget: int | None = None
+    delta: float | None = None  # None: Settings.delta
+
+    @property
+    def label(self) -> str:
+        if self.budget is None:
+            return self.name
+        return f"{self.name}@{self.budget}" + (f"/d{self.delta:g}" if self.delta is not None else "")
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    token_ids: list[int]  # new tokens only
+    steps: int | None  # target forwards after which tokens were emitted; None if not observable
+    accepted_histogram: list[int] | None  # [a] = steps that accepted a draft tokens (bonus excluded)
+    time_s: float  # wall time of the generate call, prefill included
+
+
+RunFn = Callable[[torch.Tensor], Run]  # prompt ids (1, T) -> Run
+Factory = Callable[[object, object, Settings, MethodSpec], RunFn]  # (target, draft, settings, spec)
+
+
+@dataclass(frozen=True)
+class Method:
+    make: Factory
+    budgeted: bool  # runs once per --budgets value
+    needs_draft: bool
+    about: str
+
+
+# ---- opttree -------------------------------------------------------------------------------------
+
+
+def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
+    options = dict(
+        tree=spec.name, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
+        eos_token_id=settings.eos_token_id,
+        delta=settings.delta if spec.delta is None else spec.delta,
+    )
+    if spec.budget is not None:
+        options["budget"] = spec.budget
+
+    def run(prompt_ids: torch.Tensor) -> Run:
+        start = time.perf_counter()
+        out = generate(target, prompt_ids, draft, **options)
+        elapsed = time.perf_counter() - start
+        return Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed)
+
+    return run
+
+
+# ---- transformers peers --------------------------------------------------------------------------
+
+
+def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int | None = None) -> Factory:
+    """A factory for `target.generate(...)`, with the draft as assistant and/or prompt lookup."""
+
+    def make(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
+        kwargs = hf_sampling_kwargs(settings)
+        if assistant:
+            kwargs["assistant_model"] = draft
+        if lookup is not None:
+            kwargs["prompt_lookup_num_tokens"] = lookup
+
+        def run(prompt_ids: torch.Tensor) -> Run:
+            prompt_len = prompt_ids.shape[1]
+            with count_forwards(target) as cache_lens, assistant_schedule(draft if assistant else None, schedule):
+                torch.manual_seed(settings.seed)
+                start = time.perf_counter()
+                out = target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **kwargs)
+                elapsed = time.perf_counter() - start
+            emitted = emitted_per_step(cache_lens, prompt_len, out.shape[1])
+            histogram = None if emitted is None else accepted_histogram([e - 1 for e in emitted])
+            return Run(out[0, prompt_len:].tolist(), len(cache_lens) or None, histogram, elapsed)
+
+        return run
+
+    return make
+
+
+def hf_sampling_kwargs(settings: Settings) -> dict:
+    """transformers' generate arguments for the same decoding rule (top_k=0 is off in both)."""
+    kwargs = dict(max_new_tokens=settings.max_new_tokens, eos_token_id=settings.eos_token_id,
+                  pad_token_id=settings.eos_token_id if settings.eos_token_id is not None else 0)
+    if settings.temperature == 0:
+        return dict(kwargs, do_sample=False)
+    return dict(kwargs, do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+
+
+@contextmanager
+def count_forwards(model) -> Iterator[list[int]]:
+    """Collect the cache length before each forward of `model` (0 when it starts without a cache)."""
+    cache_lens: list[int] = []
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        cache_lens.append(0 if cache is None else cache.get_seq_length())
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield cache_lens
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def assistant_schedule(draft, schedule: str | None) -> Iterator[None]:
+    """Set the assistant's `num_assistant_tokens_schedule` for one call, then restore it."""
+    if draft is None or schedule is None:
+        yield
+        return
+    config = draft.generation_config
+    saved = config.num_assistant_tokens_schedule
+    config.num_assistant_tokens_schedule = schedule
+    try:
+        yield
+    finally:
+        config.num_assistant_tokens_schedule = saved
+
+
+def emitted_per_step(cache_lens: list[int], prompt_len: int, final_len: int) -> list[int] | None:
+    """Tokens emitted by each target forward of a transformers generate call.
+
+    The target's cache before forward i + 1 holds every committed token but the last (the bonus of
+    step i, not yet run), so the committed length after step i is cache_lens[i + 1] + 1. Returns
+    None if the counts are not consistent with that (e.g. another decoding loop).
+    """
+    if not cache_lens:
+        return None
+    committed = [prompt_len] + [length + 1 for length in cache_lens[1:]] + [final_len]
+    emitted = [b - a for a, b in zip(committed, committed[1:])]
+    return emitted if all(e >= 1 for e in emitted) else None
+
+
+def accepted_histogram(accepted: list[int]) -> list[int]:
+    """[a] = how many steps accepted a draft tokens."""
+    histogram = [0] * (max(accepted, default=0) + 1)
+    for a in accepted:
+        histogram[a] += 1
+    return histogram
+
+
+# ---- the registry --------------------------------------------------------------------------------
+
+PEERS: dict[str, Method] = {
+    "hf-assisted": Method(hf_method(assistant=True), False, True,
+                          "transformers assisted generation with the same draft, default schedule"),
+    "hf-assisted-heuristic": Method(hf_method(assistant=True, schedule="heuristic"), False, True,
+                                    "transformers assisted generation, num_assistant_tokens_schedule='heuristic'"),
+    "hf-lookup": Method(hf_method(lookup=HF_LOOKUP_TOKENS), False, False,
+                        f"transformers prompt lookup decoding, prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}"),
+    "hf-ar": Method(hf_method(), False, False, "transformers plain decoding (target.generate)"),
+}
+
+
+def method_table() -> dict[str, Method]:
+    """Every method the benchmark can run: the tree policies registered now, and the peers."""
+    table = {}
+    for name in available():
+        needs_draft = make_policy(SpecConfig(tree=name)).needs_drafter
+        about = "plain autoregressive decoding (opttree engine)" if name == "ar" else f"opttree tree policy {name!r}"
+        table[name] = Method(tree_method, name != "ar", needs_draft, about)
+    return table | PEERS
+
+
+def expand_methods(names: list[str], budgets: list[tuple[int, float | None]]) -> list[MethodSpec]:
+    """Method names -> specs: budgeted methods once per (budget, delta); `ar` first, always (the baseline)."""
+    table = method_table()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; available: {', '.join(table)} (or 'all')")
+    if not budgets and any(table[n].budgeted for n in names):
+        raise ValueError("tree policies need at least one budget (--budgets)")
+    ordered = ["ar"] + [n for n in dict.fromkeys(names) if n != "ar"]
+    specs = []
+    for name in ordered:
+        if table[name].budgeted:
+            specs += [MethodSpec(name, budget, delta) for budget, delta in budgets]
+        else:
+            specs.append(MethodSpec(name))
+    return specs

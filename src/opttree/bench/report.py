@@ -1,0 +1,242 @@
+"""From raw records to results.json, markdown tables and PNG plots.
+
+Aggregates, per method label and category ("all" = every prompt):
+- mean accepted length = total new tokens / total steps (bonus included; AR scores 1.0)
+- tokens/s = total new tokens / total wall time (prefill included)
+- speedup = tokens/s / ar's tokens/s over the same prompts of the same run
+- per-prompt speedup (min / median / max): each prompt's tokens/s over ar's on that prompt
+- mismatches = runs whose tokens differ from ar's (temperature 0 only; None when not checked)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ALL = "all"
+SUMMARY_KEYS = ("method", "budget", "category", "prompts", "mean_accepted_length", "tokens_per_second", "speedup",
+                "mismatches")
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Summary rows, `all` first, then each category in order of appearance; methods in run order."""
+    categories = [ALL] + list(dict.fromkeys(r["category"] for r in records))
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    rows = []
+    for category in categories:
+        chosen = [r for r in records if category == ALL or r["category"] == category]
+        per_label = {label: [r for r in chosen if r["label"] == label] for label in labels}
+        baseline = per_label["ar"]
+        for label in labels:
+            rows.append(summary_row(per_label[label], baseline, category))
+    return rows
+
+
+def summary_row(runs: list[dict], baseline: list[dict], category: str) -> dict:
+    first = runs[0]
+    tokens = sum(r["new_tokens"] for r in runs)
+    seconds = sum(r["time_s"] for r in runs)
+    steps = [r["steps"] for r in runs]
+    speed, base_speed = rate(runs), rate(baseline)
+    per_prompt = per_prompt_speedups(runs, baseline)
+    checked = [r["mismatch"] for r in runs if r["mismatch"] is not None]
+    return {
+        "method": first["method"],
+        "budget": first["budget"],
+        "category": category,
+        "prompts": len({r["prompt_id"] for r in runs}),
+        "mean_accepted_length": tokens / sum(steps) if None not in steps and sum(steps) else None,
+        "tokens_per_second": speed,
+        "speedup": speed / base_speed if base_speed else None,
+        "mismatches": sum(checked) if checked else None,
+        "label": first["label"],
+        "delta": first["delta"],
+        "runs": len(runs),
+        "new_tokens": tokens,
+        "time_s": seconds,
+        "accepted_histogram": merge_histograms([r["accepted_histogram"] for r in runs]),
+        "speedup_min": min(per_prompt) if per_prompt else None,
+        "speedup_median": statistics.median(per_prompt) if per_prompt else None,
+        "speedup_max": max(per_prompt) if per_prompt else None,
+    }
+
+
+def rate(runs: list[dict]) -> float:
+    """Total new tokens / total seconds."""
+    seconds = sum(r["time_s"] for r in runs)
+    return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def per_prompt_speedups(runs: list[dict], baseline: list[dict]) -> list[float]:
+    """For each prompt: its tokens/s (over repeats) / ar's tokens/s on the same prompt."""
+    out = []
+    for prompt_id in dict.fromkeys(r["prompt_id"] for r in runs):
+        mine = rate([r for r in runs if r["prompt_id"] == prompt_id])
+        base = rate([r for r in baseline if r["prompt_id"] == prompt_id])
+        if base > 0:
+            out.append(mine / base)
+    return out
+
+
+def merge_histograms(histograms: list[list[int] | None]) -> list[int] | None:
+    if any(h is None for h in histograms):
+        return None
+    merged = [0] * max((len(h) for h in histograms), default=0)
+    for h in histograms:
+        for a, count in enumerate(h):
+            merged[a] += count
+    return merged
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- markdown ------------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(results: dict) -> str:
+    """A header (models, settings, machine) and one table per category."""
+    meta = results["meta"]
+    lines = [
+        "# opttree bench",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}; machine: {meta['machine']['processor']}, {meta['machine']['cpu_count']} CPUs, "
+        f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
+        f"transformers {meta['machine']['transformers']}",
+        f"- target: `{meta['target']}`; draft: `{meta['draft']}`; dtype {meta['dtype']}",
+        f"- prompts: {meta['prompts']} from `{meta['prompt_file']}` ({len(results['skipped'])} skipped as too long); "
+        f"max new tokens {meta['settings']['max_new_tokens']}; temperature {meta['settings']['temperature']}; "
+        f"repeats {meta['repeats']}",
+        "- mean accepted length = new tokens / target steps, bonus token included (plain decoding: 1.00); "
+        "speedup = tokens/s over `ar`'s in this run (prefill included); per-prompt speedup: min / median / max",
+    ]
+    mismatched = sum(r["mismatches"] or 0 for r in results["summary"] if r["category"] == ALL)
+    if meta["settings"]["temperature"] == 0:
+        lines.append(f"- outputs differing from `ar` (temperature 0): **{mismatched}** runs"
+                     + (" (exactness is guaranteed in float32; other dtypes round tree forwards differently)"
+                        if mismatched and meta["dtype"] != "float32" else ""))
+    else:
+        lines.append("- temperature > 0: outputs are samples, not compared with `ar`")
+    for category in dict.fromkeys(r["category"] for r in results["summary"]):
+        lines += ["", f"## {category}", "", table([r for r in results["summary"] if r["category"] == category])]
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| method | budget | prompts | mean accepted length | tokens/s | speedup | per-prompt speedup "
+           "(min / median / max) | mismatches |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        budget = "" if r["budget"] is None else str(r["budget"]) + ("" if r["delta"] is None else f" (δ {r['delta']:g})")
+        spread = " / ".join(fmt(r[k], ".2f") for k in ("speedup_min", "speedup_median", "speedup_max"))
+        out.append(f"| {r['method']} | {budget} | {r['prompts']} | {fmt(r['mean_accepted_length'], '.2f')} | "
+                   f"{fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {spread} | "
+                   f"{fmt(r['mismatches'], 'd')} |")
+    return "\n".join(out)
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+
+
+def plot(results: dict, out_dir: Path) -> list[Path]:
+    """mal_vs_budget.png, speedup_vs_budget.png, accepted_histogram.png (category 'all')."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["summary"] if r["category"] == ALL]
+    paths = []
+    for key, ylabel, name in (("mean_accepted_length", "mean accepted length (tokens / step)", "mal_vs_budget.png"),
+                              ("speedup", "speedup over ar (tokens/s ratio)", "speedup_vs_budget.png")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        series = budget_series(rows, key)
+        for name_, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name_)
+        flat = [r for r in rows if r["budget"] is None and r[key] is not None]  # ar and the peers: one value
+        for i, r in enumerate(flat, start=len(series)):
+            ax.axhline(r[key], linestyle="--", linewidth=1, color=f"C{i % 10}", label=r["label"])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (draft nodes per step)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        paths.append(save(plt, fig, out_dir / name))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in rows:
+        hist = r["accepted_histogram"]
+        if hist and r["method"] != "ar":
+            total = sum(hist)
+            ax.plot(range(len(hist)), [c / total for c in hist], marker=".", label=r["label"])
+    ax.set_xlabel("accepted draft tokens per step (bonus excluded)")
+    ax.set_ylabel("fraction of steps")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    paths.append(save(plt, fig, out_dir / "accepted_histogram.png"))
+    return paths
+
+
+def budget_series(rows: list[dict], key: str) -> dict[str, list[tuple[int, float]]]:
+    """{policy (and delta) -> [(budget, value)] sorted by budget} for the budgeted methods."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["budget"] is not None and r[key] is not None:
+            name = r["method"] + ("" if r["delta"] is None else f" (δ {r['delta']:g})")
+            series.setdefault(name, []).append((r["budget"], r[key]))
+    return {name: sorted(points) for name, points in series.items()}
+
+
+def save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def write(results: dict, out_dir: Path) -> dict[str, Path]:
+    """results.json, results.md and the plots in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1) + "\n")
+    paths["markdown"].write_text(markdown(results))
+    for path in plot(results, out_dir):
+        paths[path.stem] = path
+    return paths

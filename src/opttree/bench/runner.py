@@ -1,0 +1,117 @@
+"""Run methods over prompts, interleaved, and record every run.
+
+For each repeat and prompt, every method runs once, in an order rotated from prompt to prompt, so
+machine drift and order effects fall on all methods alike. One short warm-up per method comes first.
+At temperature 0 every run's tokens are compared with `ar`'s on the same prompt and repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import context_window
+from .methods import MethodSpec, Run, RunFn, Settings, method_table
+from .prompts import Prompt
+
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """A prompt ready to run: its ids (1, T)."""
+
+    prompt: Prompt
+    ids: torch.Tensor
+
+
+def prepare(prompts: list[Prompt], encode: Callable[[Prompt], torch.Tensor], target, max_new_tokens: int,
+            ) -> tuple[list[Case], list[dict]]:
+    """Tokenize prompts; set aside those whose prompt + max_new_tokens exceeds the target's context."""
+    window = context_window(target)
+    cases, skipped = [], []
+    for prompt in prompts:
+        ids = encode(prompt)
+        if window is not None and ids.shape[1] + max_new_tokens > window:
+            skipped.append({"prompt_id": prompt.id, "category": prompt.category, "prompt_tokens": ids.shape[1],
+                            "reason": f"prompt + max_new_tokens = {ids.shape[1] + max_new_tokens} > context {window}"})
+        else:
+            cases.append(Case(prompt, ids))
+    return cases, skipped
+
+
+def build_runners(target, draft, specs: list[MethodSpec], settings: Settings) -> dict[str, RunFn]:
+    table = method_table()
+    missing = [s.name for s in specs if table[s.name].needs_draft and draft is None]
+    if missing:
+        raise ValueError(f"method(s) {sorted(set(missing))} need a draft model (--draft)")
+    return {s.label: table[s.name].make(target, draft, settings, s) for s in specs}
+
+
+def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int = 1,
+              progress: bool = True) -> list[dict]:
+    """Every method on every case, `repeats` times, interleaved. Returns the raw records."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not cases:
+        raise ValueError("no prompts to run (all filtered out or too long for the target's context)")
+    assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
+    runners = build_runners(target, draft, specs, settings)
+    warm_up(target, draft, specs, settings, cases[0].ids)
+    records = []
+    bar = tqdm(total=repeats * len(cases) * len(specs), desc="bench", unit="run", disable=not progress)
+    for repeat in range(repeats):
+        for i, case in enumerate(cases):
+            shift = (i + repeat) % len(specs)
+            runs = {}
+            for spec in specs[shift:] + specs[:shift]:
+                bar.set_postfix_str(f"{case.prompt.id} {spec.label}", refresh=False)
+                runs[spec.label] = runners[spec.label](case.ids)
+                bar.update()
+            reference = runs[specs[0].label].token_ids if settings.temperature == 0 else None
+            records += [record(case, spec, repeat, runs[spec.label], reference) for spec in specs]
+    bar.close()
+    return records
+
+
+def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> None:
+    """One short untimed run per method (allocations, lazy inits, caches of the kernels)."""
+    short = Settings(**{**asdict(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
+    for runner in build_runners(target, draft, specs, short).values():
+        runner(ids)
+
+
+def record(case: Case, spec: MethodSpec, repeat: int, run: Run, reference: list[int] | None) -> dict:
+    """One raw figure of results.json."""
+    n = len(run.token_ids)
+    diff = None if reference is None else first_difference(run.token_ids, reference)
+    return {
+        "prompt_id": case.prompt.id,
+        "category": case.prompt.category,
+        "method": spec.name,
+        "budget": spec.budget,
+        "delta": spec.delta,
+        "label": spec.label,
+        "repeat": repeat,
+        "prompt_tokens": case.ids.shape[1],
+        "new_tokens": n,
+        "steps": run.steps,
+        "mean_accepted_length": n / run.steps if run.steps else None,
+        "accepted_histogram": run.accepted_histogram,
+        "time_s": run.time_s,
+        "tokens_per_second": n / run.time_s if run.time_s > 0 else None,
+        "mismatch": None if reference is None else diff is not None,  # None: not checked (temperature > 0)
+        "first_mismatch": diff,  # index of the first new token that differs from ar's
+        "token_ids": run.token_ids,
+    }
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first position where the two sequences differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))

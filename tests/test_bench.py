@@ -1,0 +1,330 @@
+"""Benchmark harness and calibration on tiny models: prompt formats, results schema, mismatch check,
+profile round trip, and the `bench` / `calibrate` commands end to end."""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from opttree.bench import calibrate as cal
+from opttree.bench import methods as bench_methods
+from opttree.bench import report
+from opttree.bench.cli import parse_budgets
+from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per_step, expand_methods
+from opttree.bench.prompts import Prompt, encode, load_prompts
+from opttree.bench.runner import first_difference, prepare, run_bench
+from opttree.cli import main
+
+VOCAB = 96
+
+
+def split_char_tokenizer():
+    """One token per character (ids 3..), so prompts are several tokens long; 0 pad, 1 bos, 2 eos."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {ch: i + 3 for i, ch in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def near_draft(seed: int = 1, noise: float = 0.1):
+    """The target of that seed with a perturbed output head: a draft that often, not always, agrees."""
+    draft = tiny_model("llama", seed=seed)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        draft.lm_head.weight += noise * torch.randn(draft.lm_head.weight.shape, generator=generator)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model("llama", seed=1), near_draft()
+
+
+@pytest.fixture(scope="module")
+def cases(pair):
+    tok = split_char_tokenizer()
+    prompts = [Prompt("p1", "code", "def f(x):"), Prompt("p2", "code", "abcabc"), Prompt("q1", "prose", "Hello")]
+    ready, skipped = prepare(prompts, lambda p: encode(tok, p), pair[0], max_new_tokens=12)
+    assert not skipped
+    return ready
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def test_prompt_formats(tmp_path):
+    spec = tmp_path / "spec.jsonl"
+    spec.write_text(
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}) + "\n\n"
+        + json.dumps({"question_id": 82, "category": "math", "turns": ["2+2?"]}) + "\n"
+        + json.dumps({"question_id": 83, "category": "writing", "turns": ["Write a song."]}) + "\n"
+    )
+    assert load_prompts(spec) == [Prompt("81", "writing", "Write a poem.", chat=True),
+                                  Prompt("82", "math", "2+2?", chat=True), Prompt("83", "writing", "Write a song.", chat=True)]
+    assert [p.id for p in load_prompts(spec, categories=["writing"])] == ["81", "83"]
+    assert [p.id for p in load_prompts(spec, per_category=1)] == ["81", "82"]
+    assert [p.id for p in load_prompts(spec, limit=2)] == ["81", "82"]
+
+    humaneval = tmp_path / "humaneval.jsonl"
+    humaneval.write_text(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "test": "..."}) + "\n")
+    assert load_prompts(humaneval) == [Prompt("HumanEval/0", "humaneval", "def f():\n", chat=False)]
+
+    text = tmp_path / "mine.txt"
+    text.write_text("first prompt\n\n  \nsecond prompt\n")
+    assert load_prompts(text) == [Prompt("mine:1", "mine", "first prompt"), Prompt("mine:4", "mine", "second prompt")]
+
+
+def test_prompt_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        load_prompts(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .*'turns'.*'prompt'"):
+        load_prompts(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not a JSON object"):
+        load_prompts(bad)
+    good = tmp_path / "ok.jsonl"
+    good.write_text(json.dumps({"category": "qa", "turns": ["?"]}) + "\n")
+    with pytest.raises(ValueError, match=r"unknown categories \['math'\]; the prompt file has: qa"):
+        load_prompts(good, categories=["math"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(empty)
+
+
+def test_chat_turns_use_the_chat_template_when_there_is_one():
+    tok = split_char_tokenizer()
+    plain = encode(tok, Prompt("1", "qa", "Hi", chat=True))
+    assert tok.decode(plain[0]) == "Hi"
+    tok.chat_template = "{% for m in messages %}U:{{ m['content'] }}{% endfor %}A:"
+    assert tok.decode(encode(tok, Prompt("1", "qa", "Hi", chat=True))[0]) == "U:HiA:"
+    assert tok.decode(encode(tok, Prompt("1", "code", "Hi", chat=False))[0]) == "Hi"  # continued as is
+
+
+# ---- methods and records -------------------------------------------------------------------------
+
+
+def test_method_expansion_and_errors():
+    specs = expand_methods(["opt", "hf-lookup", "chain"], [(4, None), (8, 0.3)])
+    assert [s.label for s in specs] == ["ar", "opt@4", "opt@8/d0.3", "hf-lookup", "chain@4", "chain@8/d0.3"]
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['eagle9'\]; available: .*opt.*hf-assisted"):
+        expand_methods(["eagle9"], [(4, None)])
+    with pytest.raises(ValueError, match="need at least one budget"):
+        expand_methods(["opt"], [])
+    for bad in ("4,x", "0", "4,-2", ""):
+        with pytest.raises(ValueError, match="--budgets"):
+            parse_budgets(bad, 0.2, None, None)
+
+
+def test_hf_steps_from_cache_lengths():
+    # prompt 12 tokens; forwards saw caches 0, 12, 14, 15; final length 18: emitted 1, 2, 1, 2 (bonus included)
+    assert emitted_per_step([0, 12, 14, 15], 12, 18) == [1, 2, 1, 2]
+    assert emitted_per_step([0, 12, 12], 12, 14) is None  # inconsistent: no step can emit nothing
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def check_summary_schema(summary, labels, categories):
+    for row in summary:
+        assert set(report.SUMMARY_KEYS) <= set(row)
+    assert [r["category"] for r in summary] == [c for c in ["all"] + categories for _ in labels]
+    assert [r["label"] for r in summary] == labels * (len(categories) + 1)
+
+
+def test_results_schema_and_exactness(pair, cases, tmp_path):
+    target, draft = pair
+    names = ["opt", "chain", "hf-assisted", "hf-lookup", "hf-ar"]
+    specs = expand_methods(names, [(2, None), (4, None)])
+    settings = Settings(max_new_tokens=12, eos_token_id=2)
+    records = run_bench(target, draft, cases, specs, settings, repeats=2, progress=False)
+    labels = [s.label for s in specs]
+    assert len(records) == 2 * len(cases) * len(specs)
+    for r in records:
+        assert r["new_tokens"] == len(r["token_ids"]) and r["time_s"] > 0 and r["steps"] >= 1
+        assert sum(r["accepted_histogram"]) == r["steps"]
+        assert r["mismatch"] is False and r["first_mismatch"] is None  # float32, temperature 0: exact
+    summary = report.summarize(records)
+    check_summary_schema(summary, labels, ["code", "prose"])
+    by_label = {r["label"]: r for r in summary if r["category"] == "all"}
+    assert by_label["ar"]["speedup"] == pytest.approx(1.0) and by_label["ar"]["mean_accepted_length"] == 1.0
+    assert by_label["hf-ar"]["mean_accepted_length"] == 1.0
+    assert by_label["opt@4"]["mean_accepted_length"] > 1.3
+    assert by_label["opt@4"]["prompts"] == 3 and by_label["opt@4"]["mismatches"] == 0
+    ar_rate = report.rate([r for r in records if r["label"] == "ar"])
+    assert by_label["opt@2"]["speedup"] == pytest.approx(by_label["opt@2"]["tokens_per_second"] / ar_rate)
+
+    results = {"meta": meta(), "prompts": [], "skipped": [], "records": records, "summary": summary}
+    paths = report.write(results, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["summary"] == json.loads(json.dumps(summary))
+    text = paths["markdown"].read_text()
+    assert "## all" in text and "## code" in text and "## prose" in text and "| opt | 4 | 3 |" in text
+    for name in ("mal_vs_budget", "speedup_vs_budget", "accepted_histogram"):
+        assert paths[name].read_bytes()[:4] == b"\x89PNG"
+
+
+def meta(temperature=0.0):
+    return {"command": "opttree bench ...", "date": report.now(), "machine": report.machine_info(), "target": "t",
+            "draft": "d", "dtype": "float32", "prompt_file": "p", "prompts": 3, "repeats": 1,
+            "settings": {"max_new_tokens": 12, "temperature": temperature}}
+
+
+def corrupting_method(target, draft, settings, spec):
+    """Plain decoding whose third new token is replaced: a wrong method the harness must catch."""
+    ar = bench_methods.tree_method(target, draft, settings, MethodSpec("ar"))
+
+    def run(prompt_ids):
+        out = ar(prompt_ids)
+        tokens = list(out.token_ids)
+        tokens[2] = (tokens[2] + 1) % VOCAB
+        return Run(tokens, out.steps, out.accepted_histogram, out.time_s)
+
+    return run
+
+
+def test_a_wrong_method_is_reported_as_a_mismatch(pair, cases, monkeypatch):
+    monkeypatch.setitem(bench_methods.PEERS, "corrupt", Method(corrupting_method, False, False, "test only"))
+    specs = expand_methods(["opt", "corrupt"], [(4, None)])
+    records = run_bench(*pair, cases, specs, Settings(max_new_tokens=12, eos_token_id=None), progress=False)
+    wrong = [r for r in records if r["method"] == "corrupt"]
+    assert [r["mismatch"] for r in wrong] == [True] * len(cases)
+    assert [r["first_mismatch"] for r in wrong] == [2] * len(cases)
+    summary = report.summarize(records)
+    rows = {(r["label"], r["category"]): r["mismatches"] for r in summary}
+    assert rows[("corrupt", "all")] == 3 and rows[("corrupt", "code")] == 2 and rows[("opt@4", "all")] == 0
+    text = report.markdown({"meta": meta(), "skipped": [], "summary": summary})
+    assert "outputs differing from `ar` (temperature 0): **3** runs" in text
+
+
+def test_sampling_runs_are_not_compared(pair, cases):
+    specs = expand_methods(["opt"], [(4, None)])
+    records = run_bench(*pair, cases[:1], specs, Settings(max_new_tokens=8, temperature=0.8, eos_token_id=None),
+                        progress=False)
+    assert all(r["mismatch"] is None for r in records)
+    assert all(r["mismatches"] is None for r in report.summarize(records))
+
+
+def test_prompts_too_long_for_the_context_are_skipped(pair):
+    tok = split_char_tokenizer()
+    small = tiny_model("llama", seed=1, max_positions=16)
+    ready, skipped = prepare([Prompt("a", "x", "short"), Prompt("b", "x", "far too long a prompt")],
+                             lambda p: encode(tok, p), small, max_new_tokens=8)
+    assert [c.prompt.id for c in ready] == ["a"] and skipped[0]["prompt_id"] == "b"
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+
+
+def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft = pair
+    with pytest.raises(ValueError, match="run `opttree calibrate`"):
+        cal.auto_settings(target, draft)
+    profile = cal.run_calibration(target, draft, [c.ids for c in cases[:2]], budgets=[1, 3], deltas=[0.2, 0.5],
+                            max_tokens=5, context=20, repeats=2, max_new_tokens=8, progress=False)
+    assert len(profile["latency"]["target_s"]) == 5 and min(profile["latency"]["draft_s"]) > 0
+    assert len(profile["grid"]) == 4
+    rec = profile["recommended"]
+    assert (rec["budget"], rec["delta"]) in {(r["budget"], r["delta"]) for r in profile["grid"]}
+    assert rec["fraction_of_best_measured"] >= cal.CONFIRM
+    paths = cal.write(profile, tmp_path / "out")
+    assert paths["cached_profile"] == cal.profile_path(target, draft)
+    assert json.loads(paths["profile"].read_text())["recommended"] == json.loads(json.dumps(rec))
+    assert paths["latency_plot"].read_bytes()[:4] == b"\x89PNG"
+    assert "recommended: budget" in paths["markdown"].read_text()
+    assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
+    other = tiny_model("llama", seed=1, layers=1, hidden=32)
+    with pytest.raises(ValueError, match="no calibration profile"):
+        cal.auto_settings(target, other)  # another pair: its own profile
+
+
+def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():
+    rows = [{"budget": 4, "delta": 0.2, "estimated_tokens_per_second": 100.0, "measured_tokens_per_second": 50.0},
+            {"budget": 8, "delta": 0.2, "estimated_tokens_per_second": 90.0, "measured_tokens_per_second": 80.0}]
+    rec = cal.recommend(rows)
+    assert rec["budget"] == 8 and rec["chosen_by"].startswith("measurement")
+    rows[0]["measured_tokens_per_second"] = 78.0
+    rec = cal.recommend(rows)
+    assert rec["budget"] == 4 and rec["chosen_by"].startswith("estimate")
+    assert rec["fraction_of_best_measured"] == pytest.approx(78 / 80)
+
+
+# ---- the commands --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = split_char_tokenizer()
+    for name, model in {"target": tiny_model("llama", seed=1), "draft": near_draft()}.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": text}) + "\n"
+                               for i, text in enumerate(["def f(x):", "for i in range(3):"])))
+    return root / "target", root / "draft", prompts
+
+
+def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft, prompts = model_dirs
+    pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    out = tmp_path / "bench"
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt,hf-assisted,hf-lookup", "--budgets", "2,4",
+               "--max-new-tokens", "10", "--out", str(out), "--no-progress", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["method"], r["budget"]) for r in rows if r["category"] == "all"] == [
+        ("ar", None), ("opt", 2), ("opt", 4), ("hf-assisted", None), ("hf-lookup", None)]
+    assert all(r["mismatches"] == 0 for r in rows)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"meta", "prompts", "skipped", "records", "summary"}
+    assert len(results["records"]) == 2 * 5 and results["meta"]["command"].startswith("opttree bench --target")
+
+    rc = main(["calibrate", *pair, "--prompts", str(prompts), "--max-tokens", "5", "--context", "16", "--repeats", "2",
+               "--budgets", "1,2", "--deltas", "0.2", "--max-new-tokens", "6", "--out", str(tmp_path / "cal"),
+               "--no-progress", "--json"])
+    assert rc == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "cal" / "profile.json").exists()
+
+    rc = main(["generate", *pair, "--prompt", "def g(", "--budget", "auto", "--max-new-tokens", "6", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["budget"] == rec["budget"]
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt", "--budgets", "auto", "--limit", "1",
+               "--max-new-tokens", "6", "--out", str(out), "--no-progress", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["budget"] for r in rows if r["method"] == "opt"] == [rec["budget"]] * 2  # "all" and the category
+
+
+def test_bench_errors_are_clear(model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    target, draft, prompts = model_dirs
+    common = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--no-progress",
+              "--out", str(tmp_path / "o")]
+    assert main([*common, "--methods", "opt,warp-drive"]) == 2
+    assert "unknown method(s) ['warp-drive']; available: ar" in capsys.readouterr().err
+    assert main([*common, "--budgets", "auto"]) == 2
+    assert "run `opttree calibrate`" in capsys.readouterr().err
+    assert main([*common, "--prompts", str(tmp_path / "nope.jsonl")]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    assert main(["bench", "--target", str(target), "--prompts", str(prompts), "--methods", "opt", "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "need a draft model" in capsys.readouterr().err
+
+
+def test_list_of_methods_includes_every_policy():
+    from opttree.policies import available
+
+    names = list(bench_methods.method_table())
+    assert set(available()) <= set(names)
+    assert {"hf-assisted", "hf-assisted-heuristic", "hf-lookup"} <= set(names)
+    assert torch.get_num_threads() == 1  # conftest: tiny models run single-threaded
