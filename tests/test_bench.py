@@ -174,7 +174,7 @@ def test_results_schema_and_exactness(pair, cases, tmp_path):
 def meta(temperature=0.0):
     return {"command": "opttree bench ...", "date": report.now(), "machine": report.machine_info(), "target": "t",
             "draft": "d", "dtype": "float32", "prompt_file": "p", "prompts": 3, "repeats": 1,
-            "settings": {"max_new_tokens": 12, "temperature": temperature}}
+            "settings": vars(Settings(max_new_tokens=12, temperature=temperature))}
 
 
 def corrupting_method(target, draft, settings, spec):

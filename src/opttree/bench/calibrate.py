@@ -5,8 +5,9 @@
 2. A short calibration run: every (budget, delta) of a grid on a few prompts, interleaved with
    plain decoding, recording mean accepted length (MAL), tree size, draft layers and tokens/s.
 3. Estimate, per grid point: tokens/s = new tokens / (steps * step time + prefill), with
-   step time = T_target(nodes + 1) + T_draft(MAL) + layers * T_draft(width) + overhead,
-   where the overhead per step is what plain decoding spends outside its forward.
+   step time = T_target(nodes + 1) + T_draft(MAL) + layers * T_draft(width) + overhead.
+   The forwards come from the latency curves; the overhead (sampling, tree building, caches,
+   Python) is one constant per step, fitted as the median over the grid of measured minus modelled.
 4. Recommend the grid point with the best estimate, confirmed by measurement: if its measured
    tokens/s falls below CONFIRM of the best measured one, the measured best is recommended.
 
@@ -32,6 +33,7 @@ from ..drafters import ModelDrafter
 from ..engine import generate
 from ..tree import position_ids, tree_attention_mask
 from ..verify import masked_forward
+from .methods import seconds_since
 from .report import machine_info, now
 
 PROFILE_VERSION = 1
@@ -59,6 +61,7 @@ def latency_curve(model, context: torch.Tensor, max_tokens: int, repeats: int = 
     if max_tokens < 1 or repeats < 1:
         raise ValueError(f"max_tokens and repeats must be >= 1, got {max_tokens}, {repeats}")
     cache = new_cache()
+    context = context.to(model.device)
     with torch.inference_mode():
         model(input_ids=context[None], position_ids=torch.arange(context.shape[0])[None], past_key_values=cache)
         forward_seconds(model, cache, context, max_tokens)  # warm-up at the largest size
@@ -68,14 +71,14 @@ def latency_curve(model, context: torch.Tensor, max_tokens: int, repeats: int = 
 
 def forward_seconds(model, cache, context: torch.Tensor, k: int) -> float:
     """One masked forward of a root and k - 1 children after the cached context, then drop them."""
-    prefix_len = context.shape[0]
-    parents = torch.full((k - 1,), -1, dtype=torch.long)  # (k-1,) every node a child of the root
-    tokens = context[torch.arange(k) % prefix_len]  # (k,) any in-vocabulary ids
+    prefix_len, device = context.shape[0], context.device
+    parents = torch.full((k - 1,), -1, dtype=torch.long, device=device)  # (k-1,) every node a child of the root
+    tokens = context[torch.arange(k, device=device) % prefix_len]  # (k,) any in-vocabulary ids
     allowed = tree_attention_mask(parents, prefix_len)  # (k, P + k)
-    positions = position_ids(torch.ones(k - 1, dtype=torch.long), prefix_len)  # (k,)
+    positions = position_ids(torch.ones_like(parents), prefix_len)  # (k,)
     start = time.perf_counter()
     masked_forward(model, cache, tokens, positions, allowed)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_since(start, model)
     truncate(cache, prefix_len)
     return elapsed
 
@@ -147,7 +150,7 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
             tree = dict(tree="ar") if tally.budget is None else dict(tree="opt", budget=tally.budget, delta=tally.delta)
             start = time.perf_counter()
             out = generate(target, ids, drafter, **tree, **options)
-            tally.time_s += time.perf_counter() - start
+            tally.time_s += seconds_since(start, target)
             tally.new_tokens += out.stats.new_tokens
             tally.steps += out.stats.steps
             tally.drafted += out.stats.drafted_tokens
@@ -167,23 +170,28 @@ def at(curve: list[float], k: float) -> float:
     return curve[min(max(round(k), 1), len(curve)) - 1]
 
 
-def overhead_per_step(plain: Tally, t_target: list[float]) -> float:
-    """Seconds per plain-decoding step spent outside the target forward (sampling, caches, Python)."""
-    return max((plain.time_s - plain.prefill_s) / plain.steps - t_target[0], 0.0)
+def forward_seconds_per_step(tally: Tally, t_target: list[float], t_draft: list[float]) -> float:
+    """Modelled forward time of one step: T_target(nodes + 1) + T_draft(MAL) + layers * T_draft(width)."""
+    steps = tally.steps
+    width = tally.layer_tokens / tally.layers if tally.layers else 1
+    return (at(t_target, tally.drafted / steps + 1) + at(t_draft, tally.new_tokens / steps)
+            + tally.layers / steps * at(t_draft, width))
+
+
+def fitted_overhead(grid: list[Tally], t_target: list[float], t_draft: list[float]) -> float:
+    """Seconds per step outside the forwards: median over the grid of measured minus modelled, >= 0."""
+    gaps = [(t.time_s - t.prefill_s) / t.steps - forward_seconds_per_step(t, t_target, t_draft) for t in grid]
+    return max(statistics.median(gaps), 0.0)
 
 
 def estimated_tps(tally: Tally, t_target: list[float], t_draft: list[float], overhead: float) -> float:
-    """DESIGN.md section 9: tokens / (steps * (T_target(n+1) + T_draft(MAL) + layers*T_draft(width) + overhead) + prefill)."""
-    steps = tally.steps
-    mal = tally.new_tokens / steps
-    layers = tally.layers / steps
-    width = tally.layer_tokens / tally.layers if tally.layers else 1
-    step_s = at(t_target, tally.drafted / steps + 1) + at(t_draft, mal) + layers * at(t_draft, width) + overhead
-    return tally.new_tokens / (steps * step_s + tally.prefill_s)
+    """DESIGN.md section 9: new tokens / (steps * (modelled forwards + overhead) + prefill)."""
+    step_s = forward_seconds_per_step(tally, t_target, t_draft) + overhead
+    return tally.new_tokens / (tally.steps * step_s + tally.prefill_s)
 
 
-def grid_rows(plain: Tally, grid: list[Tally], t_target: list[float], t_draft: list[float]) -> list[dict]:
-    overhead = overhead_per_step(plain, t_target)
+def grid_rows(plain: Tally, grid: list[Tally], t_target: list[float], t_draft: list[float], overhead: float
+              ) -> list[dict]:
     rows = []
     for tally in grid:
         rows.append({
@@ -245,7 +253,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
                    eos_token_id=eos_token_id)
     plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress)
-    rows = grid_rows(plain, grid, t_target, t_draft)
+    overhead = fitted_overhead(grid, t_target, t_draft)
+    rows = grid_rows(plain, grid, t_target, t_draft, overhead)
     return {
         "version": PROFILE_VERSION,
         "key": profile_key(target, draft),
@@ -256,7 +265,7 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "dtype": str(target.dtype).removeprefix("torch."),
         "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats),
         "latency": {"k": list(range(1, max_tokens + 1)), "target_s": t_target, "draft_s": t_draft},
-        "overhead_per_step_s": overhead_per_step(plain, t_target),
+        "overhead_per_step_s": overhead,
         "ar_tokens_per_second": plain.measured_tps,
         "grid": rows,
         "recommended": recommend(rows),
@@ -354,6 +363,7 @@ def markdown(profile: dict) -> str:
         f"{rec['estimated_tokens_per_second']:.1f} tokens/s, measured {rec['measured_tokens_per_second']:.1f}; "
         f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "
         f"tokens/s ({rec['fraction_of_best_measured']:.0%} of it reached)",
+        *([no_gain_note(profile)] if no_gain_note(profile) else []),
         "",
         "## Forward latency after a cached context of " f"{s['context']} tokens (median of {s['repeats']})",
         "",
@@ -364,6 +374,15 @@ def markdown(profile: dict) -> str:
         grid_table(profile),
         "",
     ])
+
+
+def no_gain_note(profile: dict) -> str:
+    """A warning when no calibrated setting beat plain decoding (empty string otherwise)."""
+    best = profile["recommended"]["best_measured"]["measured_tokens_per_second"]
+    if best >= profile["ar_tokens_per_second"]:
+        return ""
+    return (f"- **no budget beat plain decoding** ({best:.1f} vs {profile['ar_tokens_per_second']:.1f} tokens/s): "
+            "on this machine the draft does not pay for itself; use --tree ar, or a cheaper or better-aligned draft")
 
 
 def plot_latency(profile: dict, path: Path) -> Path:

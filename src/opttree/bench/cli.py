@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -89,10 +88,14 @@ def parse_budgets(text: str, delta: float, target, draft) -> list[tuple[int, flo
 
 
 def method_names(text: str) -> list[str]:
-    from .methods import method_table
+    """--methods -> names, checked against the registry ('all' = every method)."""
+    from .methods import check_names, method_table
 
     names = parse_list(text, str, "--methods")
-    return list(method_table()) if names == ["all"] else names
+    if names == ["all"]:
+        return list(method_table())
+    check_names(names)
+    return names
 
 
 def as_command(name: str, args) -> str:
@@ -153,7 +156,7 @@ def cmd_bench(args) -> int:
         print(json.dumps([{k: r[k] for k in report.SUMMARY_KEYS} for r in results["summary"]]))
     else:
         overall = [r for r in results["summary"] if r["category"] == report.ALL]
-        print(report.table(overall))
+        print(report.table(overall, settings.delta))
         print(f"\nwrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
 
@@ -189,5 +192,7 @@ def cmd_calibrate(args) -> int:
               f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
               f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
               f"{profile['ar_tokens_per_second']:.1f} tokens/s")
+        if calibrate.no_gain_note(profile):
+            print(calibrate.no_gain_note(profile).removeprefix("- "))
         print(f"saved {paths['cached_profile']} (used by --budget auto) and {paths['profile']}", file=sys.stderr)
     return 0

@@ -140,7 +140,8 @@ def markdown(results: dict) -> str:
         f"- target: `{meta['target']}`; draft: `{meta['draft']}`; dtype {meta['dtype']}",
         f"- prompts: {meta['prompts']} from `{meta['prompt_file']}` ({len(results['skipped'])} skipped as too long); "
         f"max new tokens {meta['settings']['max_new_tokens']}; temperature {meta['settings']['temperature']}; "
-        f"repeats {meta['repeats']}",
+        f"repeats {meta['repeats']}; tree policies: delta {meta['settings']['delta']:g} (unless shown), "
+        f"max depth {meta['settings']['max_depth']}",
         "- mean accepted length = new tokens / target steps, bonus token included (plain decoding: 1.00); "
         "speedup = tokens/s over `ar`'s in this run (prefill included); per-prompt speedup: min / median / max",
     ]
@@ -152,16 +153,20 @@ def markdown(results: dict) -> str:
     else:
         lines.append("- temperature > 0: outputs are samples, not compared with `ar`")
     for category in dict.fromkeys(r["category"] for r in results["summary"]):
-        lines += ["", f"## {category}", "", table([r for r in results["summary"] if r["category"] == category])]
+        rows = [r for r in results["summary"] if r["category"] == category]
+        lines += ["", f"## {category}", "", table(rows, meta["settings"]["delta"])]
     return "\n".join(lines) + "\n"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], default_delta: float | None = None) -> str:
+    """Markdown rows; a budget shows its delta when it is not `default_delta`."""
     out = ["| method | budget | prompts | mean accepted length | tokens/s | speedup | per-prompt speedup "
            "(min / median / max) | mismatches |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        budget = "" if r["budget"] is None else str(r["budget"]) + ("" if r["delta"] is None else f" (δ {r['delta']:g})")
+        budget = "" if r["budget"] is None else str(r["budget"])
+        if r["delta"] is not None and r["delta"] != default_delta:
+            budget += f" (δ {r['delta']:g})"
         spread = " / ".join(fmt(r[k], ".2f") for k in ("speedup_min", "speedup_median", "speedup_max"))
         out.append(f"| {r['method']} | {budget} | {r['prompts']} | {fmt(r['mean_accepted_length'], '.2f')} | "
                    f"{fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {spread} | "
@@ -181,42 +186,61 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
 
     rows = [r for r in results["summary"] if r["category"] == ALL]
     paths = []
-    for key, ylabel, name in (("mean_accepted_length", "mean accepted length (tokens / step)", "mal_vs_budget.png"),
-                              ("speedup", "speedup over ar (tokens/s ratio)", "speedup_vs_budget.png")):
+    for key, ylabel, filename in (("mean_accepted_length", "mean accepted length (tokens / step)", "mal_vs_budget.png"),
+                                  ("speedup", "speedup over ar (tokens/s ratio)", "speedup_vs_budget.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        series = budget_series(rows, key)
-        for name_, points in series.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name_)
+        series = budget_series(rows, key, results["meta"]["settings"]["delta"])
+        for label, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
         flat = [r for r in rows if r["budget"] is None and r[key] is not None]  # ar and the peers: one value
         for i, r in enumerate(flat, start=len(series)):
             ax.axhline(r[key], linestyle="--", linewidth=1, color=f"C{i % 10}", label=r["label"])
-        ax.set_xscale("log", base=2)
+        budgets = sorted({b for points in series.values() for b, _ in points})
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget (draft nodes per step)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        paths.append(save(plt, fig, out_dir / name))
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in rows:
-        hist = r["accepted_histogram"]
-        if hist and r["method"] != "ar":
-            total = sum(hist)
-            ax.plot(range(len(hist)), [c / total for c in hist], marker=".", label=r["label"])
-    ax.set_xlabel("accepted draft tokens per step (bonus excluded)")
-    ax.set_ylabel("fraction of steps")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    paths.append(save(plt, fig, out_dir / "accepted_histogram.png"))
+        paths.append(save(plt, fig, out_dir / filename))
+    paths.append(save(plt, fig_histograms(plt, rows), out_dir / "accepted_histogram.png"))
     return paths
 
 
-def budget_series(rows: list[dict], key: str) -> dict[str, list[tuple[int, float]]]:
-    """{policy (and delta) -> [(budget, value)] sorted by budget} for the budgeted methods."""
+def fig_histograms(plt, rows: list[dict]):
+    """One panel per method (ar excluded), one line per budget: fraction of steps by accepted draft tokens."""
+    from matplotlib.ticker import MaxNLocator
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["accepted_histogram"] and r["method"] != "ar":
+            groups.setdefault(r["method"], []).append(r)
+    cols = min(3, max(len(groups), 1))
+    nrows = max((len(groups) + cols - 1) // cols, 1)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False, sharey=True)
+    for ax, (method, members) in zip(axes.flat, groups.items()):
+        for r in members:
+            hist = r["accepted_histogram"]
+            label = r["label"] if r["budget"] is None else f"n={r['budget']}"
+            ax.plot(range(len(hist)), [c / sum(hist) for c in hist], marker=".", label=label)
+        ax.set_title(method, fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    fig.supxlabel("accepted draft tokens per step (bonus excluded)", fontsize=10)
+    fig.supylabel("fraction of steps", fontsize=10)
+    return fig
+
+
+def budget_series(rows: list[dict], key: str, default_delta: float) -> dict[str, list[tuple[int, float]]]:
+    """{policy (and delta, if not the default) -> [(budget, value)] sorted by budget} for the budgeted methods."""
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if r["budget"] is not None and r[key] is not None:
-            name = r["method"] + ("" if r["delta"] is None else f" (δ {r['delta']:g})")
+            name = r["method"] + ("" if r["delta"] == default_delta else f" (δ {r['delta']:g})")
             series.setdefault(name, []).append((r["budget"], r[key]))
     return {name: sorted(points) for name, points in series.items()}
 

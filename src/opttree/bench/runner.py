@@ -39,7 +39,7 @@ def prepare(prompts: list[Prompt], encode: Callable[[Prompt], torch.Tensor], tar
             skipped.append({"prompt_id": prompt.id, "category": prompt.category, "prompt_tokens": ids.shape[1],
                             "reason": f"prompt + max_new_tokens = {ids.shape[1] + max_new_tokens} > context {window}"})
         else:
-            cases.append(Case(prompt, ids))
+            cases.append(Case(prompt, ids.to(target.device)))
     return cases, skipped
 
 
@@ -72,7 +72,7 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
                 runs[spec.label] = runners[spec.label](case.ids)
                 bar.update()
             reference = runs[specs[0].label].token_ids if settings.temperature == 0 else None
-            records += [record(case, spec, repeat, runs[spec.label], reference) for spec in specs]
+            records += [record(case, spec, settings, repeat, runs[spec.label], reference) for spec in specs]
     bar.close()
     return records
 
@@ -84,7 +84,8 @@ def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: tor
         runner(ids)
 
 
-def record(case: Case, spec: MethodSpec, repeat: int, run: Run, reference: list[int] | None) -> dict:
+def record(case: Case, spec: MethodSpec, settings: Settings, repeat: int, run: Run, reference: list[int] | None
+           ) -> dict:
     """One raw figure of results.json."""
     n = len(run.token_ids)
     diff = None if reference is None else first_difference(run.token_ids, reference)
@@ -93,7 +94,7 @@ def record(case: Case, spec: MethodSpec, repeat: int, run: Run, reference: list[
         "category": case.prompt.category,
         "method": spec.name,
         "budget": spec.budget,
-        "delta": spec.delta,
+        "delta": None if spec.budget is None else settings.delta if spec.delta is None else spec.delta,
         "label": spec.label,
         "repeat": repeat,
         "prompt_tokens": case.ids.shape[1],
