@@ -132,19 +132,7 @@ def cmd_bench(args) -> int:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
     records = run_bench(target, draft, cases, specs, settings, args.repeats, progress=not args.no_progress)
     results = {
-        "meta": {
-            "command": as_command("bench", args),
-            "date": report.now(),
-            "machine": report.machine_info(),
-            "target": target.config._name_or_path,
-            "draft": None if draft is None else draft.config._name_or_path,
-            "dtype": str(target.dtype).removeprefix("torch."),
-            "prompt_file": str(args.prompts),
-            "prompts": len(cases),
-            "repeats": args.repeats,
-            "settings": vars(settings),
-            "methods": [{"label": s.label, "method": s.name, "budget": s.budget, "delta": s.delta} for s in specs],
-        },
+        "meta": bench_meta(args, target, draft, settings, specs, len(cases)),
         "prompts": [{"prompt_id": c.prompt.id, "category": c.prompt.category, "prompt_tokens": c.ids.shape[1]}
                     for c in cases],
         "skipped": skipped,
@@ -159,6 +147,26 @@ def cmd_bench(args) -> int:
         print(report.table(overall, settings.delta))
         print(f"\nwrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
+
+
+def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
+    """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
+    from . import report
+    from .methods import method_table
+
+    return {
+        "command": as_command("bench", args),
+        "date": report.now(),
+        "machine": report.machine_info(),
+        "target": target.config._name_or_path,
+        "draft": None if draft is None else draft.config._name_or_path,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "prompt_file": str(args.prompts),
+        "prompts": prompts,
+        "repeats": args.repeats,
+        "settings": vars(settings),
+        "methods": {name: method_table()[name].about for name in dict.fromkeys(s.name for s in specs)},
+    }
 
 
 def cmd_calibrate(args) -> int:

@@ -152,6 +152,7 @@ def markdown(results: dict) -> str:
                         if mismatched and meta["dtype"] != "float32" else ""))
     else:
         lines.append("- temperature > 0: outputs are samples, not compared with `ar`")
+    lines += ["- methods: " + "; ".join(f"`{name}`: {about}" for name, about in meta.get("methods", {}).items())]
     for category in dict.fromkeys(r["category"] for r in results["summary"]):
         rows = [r for r in results["summary"] if r["category"] == category]
         lines += ["", f"## {category}", "", table(rows, meta["settings"]["delta"])]
