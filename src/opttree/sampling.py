@@ -41,3 +41,20 @@ def choose_tokens(
         return logits.float().argmax(dim=-1)  # fp32 like transformers' greedy search (and 5x faster than bf16)
     probs = target_probs(logits, temperature, top_k, top_p)  # (R, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k successive draws without replacement from each row of exp(logp), in draw order (Gumbel-top-k).
+
+    logp: (R, V) log-probabilities, -inf = impossible. Returns tokens (R, k') and valid (R, k'), k' = min(k, V):
+    valid is False from the draw on which a row's support is exhausted.
+    """
+    u = torch.rand(logp.shape, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)  # (R, V)
+    keys = logp - torch.log(-torch.log(u))  # (R, V) logp + Gumbel noise
+    top = keys.topk(min(k, logp.shape[-1]), dim=-1)
+    return top.indices, torch.isfinite(top.values)
+
+
+def policy_generator(seed: int) -> torch.Generator:
+    """A tree policy's own RNG: reproducible from the generation seed, a different stream from the verifier's."""
+    return torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15) % 2**63)

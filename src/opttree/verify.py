@@ -74,31 +74,40 @@ def accept_rejection_sampling(
     tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
     At each node, for each child x in order: accept with min(1, p(x) / q(x)); on rejection
     p <- norm(max(p - q, 0)), q(x) <- 0, q <- norm(q). If no child is accepted, sample from p.
+    Siblings must be stored in the order they were drawn; whether a node got another child may depend
+    on its earlier children but never on the token drawn for it.
     Returns (accepted node indices (A,), bonus token ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
+    children_of = _children_lists(tree.parents)
+    tokens = tree.tokens.tolist()
     accepted: list[int] = []
     node = -1  # -1 = root
-    children_of = _children_lists(tree.parents)
     while True:
-        p = target_p[node + 1].clone()
-        q = tree.draft_probs[node + 1].clone()
-        next_node = None
-        for child in children_of[node + 1]:
-            x = int(tree.tokens[child])
-            ratio = float(p[x]) / max(float(q[x]), 1e-30)
-            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-                next_node = child
+        p, q = target_p[node + 1], tree.draft_probs[node + 1]  # (V,), (V,)
+        children = children_of[node + 1]
+        coins = torch.rand(len(children), generator=generator).tolist()
+        for child, coin in zip(children, coins):
+            x = tokens[child]
+            if coin * float(q[x]) < float(p[x]):  # accepted with probability min(1, p(x) / q(x))
+                accepted.append(child)
+                node = child
                 break
-            p = (p - q).clamp(min=0)
-            p = p / p.sum() if float(p.sum()) > 0 else target_p[node + 1]
-            q[x] = 0
-            q = q / q.sum() if float(q.sum()) > 0 else q
-        if next_node is None:
+            p, q = _rejected(p, q, x)
+        else:  # every child rejected (or none): the bonus comes from what is left of p
             bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
             return torch.tensor(accepted, dtype=torch.long), bonus
-        accepted.append(next_node)
-        node = next_node
+
+
+def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """After rejecting draft token x: p <- norm(max(p - q, 0)) (the target mass q did not cover),
+    q <- norm(q without x) (the next child is drawn without replacement). (V,), (V,) -> same."""
+    rest = (p - q).clamp(min=0)
+    total = float(rest.sum())
+    if total > 0:  # total = 0 only if p == q up to rounding, where rejection has probability ~0
+        p = rest / total
+    q = q.index_fill(0, torch.tensor(x), 0.0)
+    return p, q / q.sum().clamp(min=torch.finfo(q.dtype).tiny)
 
 
 def _children_lists(parents: torch.Tensor) -> list[list[int]]:
