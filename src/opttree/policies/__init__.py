@@ -59,6 +59,6 @@ def select_best(
     return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
 
 
-from . import ar, chain, opt  # noqa: E402,F401  (register the built-in policies)
+from . import ar, chain, dyspec, eagle2, opt, sequoia, static  # noqa: E402,F401  (register the built-in policies)
 
 __all__ = ["TreePolicy", "register_policy", "available", "make_policy", "select_best"]

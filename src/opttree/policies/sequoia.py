@@ -1,0 +1,186 @@
+"""Sequoia: the optimal static tree for a budget and depth, from a positional acceptance vector.
+
+Positional acceptance (Sequoia, Chen et al. 2024): `acc[k]` is the probability that the (k+1)-th
+child of an accepted node is the one the verifier accepts (so sum(acc) <= 1). A node reached by
+ranks r1, r2, ..., rd is then accepted with probability acc[r1] * ... * acc[rd], and the tree of
+`budget` nodes and depth <= max_depth maximising the sum of those products is found by dynamic
+programming (`optimal_tree`). Children of a node use ranks 0, 1, ..., c - 1.
+
+At temperature 0 a node's children are the draft's top-ranked tokens (acc[k] = how often the
+target's argmax is the draft's (k+1)-th choice), verified by token matching. At temperature > 0
+they are drawn without replacement from the draft's distribution (warped like the target's) and
+verified by recursive rejection sampling (acc[k] = how often the k-th draw is accepted).
+
+The vector is measured on calibration prompts (`measure_acceptance_vector`, run by `opttree
+calibrate`, which saves it with the calibration profile and installs it with
+`set_acceptance_vector`). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of
+0.7 (DESIGN.md section 12 measured 0.74 greedy agreement for a small distilled draft) and a tail
+falling by about half per rank.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ..config import SpecConfig
+from ..drafters import Drafter
+from ..sampling import sample_without_replacement, target_probs
+from ..tree import DraftTree
+from . import register_policy
+from .static import ChildPicker, Path, Shape, grow
+
+DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
+
+_active: dict[bool, tuple[float, ...]] = {}  # greedy (temperature 0) -> installed vector
+
+
+def set_acceptance_vector(acc: Sequence[float] | None, greedy: bool | None = None) -> None:
+    """Install a measured vector for greedy decoding (`greedy=True`), sampling (`False`) or both
+    (`None`); `acc=None` removes it (back to `DEFAULT_ACCEPTANCE`). Policies made afterwards use it."""
+    for key in (True, False) if greedy is None else (greedy,):
+        if acc is None:
+            _active.pop(key, None)
+        else:
+            _active[key] = _check_vector(acc)
+
+
+def acceptance_vector(greedy: bool) -> tuple[float, ...]:
+    """The installed vector for this kind of decoding, else `DEFAULT_ACCEPTANCE`."""
+    return _active.get(greedy, DEFAULT_ACCEPTANCE)
+
+
+def _check_vector(acc: Sequence[float]) -> tuple[float, ...]:
+    acc = tuple(float(a) for a in acc)
+    if not acc or any(not 0 <= a <= 1 for a in acc) or sum(acc) > 1 + 1e-6:
+        raise ValueError(f"an acceptance vector needs entries in [0, 1] summing to at most 1, got {list(acc)}")
+    return acc
+
+
+def optimal_tree(acc: Sequence[float], budget: int, max_depth: int) -> list[Path]:
+    """The rank paths of the tree of at most `budget` nodes and depth <= max_depth that maximises
+    the sum over its nodes of the product of acc[rank] along the node's path. Sorted by depth."""
+    _, paths = _solve(_check_vector(acc), budget, max_depth)
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def tree_value(acc: Sequence[float], paths: Sequence[Sequence[int]]) -> float:
+    """Expected accepted tokens of a tree under the positional model: sum over nodes of prod acc[rank]."""
+    return float(sum(np.prod([acc[r] for r in p]) for p in paths))
+
+
+@lru_cache(maxsize=64)
+def _solve(acc: tuple[float, ...], n: int, depth: int) -> tuple[float, list[Path]]:
+    """Tree knapsack over ranks. best[d, m] = the largest value of the nodes below a node, using
+    at most m of them within d levels; children take ranks 0, 1, ... with subtrees of s_i nodes:
+    g_i(m) = max(0, max_{1 <= s <= m} acc[i] * (1 + best[d-1, s-1]) + g_{i+1}(m - s))."""
+    width = min(len(acc), n)
+    best = np.zeros((depth + 1, n + 1))  # (D+1, n+1)
+    split = np.zeros((depth + 1, width, n + 1), dtype=np.int64)  # nodes given to child i's subtree, 0 = none
+    m = np.arange(n + 1)
+    s = np.arange(1, n + 1)
+    fits = s[None, :] <= m[:, None]  # (n+1, n): child subtree of s nodes fits in m
+    rest = np.where(fits, m[:, None] - s[None, :], 0)  # (n+1, n): nodes left for the later siblings
+    for d in range(1, depth + 1):
+        g = np.zeros(n + 1)  # g_{width}: no more children
+        for i in reversed(range(width)):
+            child = acc[i] * (1 + best[d - 1, s - 1])  # (n,): value of child i with a subtree of s nodes
+            value = np.where(fits, child[None, :] + g[rest], -np.inf)  # (n+1, n)
+            pick = value.argmax(axis=1)  # (n+1,) first best: the smallest subtree on ties
+            take = value[m, pick] > 0  # better than ending the children here
+            split[d, i] = np.where(take, pick + 1, 0)
+            g = np.where(take, value[m, pick], 0.0)
+        best[d] = g
+
+    def subtree(d: int, budget: int, prefix: Path) -> list[Path]:
+        paths: list[Path] = []
+        for i in range(width):
+            size = int(split[d, i, budget]) if d else 0
+            if size == 0:
+                break
+            paths.append(prefix + (i,))
+            paths += subtree(d - 1, size - 1, prefix + (i,))
+            budget -= size
+        return paths
+
+    return float(best[depth, n]), subtree(depth, n, ())
+
+
+@torch.inference_mode()
+def measure_acceptance_vector(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    prompts_ids: Sequence[torch.Tensor],
+    width: int = 8,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    new_tokens: int = 64,
+    seed: int = 0,
+) -> list[float]:
+    """Measure acc[k] = P(the (k+1)-th child is the accepted one) on calibration prompts.
+
+    For each prompt (a (T,) or (1, T) tensor) the target continues it by `new_tokens` tokens
+    (greedy at temperature 0, sampled otherwise); one forward of each model over prompt +
+    continuation gives the target's p and the draft's q at every continuation position.
+    Temperature 0: the rank of the target's argmax in the draft's order. Otherwise: `width`
+    draws without replacement from q (warped like p), and the exact probability, given the draws,
+    that recursive rejection sampling accepts each one. Averaged over all positions.
+    """
+    from ..engine import generate
+
+    generator = torch.Generator().manual_seed(seed)
+    total = torch.zeros(width, dtype=torch.float64)
+    positions = 0
+    for i, prompt in enumerate(prompts_ids):
+        prompt = torch.as_tensor(prompt).view(-1)
+        out = generate(target, prompt, tree="ar", max_new_tokens=new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed + i)
+        ids = out.sequences  # (1, T + new)
+        start = prompt.shape[0] - 1  # the position that predicts the first new token
+        target_logits = target(input_ids=ids).logits[0, start:-1].float()  # (P, V)
+        draft_logits = draft(input_ids=ids).logits[0, start:-1].float()  # (P, V)
+        total += _accepted_by_rank(target_logits, draft_logits, width, temperature, top_k, top_p, generator)
+        positions += target_logits.shape[0]
+    return (total / max(positions, 1)).tolist()
+
+
+def _accepted_by_rank(target_logits, draft_logits, width, temperature, top_k, top_p, generator) -> torch.Tensor:
+    """(P, V) logits of both models -> (width,) summed probability that child k is the accepted one."""
+    if temperature == 0:
+        choice = target_logits.argmax(dim=-1, keepdim=True)  # (P, 1)
+        rank = (draft_logits > draft_logits.gather(1, choice)).sum(dim=1)  # (P,) draft rank of the target's token
+        return torch.bincount(rank[rank < width], minlength=width)[:width].double()
+    p = target_probs(target_logits, temperature, top_k, top_p).double()  # (P, V)
+    q = target_probs(draft_logits, temperature, top_k, top_p).double()  # (P, V)
+    draws, valid = sample_without_replacement(q.log().float(), width, generator)  # (P, w)
+    rows = torch.arange(p.shape[0])
+    reach = torch.ones(p.shape[0], dtype=torch.float64)  # P(every earlier child rejected)
+    out = torch.zeros(width, dtype=torch.float64)
+    for k in range(draws.shape[1]):
+        x = draws[:, k]
+        accept = torch.where(valid[:, k], (p[rows, x] / q[rows, x].clamp(min=1e-300)).clamp(max=1.0), 0.0)  # (P,)
+        out[k] = (reach * accept).sum()
+        reach = reach * (1 - accept)
+        p = (p - q).clamp(min=0)
+        p = p / p.sum(dim=1, keepdim=True).clamp(min=1e-300)
+        q[rows, x] = 0
+        q = q / q.sum(dim=1, keepdim=True).clamp(min=1e-300)
+    return out
+
+
+@register_policy("sequoia")
+class Sequoia:
+    needs_drafter = True
+
+    def __init__(self, config: SpecConfig):
+        acc = acceptance_vector(greedy=config.temperature == 0)
+        self.shape = Shape.from_paths(optimal_tree(acc, config.budget, config.max_depth))
+        self.picker = ChildPicker(config, sampled=True)  # top-ranked children at temperature 0
+
+    def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
+        return grow(drafter, committed, self.shape.cut(depth_limit), self.picker)
