@@ -1,0 +1,412 @@
+"""The comparison tree policies (static, sequoia, eagle2, dyspec): lossless at temperature 0 and > 0,
+the trees they build, Sequoia's dynamic programme against brute force, and recursive rejection
+sampling against the exact distribution."""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, tiny_model
+
+import opttree
+from opttree.config import SpecConfig
+from opttree.policies import make_policy, sequoia
+from opttree.policies.eagle2 import top_k as eagle2_top_k
+from opttree.policies.static import (DEFAULT_RANK_WEIGHTS, ChildPicker, Shape, kary_paths, ranked_paths,
+                                     register_static_tree)
+from opttree.sampling import sample_without_replacement
+from opttree.tree import ancestor_mask
+from opttree.verify import accept_rejection_sampling
+
+POLICIES = ["static", "static-k2", "sequoia", "eagle2", "dyspec"]
+
+
+# ---------------------------------------------------------------- temperature 0: token identity
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_neox"])
+def pair(request):
+    target = tiny_model(request.param, seed=1, layers=2, hidden=64)
+    draft = tiny_model(request.param, seed=2, layers=1, hidden=32)
+    return target, draft
+
+
+def prompts(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (1, int(torch.randint(1, 20, (1,), generator=g))), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("tree", POLICIES)
+@pytest.mark.parametrize("budget,delta,depth", [(1, 0.2, 8), (5, 0.5, 3), (24, 0.2, 6)])
+def test_greedy_identity(pair, tree, budget, delta, depth):
+    target, draft = pair
+    for prompt in prompts(2, seed=budget):
+        ref = hf_greedy(target, prompt, 24)
+        out = opttree.generate(target, prompt, draft, tree=tree, budget=budget, delta=delta, max_depth=depth,
+                               max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(out.sequences, ref), (tree, budget, prompt)
+
+
+@pytest.mark.parametrize("tree", POLICIES)
+def test_greedy_identity_with_the_target_as_its_own_draft(pair, tree):
+    """Long accepted paths: cache compaction after deep acceptances, the depth limit near the end.
+    The target is sharpened so that value-driven trees (dyspec) grow deep rather than wide."""
+    target = copy.deepcopy(pair[0])
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(5.0)
+    for prompt in prompts(2, seed=7):
+        ref = hf_greedy(target, prompt, 30)
+        out = opttree.generate(target, prompt, target, tree=tree, budget=12, delta=0.2, max_depth=6,
+                               max_new_tokens=30, eos_token_id=[])
+        assert torch.equal(out.sequences, ref)
+        assert out.stats.mean_accepted_length > 2.0
+
+
+# ---------------------------------------------------------------- temperature > 0: the exact distribution
+
+VOCAB, STEPS, RUNS = 5, 3, 2000
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """A draft that resembles the target without matching it (a noisy, flatter copy): drafted nodes
+    are accepted often enough to reach depth 2 and rejected often enough to use the residuals."""
+    target = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=11, init=0.6)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        head = draft.lm_head.weight  # (V, C)
+        head.add_(0.6 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(5)))
+        head.mul_(0.7)
+    return target, draft, torch.tensor([[1, 3, 0, 4]])
+
+
+def sample_counts(target, draft, prompt, runs=RUNS, **kw) -> Counter:
+    counts = Counter()
+    for seed in range(runs):
+        out = opttree.generate(target, prompt, draft, max_new_tokens=STEPS, seed=seed, eos_token_id=[], **kw)
+        counts[tuple(out.new_tokens.tolist())] += 1
+    return counts
+
+
+# (policy, budget, delta, sampling options): dyspec's threshold is delta / budget
+DISTRIBUTION_CASES = [
+    ("static", 4, 0.2, {}),
+    ("eagle2", 4, 0.2, {}),
+    ("sequoia", 4, 0.2, {}),
+    ("sequoia", 6, 0.2, {"top_p": 0.8}),
+    ("dyspec", 4, 0.6, {}),
+    ("dyspec", 5, 0.6, {"top_k": 3, "temperature": 0.8}),
+]
+
+
+@pytest.mark.parametrize("tree,budget,delta,warp", DISTRIBUTION_CASES)
+def test_sampled_tokens_follow_the_target_distribution(small_pair, tree, budget, delta, warp):
+    target, draft, prompt = small_pair
+    warp = {"temperature": 1.0, **warp}
+    exact = exact_joint(target, prompt, STEPS, **warp)
+    counts = sample_counts(target, draft, prompt, tree=tree, budget=budget, delta=delta, max_depth=2, **warp)
+    assert chi_square_pvalue(counts, exact, RUNS) > 1e-3
+
+
+def test_distribution_cases_draw_branching_trees_verified_the_intended_way(small_pair):
+    """The distribution test is only as good as its trees: they branch, go deeper than one layer,
+    and carry draft distributions exactly when their children were sampled."""
+    target, draft, prompt = small_pair
+    for tree, budget, delta, warp in DISTRIBUTION_CASES:
+        warp = {"temperature": 1.0, **warp}
+        configs = [SpecConfig(tree=tree, budget=budget, delta=delta, max_depth=2, seed=s, **warp) for s in range(5)]
+        built = [make_policy(config).build(_drafter(draft, prompt), prompt[0], 2) for config in configs]
+        assert any(t.max_depth == 2 for t in built), tree
+        assert any(bool(torch.bincount(t.parents + 1).max() >= 2) for t in built), tree
+        assert all((t.draft_probs is not None) == (tree in ("sequoia", "dyspec")) for t in built), tree
+
+
+def _drafter(draft, prompt):
+    from opttree.drafters import ModelDrafter
+
+    drafter = ModelDrafter(draft)
+    drafter.start(prompt[0])
+    return drafter
+
+
+def test_the_check_detects_a_top_k_tree_verified_by_rejection_sampling(small_pair, monkeypatch):
+    """Test of the test: Sequoia's tree with its children taken as the draft's top-ranked tokens
+    instead of sampled, still verified with min(1, p/q), is biased (DESIGN.md section 6), and caught."""
+    target, draft, prompt = small_pair
+
+    def top_ranked(self, log_dist, k):
+        tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
+
+    monkeypatch.setattr(ChildPicker, "pick", top_ranked)
+    exact = exact_joint(target, prompt, STEPS, temperature=1.0)
+    counts = sample_counts(target, draft, prompt, tree="sequoia", budget=4, max_depth=2, temperature=1.0)
+    assert chi_square_pvalue(counts, exact, RUNS) < 1e-3
+
+
+def _path_distribution(vocab: int, seed: int, support: int, sharpness: float):
+    """A fixed random distribution per path, with `support` tokens of positive probability."""
+
+    def dist(path: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((seed,) + path) % 2**31)
+        logits = sharpness * torch.randn(vocab, generator=g)
+        logits[torch.randperm(vocab, generator=g)[support:]] = float("-inf")
+        return logits.softmax(-1)
+
+    return dist
+
+
+def rejection_sampling_pvalue(vocab, width, p_support, q_support, runs=6000) -> float:
+    """Verifier alone: two layers of children drawn without replacement from q (`width` per node);
+    chi-square p-value of the first two emitted tokens against the exact p(a) p(b | a)."""
+    target = _path_distribution(vocab, 1, p_support, 1.5)
+    draft = _path_distribution(vocab, 2, q_support, 1.5)
+    g = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(runs):
+        root_kids, ok = sample_without_replacement(draft(()).log()[None], width, g)
+        root_kids = root_kids[0, ok[0]].tolist()
+        tokens, parents, probs, targets = list(root_kids), [-1] * len(root_kids), [draft(())], [target(())]
+        for i, a in enumerate(root_kids):
+            probs.append(draft((a,)))
+            targets.append(target((a,)))
+        for i, a in enumerate(root_kids):
+            kids, ok = sample_without_replacement(draft((a,)).log()[None], width, g)
+            for b in kids[0, ok[0]].tolist():
+                tokens.append(b)
+                parents.append(i)
+                probs.append(torch.zeros(vocab))  # leaves: never read
+                targets.append(target((a, b)))
+        n = len(tokens)
+        tree = opttree.DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.zeros(n, dtype=torch.long),
+                                 torch.zeros(n), torch.arange(n), draft_probs=torch.stack(probs))
+        accepted, bonus = accept_rejection_sampling(tree, torch.stack(targets), g)
+        emitted = [tokens[i] for i in accepted.tolist()] + [int(bonus)]
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(target((emitted[0],)), 1, generator=g)))
+        counts[tuple(emitted[:2])] += 1
+    exact = {(a, b): float(target(())[a] * target((a,))[b]) for a in range(vocab) for b in range(vocab)}
+    exact = {cell: p for cell, p in exact.items() if p > 0}
+    return chi_square_pvalue(counts, exact, runs)
+
+
+@pytest.mark.parametrize("vocab,width,p_support,q_support", [(4, 3, 4, 4), (5, 2, 3, 5), (5, 4, 5, 2)])
+def test_rejection_sampling_emits_the_target_distribution(vocab, width, p_support, q_support):
+    """Including p and q of different supports (as top-k / top-p make them)."""
+    assert rejection_sampling_pvalue(vocab, width, p_support, q_support) > 1e-3
+
+
+def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(monkeypatch):
+    """Test of the test: not removing a rejected token from q (drawing siblings as if with replacement)."""
+    import opttree.verify
+
+    rejected = opttree.verify._rejected
+    monkeypatch.setattr(opttree.verify, "_rejected", lambda p, q, x: (rejected(p, q, x)[0], q))
+    assert rejection_sampling_pvalue(4, 3, 4, 4) < 1e-3
+
+
+# ---------------------------------------------------------------- the trees themselves
+
+
+def path_of(tree, i):
+    path = []
+    while i >= 0:
+        path.append(int(tree.tokens[i]))
+        i = int(tree.parents[i])
+    return tuple(path[::-1])
+
+
+def check_tree(tree, drafter, n, max_depth):
+    """Connected, sorted by depth, within budget and depth, distinct siblings, and scores equal to
+    the draft's path log-probabilities (so every node was run with the right parent slot)."""
+    assert 1 <= len(tree) <= n and tree.max_depth <= max_depth
+    assert bool((tree.parents < torch.arange(len(tree))).all())
+    parent_depth = torch.where(tree.parents >= 0, tree.depths[tree.parents.clamp(min=0)], 0)
+    assert torch.equal(tree.depths, parent_depth + 1)
+    paths = [path_of(tree, i) for i in range(len(tree))]
+    assert len(set(paths)) == len(paths)
+    for i, path in enumerate(paths):
+        logp = sum(float(drafter.logq(path[:d])[path[d]]) for d in range(len(path)))
+        assert float(tree.scores[i]) == pytest.approx(logp, abs=1e-4)
+    assert bool(ancestor_mask(tree.parents).diagonal().all())
+
+
+@pytest.mark.parametrize("tree_name", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n,depth,temperature", [(1, 3, 0.0), (7, 3, 0.0), (30, 5, 0.0), (10, 4, 1.0)])
+def test_trees_are_valid(tree_name, seed, n, depth, temperature):
+    drafter = ScriptedDrafter(6, seed=seed, sharpness=2.0)
+    policy = make_policy(SpecConfig(tree=tree_name, budget=n, delta=0.2, max_depth=depth,
+                                    temperature=temperature, seed=seed))
+    tree = policy.build(drafter, torch.tensor([0]), depth_limit=100)
+    check_tree(tree, drafter, n, depth)
+    sampled = temperature > 0 and tree_name in ("sequoia", "dyspec")
+    assert (tree.draft_probs is not None) == sampled
+    if sampled:  # rows of the nodes that have children are q at that node
+        has_child = set(tree.parents.tolist()) - {-1}
+        assert torch.allclose(tree.draft_probs[0], drafter.logq(()).exp(), atol=1e-6)
+        for i in has_child:
+            assert torch.allclose(tree.draft_probs[i + 1], drafter.logq(path_of(tree, i)).exp(), atol=1e-6)
+    tree = policy.build(drafter, torch.tensor([0]), depth_limit=2)
+    assert tree.max_depth <= 2
+
+
+def test_static_trees_are_their_first_budget_paths():
+    drafter = ScriptedDrafter(5, seed=3)
+    for name, budget, depth in [("static", 9, 4), ("static-k2", 11, 3), ("static-k3", 5, 3)]:
+        tree = make_policy(SpecConfig(tree=name, budget=budget, max_depth=depth)).build(drafter, torch.tensor([0]), 100)
+        ranks = []
+        for i in range(len(tree)):
+            path = path_of(tree, i)
+            ranks.append(tuple(int((drafter.logq(path[:d]) > drafter.logq(path[:d])[path[d]]).sum())
+                               for d in range(len(path))))
+        if name == "static":
+            expected = ranked_paths(DEFAULT_RANK_WEIGHTS, budget, depth)
+        else:
+            expected = kary_paths(int(name[-1]), budget, depth)
+        assert sorted(ranks) == sorted(expected)
+
+
+def test_ranked_and_kary_paths():
+    assert kary_paths(2, 5, 3) == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    assert len(kary_paths(3, 100, 2)) == 12
+    paths = ranked_paths((0.6, 0.3, 0.1), 20, 4)
+    assert len(paths) == 20 and max(len(p) for p in paths) <= 4
+    values = [torch.tensor([(0.6, 0.3, 0.1)[r] for r in p]).prod() for p in paths]
+    assert all(a >= b - 1e-9 for a, b in zip(values, values[1:]))  # best first
+    for i, p in enumerate(paths):  # each path after its parent and its lower-ranked sibling
+        assert len(p) == 1 or p[:-1] in paths[:i]
+        assert p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths[:i]
+
+
+def test_custom_static_tree(pair, monkeypatch):
+    monkeypatch.setattr(opttree.policies, "_REGISTRY", dict(opttree.policies._REGISTRY))  # forget them afterwards
+    target, draft = pair
+    register_static_tree("test-custom", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]])
+    policy = make_policy(SpecConfig(tree="test-custom", budget=5, max_depth=8))
+    assert torch.equal(policy.shape.depths, torch.tensor([1, 1, 2, 2, 2]))  # first 5 paths
+    prompt = prompts(1, seed=3)[0]
+    out = opttree.generate(target, prompt, draft, tree="test-custom", budget=6, max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(out.sequences, hf_greedy(target, prompt, 20))
+    register_static_tree("test-bad-order", [[0], [0, 0, 0], [0, 0]])
+    with pytest.raises(ValueError, match="before its parent"):
+        make_policy(SpecConfig(tree="test-bad-order", budget=3))
+    with pytest.raises(ValueError, match="no parent"):
+        Shape.from_paths([[0], [1, 0]])
+
+
+def test_eagle2_runs_the_top_k_of_each_layer():
+    drafter = ScriptedDrafter(12, seed=4)
+    n, depth = 20, 4
+    k = eagle2_top_k(n)
+    assert k == 5 and eagle2_top_k(60) == 8 and eagle2_top_k(1) == 2 and eagle2_top_k(10**4) == 10
+    tree = make_policy(SpecConfig(tree="eagle2", budget=n, max_depth=depth)).build(drafter, torch.tensor([0]), 100)
+    assert drafter.expand_calls == [k] * (depth - 1)
+    # brute force: k best of each layer expanded, all k * k children are candidates, best n overall
+    layer = sorted(((float(drafter.logq(())[t]), (t,)) for t in range(12)), reverse=True)[:k]
+    candidates = list(layer)
+    for _ in range(depth - 1):
+        expanded = sorted(layer, reverse=True)[:k]
+        layer = []
+        for score, path in expanded:
+            logq = drafter.logq(path)
+            layer += sorted(((score + float(logq[t]), path + (t,)) for t in range(12)), reverse=True)[:k]
+        candidates += layer
+    best = sorted(candidates, key=lambda c: -c[0])[:n]
+    assert sorted(path_of(tree, i) for i in range(len(tree))) == sorted(p for _, p in best)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n,delta", [(12, 0.3), (40, 0.5), (6, 0.0)])
+def test_dyspec_grows_while_values_exceed_the_threshold(seed, n, delta):
+    """Greedy variant: children by rank; a child was offered while v * (1 - mass of its earlier
+    siblings) > threshold; a node stops offering only below the threshold, at max depth or when
+    the budget is spent; one drafter forward per layer."""
+    vocab, depth = 6, 4
+    drafter = ScriptedDrafter(vocab, seed=seed, sharpness=3.0)
+    tree = make_policy(SpecConfig(tree="dyspec", budget=n, delta=delta, max_depth=depth)).build(
+        drafter, torch.tensor([0]), 100)
+    threshold = delta / n
+    check_tree(tree, drafter, n, depth)
+    assert len(drafter.expand_calls) == tree.max_depth - 1  # an expanded node always gets a child
+    paths = {path_of(tree, i) for i in range(len(tree))}
+    for node in [()] + sorted(paths):
+        value = 1.0 if not node else float(torch.tensor([float(drafter.logq(node[:d])[node[d]]) for d in range(len(node))]).sum().exp())
+        q = drafter.logq(node).exp()
+        kids = [p[-1] for p in paths if len(p) == len(node) + 1 and p[:-1] == node]
+        order = q.argsort(descending=True).tolist()
+        assert sorted(kids) == sorted(order[: len(kids)])  # top-ranked
+        taken = float(q[kids].sum()) if kids else 0.0
+        next_offer = value * (1 - taken)
+        offered = [value * (1 - float(q[order[:i]].sum())) for i in range(len(kids))]
+        assert all(o > threshold for o in offered)
+        if len(node) < depth and len(kids) < vocab and next_offer > threshold:
+            assert len(tree) == n  # only the budget stopped it
+
+
+# ---------------------------------------------------------------- Sequoia's dynamic programme
+
+
+def brute_force_best(acc, n, depth):
+    """Every forest of at most n nodes, at most `depth` levels, children on ranks 0, 1, ...: best value."""
+
+    def forests(d, m, r):  # (size, value) of every forest below a node using ranks r, r + 1, ...
+        yield 0, 0.0
+        if d == 0 or m == 0 or r == len(acc):
+            return
+        for sub_size, sub_value in list(forests(d - 1, m - 1, 0)):
+            for rest_size, rest_value in list(forests(d, m - 1 - sub_size, r + 1)):
+                yield 1 + sub_size + rest_size, acc[r] * (1 + sub_value) + rest_value
+
+    return max(value for _, value in forests(depth, n, 0))
+
+
+@pytest.mark.parametrize("acc", [(0.6, 0.2, 0.1), (0.3, 0.5, 0.05), (0.9,), (0.25, 0.25, 0.25, 0.25), (0.05, 0.0, 0.9)])
+@pytest.mark.parametrize("n,depth", [(1, 1), (3, 2), (5, 3), (7, 2), (7, 4), (8, 3)])
+def test_sequoia_tree_is_the_brute_force_optimum(acc, n, depth):
+    paths = sequoia.optimal_tree(acc, n, depth)
+    assert len(paths) <= n and max(len(p) for p in paths) <= depth
+    for p in paths:  # prefix-closed, children on contiguous ranks
+        assert len(p) == 1 or p[:-1] in paths
+        assert p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths
+    assert sequoia.tree_value(acc, paths) == pytest.approx(brute_force_best(acc, n, depth), abs=1e-12)
+
+
+@pytest.mark.parametrize("n,depth", [(4, 3), (16, 5), (64, 12)])
+def test_sequoia_equals_greedy_top_n_for_a_decreasing_vector(n, depth):
+    """With acc non-increasing, the n best paths by product form a valid tree, so they are optimal."""
+    acc = sequoia.DEFAULT_ACCEPTANCE
+    best = sequoia.tree_value(acc, ranked_paths(acc, n, depth))
+    assert sequoia.tree_value(acc, sequoia.optimal_tree(acc, n, depth)) == pytest.approx(best, rel=1e-9)
+
+
+def test_sequoia_uses_the_installed_vector():
+    default = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape
+    try:
+        sequoia.set_acceptance_vector([0.3, 0.3, 0.3], greedy=True)  # wide: the root takes three children
+        wide = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape
+        assert int((wide.parents == -1).sum()) == 3
+        sampled = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6, temperature=1.0)).shape
+        assert torch.equal(sampled.parents, default.parents)  # only the greedy vector was replaced
+    finally:
+        sequoia.set_acceptance_vector(None)
+    assert torch.equal(make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape.parents, default.parents)
+    with pytest.raises(ValueError, match="acceptance vector"):
+        sequoia.set_acceptance_vector([0.8, 0.5])
+
+
+def test_measure_acceptance_vector(small_pair):
+    target, draft, prompt = small_pair
+    prompts_ids = [prompt, torch.tensor([2, 1])]
+    for temperature in (0.0, 1.0):  # the target as its own draft: the first child is always accepted
+        acc = sequoia.measure_acceptance_vector(target, target, prompts_ids, width=3, temperature=temperature,
+                                                new_tokens=8)
+        assert acc == pytest.approx([1.0, 0.0, 0.0], abs=1e-6)
+    for temperature, width in ((0.0, 5), (1.0, 4)):
+        acc = sequoia.measure_acceptance_vector(target, draft, prompts_ids, width=width, temperature=temperature,
+                                                new_tokens=8)
+        assert len(acc) == width and all(a >= 0 for a in acc) and sum(acc) <= 1 + 1e-9
+        if temperature == 0:
+            assert sum(acc) == pytest.approx(1.0)  # with width = vocab, the target's token has some rank
+        assert sequoia.optimal_tree(acc, 8, 4)
