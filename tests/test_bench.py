@@ -212,6 +212,14 @@ def test_sampling_runs_are_not_compared(pair, cases):
     assert all(r["mismatches"] is None for r in report.summarize(records))
 
 
+def test_slow_runs_are_flagged_not_dropped():
+    runs = [{"label": "ar", "prompt_id": str(i), "repeat": 0, "new_tokens": 10, "time_s": 0.1} for i in range(5)]
+    runs[3]["time_s"] = 2.0  # 20x the median: someone else used the machine
+    assert [(r["prompt_id"], round(r["times_median"])) for r in report.slow_runs(runs)] == [("3", 20)]
+    text = report.markdown({"meta": meta(), "skipped": [], "summary": [], "slow_runs": report.slow_runs(runs)})
+    assert "1 runs took over 5x their method's median time per token" in text
+
+
 def test_prompts_too_long_for_the_context_are_skipped(pair):
     tok = split_char_tokenizer()
     small = tiny_model("llama", seed=1, max_positions=16)
@@ -286,7 +294,7 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
         ("ar", None), ("opt", 2), ("opt", 4), ("hf-assisted", None), ("hf-lookup", None)]
     assert all(r["mismatches"] == 0 for r in rows)
     results = json.loads((out / "results.json").read_text())
-    assert set(results) == {"meta", "prompts", "skipped", "records", "summary"}
+    assert set(results) == {"meta", "prompts", "skipped", "records", "summary", "slow_runs"}
     assert len(results["records"]) == 2 * 5 and results["meta"]["command"].startswith("opttree bench --target")
 
     rc = main(["calibrate", *pair, "--prompts", str(prompts), "--max-tokens", "5", "--context", "16", "--repeats", "2",

@@ -138,7 +138,11 @@ def cmd_bench(args) -> int:
         "skipped": skipped,
         "records": records,
         "summary": report.summarize(records),
+        "slow_runs": report.slow_runs(records),
     }
+    for slow in results["slow_runs"]:
+        print(f"warning: {slow['label']} on {slow['prompt_id']} took {slow['times_median']:.0f}x its method's median "
+              "time per token (machine busy?)", file=sys.stderr)
     paths = report.write(results, Path(args.out))
     if args.json:
         print(json.dumps([{k: r[k] for k in report.SUMMARY_KEYS} for r in results["summary"]]))

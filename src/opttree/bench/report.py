@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 ALL = "all"
+SLOW_FACTOR = 5.0  # a run this many times slower per token than its method's median is flagged
 SUMMARY_KEYS = ("method", "budget", "category", "prompts", "mean_accepted_length", "tokens_per_second", "speedup",
                 "mismatches")
 
@@ -94,6 +95,23 @@ def merge_histograms(histograms: list[list[int] | None]) -> list[int] | None:
     return merged
 
 
+def slow_runs(records: list[dict], factor: float = SLOW_FACTOR) -> list[dict]:
+    """Runs whose seconds per new token exceed `factor` x their method's median: a sign of machine
+    contention or a missed warm-up. Reported, never dropped (the totals include them)."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in records):
+        runs = [r for r in records if r["label"] == label and r["new_tokens"]]
+        if not runs:
+            continue
+        typical = statistics.median(r["time_s"] / r["new_tokens"] for r in runs)
+        for r in runs:
+            ratio = r["time_s"] / r["new_tokens"] / typical
+            if ratio > factor:
+                out.append({"label": label, "prompt_id": r["prompt_id"], "repeat": r["repeat"], "time_s": r["time_s"],
+                            "times_median": ratio})
+    return out
+
+
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -152,6 +170,12 @@ def markdown(results: dict) -> str:
                         if mismatched and meta["dtype"] != "float32" else ""))
     else:
         lines.append("- temperature > 0: outputs are samples, not compared with `ar`")
+    slow = results.get("slow_runs", [])
+    if slow:
+        worst = max(slow, key=lambda r: r["times_median"])
+        lines.append(f"- **{len(slow)} runs took over {SLOW_FACTOR:g}x their method's median time per token** (worst: "
+                     f"{worst['label']} on {worst['prompt_id']}, {worst['times_median']:.0f}x); they are included in "
+                     "the figures: was the machine busy? (`slow_runs` in results.json lists them)")
     lines += ["- methods: " + "; ".join(f"`{name}`: {about}" for name, about in meta.get("methods", {}).items())]
     for category in dict.fromkeys(r["category"] for r in results["summary"]):
         rows = [r for r in results["summary"] if r["category"] == category]
