@@ -410,3 +410,17 @@ def test_measure_acceptance_vector(small_pair):
         if temperature == 0:
             assert sum(acc) == pytest.approx(1.0)  # with width = vocab, the target's token has some rank
         assert sequoia.optimal_tree(acc, 8, 4)
+
+
+def test_sequoia_profile_round_trip(small_pair):
+    target, draft, prompt = small_pair
+    entry = sequoia.profile_entry(target, target, [prompt], width=3, new_tokens=6)
+    assert entry == {"greedy": pytest.approx([1.0, 0, 0]), "sampled": pytest.approx([1.0, 0, 0])}
+    try:
+        sequoia.use_profile({sequoia.PROFILE_FIELD: entry})
+        shape = make_policy(SpecConfig(tree="sequoia", budget=5, max_depth=8, temperature=1.0)).shape
+        assert torch.equal(shape.depths, torch.arange(1, 6))  # a perfect draft: one chain
+        sequoia.use_profile({})
+        assert sequoia.acceptance_vector(greedy=False) == sequoia.DEFAULT_ACCEPTANCE
+    finally:
+        sequoia.set_acceptance_vector(None)

@@ -11,11 +11,11 @@ target's argmax is the draft's (k+1)-th choice), verified by token matching. At 
 they are drawn without replacement from the draft's distribution (warped like the target's) and
 verified by recursive rejection sampling (acc[k] = how often the k-th draw is accepted).
 
-The vector is measured on calibration prompts (`measure_acceptance_vector`, run by `opttree
-calibrate`, which saves it with the calibration profile and installs it with
-`set_acceptance_vector`). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of
-0.7 (DESIGN.md section 12 measured 0.74 greedy agreement for a small distilled draft) and a tail
-falling by about half per rank.
+The vector is measured on calibration prompts (`measure_acceptance_vector`; `profile_entry` gives
+the greedy and the sampled one for `opttree calibrate` to save under PROFILE_FIELD of the profile;
+`use_profile(profile)` or `set_acceptance_vector` installs them for the policies made afterwards).
+Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
+measured 0.74 greedy agreement for a small distilled draft) and a tail falling by about half per rank.
 """
 
 from __future__ import annotations
@@ -52,6 +52,26 @@ def set_acceptance_vector(acc: Sequence[float] | None, greedy: bool | None = Non
 def acceptance_vector(greedy: bool) -> tuple[float, ...]:
     """The installed vector for this kind of decoding, else `DEFAULT_ACCEPTANCE`."""
     return _active.get(greedy, DEFAULT_ACCEPTANCE)
+
+
+PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
+
+
+def profile_entry(target: PreTrainedModel, draft: PreTrainedModel, prompts_ids: Sequence[torch.Tensor],
+                  width: int = 8, **options) -> dict[str, list[float]]:
+    """What `opttree calibrate` stores under PROFILE_FIELD: the vector for greedy decoding and the one
+    for sampling (measured at temperature 1, used at any temperature > 0)."""
+    return {
+        "greedy": measure_acceptance_vector(target, draft, prompts_ids, width, temperature=0.0, **options),
+        "sampled": measure_acceptance_vector(target, draft, prompts_ids, width, temperature=1.0, **options),
+    }
+
+
+def use_profile(profile: dict) -> None:
+    """Install the vectors of a loaded calibration profile (or the defaults, if it has none)."""
+    entry = profile.get(PROFILE_FIELD) or {}
+    set_acceptance_vector(entry.get("greedy"), greedy=True)
+    set_acceptance_vector(entry.get("sampled"), greedy=False)
 
 
 def _check_vector(acc: Sequence[float]) -> tuple[float, ...]:

@@ -16,7 +16,7 @@ Your own: `register_static_tree("mine", [[0], [1], [0, 0], ...])`, then `tree="m
 A path list is in priority order: trimming keeps its first `budget` paths (of depth <= max_depth),
 so every path must come after its parent.
 
-`Shape`, `ChildPicker` and `grow` are shared with `sequoia`, whose shapes are static too.
+`Shape` and `grow` are shared with `sequoia` (its shapes are static too), `ChildPicker` also with `dyspec`.
 """
 
 from __future__ import annotations
