@@ -13,10 +13,9 @@ from .cache import check_model, compact, context_window, new_cache
 from .config import SpecConfig
 from .drafters import Drafter, ModelDrafter
 from .policies import TreePolicy, make_policy
-from .sampling import choose_tokens, target_probs
 from .stats import GenerationStats
-from .tree import DraftTree, leaf_paths
-from .verify import accept_matching, accept_rejection_sampling, verify_tree
+from .tree import DraftTree
+from .verify import accept, verify_tree
 
 
 @dataclass
@@ -108,14 +107,8 @@ class Generation:
                 # 2. verify: one target forward over [root] + tree
                 logits = verify_tree(target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
                 t2 = time.perf_counter()
-                # 3. accept: candidates sampled from the draft -> recursive rejection sampling; otherwise
-                #    the target's choice at every node (argmax or a sample), followed from the root
-                if tree.draft_probs is not None:
-                    target_p = target_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # (N+1, V)
-                    accepted, bonus = accept_rejection_sampling(tree, target_p, generator)
-                else:
-                    choice = choose_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)  # (N+1,)
-                    accepted, bonus = accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
+                # 3. accept: the longest branch the target agrees with, plus its bonus token
+                accepted, bonus = accept(tree, logits, cfg, generator)  # (A,), ()
                 # 4. compact both caches to the root + accepted path
                 compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1]))
                 if drafter is not None:

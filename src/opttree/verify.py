@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from .tree import DraftTree, position_ids, tree_attention_mask
+from .config import SpecConfig
+from .sampling import target_probs
+from .tree import DraftTree, leaf_paths, position_ids, tree_attention_mask
 
 
 def masked_forward(
@@ -63,6 +65,40 @@ def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) 
     accepted = paths[best, :length]  # (A,)
     bonus = choice[accepted[-1] + 1] if length else choice[0]
     return accepted, bonus
+
+
+def accept_sampled(
+    tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic verification of deterministic (top-k) candidates: sample y from the target at the
+    current node (root first); descend to the child whose token is y, else y is the bonus.
+
+    Exact: every emitted token is a sample of the target's warped distribution. Samples only along the
+    accepted path (one row per level), never the whole (N + 1, V) block. logits: (N + 1, V).
+    """
+    accepted: list[int] = []
+    node = -1
+    while True:
+        y = torch.multinomial(target_probs(logits[node + 1], temperature, top_k, top_p), 1, generator=generator)
+        child = ((tree.parents == node) & (tree.tokens == y)).nonzero()  # (0 or 1, 1)
+        if child.numel() == 0:
+            return torch.tensor(accepted, dtype=torch.long), y.squeeze(0)
+        node = int(child[0, 0])
+        accepted.append(node)
+
+
+def accept(
+    tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier that is exact for the way the tree's candidates were chosen (DESIGN.md section 6).
+    logits: (N + 1, V) at [root] + nodes. Returns (accepted node indices root->leaf (A,), bonus ())."""
+    if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
+        target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
+        return accept_rejection_sampling(tree, target_p, generator)
+    if config.greedy:
+        choice = logits.float().argmax(dim=-1)  # (N+1,) fp32, like transformers' greedy search
+        return accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
+    return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, generator)
 
 
 def accept_rejection_sampling(
