@@ -248,10 +248,16 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert json.loads(paths["profile"].read_text())["recommended"] == json.loads(json.dumps(rec))
     assert paths["latency_plot"].read_bytes()[:4] == b"\x89PNG"
     assert "recommended: budget" in paths["markdown"].read_text()
+    assert profile["estimate_over_measured"] > 0
     assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
         cal.auto_settings(target, other)  # another pair: its own profile
+
+
+def test_disagreement_between_latency_model_and_measurement_is_reported():
+    assert cal.consistency_note({"estimate_over_measured": 1.2}) == ""
+    assert "run `opttree calibrate` again on an idle machine" in cal.consistency_note({"estimate_over_measured": 0.03})
 
 
 def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():

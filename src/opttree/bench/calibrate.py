@@ -38,6 +38,7 @@ from .report import machine_info, now
 
 PROFILE_VERSION = 1
 CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
+AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
 DEFAULT_BUDGETS = (2, 4, 8, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
@@ -53,20 +54,28 @@ CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --p
 # ---- 1. latency curves ---------------------------------------------------------------------------
 
 
-def latency_curve(model, context: torch.Tensor, max_tokens: int, repeats: int = 7) -> list[float]:
+def latency_curves(models: dict, context: torch.Tensor, max_tokens: int, repeats: int = 7) -> dict[str, list[float]]:
     """Median seconds of one forward over k = 1..max_tokens new tokens after `context` (C,) is cached.
 
-    Returns a list whose entry k - 1 is T(k). The k values are interleaved within each repeat.
+    models: {name: model}. Returns {name: curve}, curve[k - 1] = T(k). Within each repeat, every k
+    runs on every model back to back, so a busy spell of the machine hits them alike.
     """
     if max_tokens < 1 or repeats < 1:
         raise ValueError(f"max_tokens and repeats must be >= 1, got {max_tokens}, {repeats}")
-    cache = new_cache()
-    context = context.to(model.device)
+    caches = {name: new_cache() for name in models}
+    contexts = {name: context.to(model.device) for name, model in models.items()}
+    times: dict[str, list[list[float]]] = {name: [[] for _ in range(max_tokens)] for name in models}
     with torch.inference_mode():
-        model(input_ids=context[None], position_ids=torch.arange(context.shape[0])[None], past_key_values=cache)
-        forward_seconds(model, cache, context, max_tokens)  # warm-up at the largest size
-        times = [[forward_seconds(model, cache, context, k) for k in range(1, max_tokens + 1)] for _ in range(repeats)]
-    return [statistics.median(column) for column in zip(*times)]
+        for name, model in models.items():
+            ids = contexts[name]
+            model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
+                  past_key_values=caches[name])
+            forward_seconds(model, caches[name], ids, max_tokens)  # warm-up at the largest size
+        for _ in range(repeats):
+            for k in range(1, max_tokens + 1):
+                for name, model in models.items():
+                    times[name][k - 1].append(forward_seconds(model, caches[name], contexts[name], k))
+    return {name: [statistics.median(samples) for samples in per_k] for name, per_k in times.items()}
 
 
 def forward_seconds(model, cache, context: torch.Tensor, k: int) -> float:
@@ -248,8 +257,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     if context + max_tokens > window:
         raise ValueError(f"context {context} + max_tokens {max_tokens} exceeds the models' context window {window}")
     cached = context_ids(prompts, context)
-    t_target = latency_curve(target, cached, max_tokens, repeats)
-    t_draft = latency_curve(draft, cached, max_tokens, repeats)
+    curves = latency_curves({"target": target, "draft": draft}, cached, max_tokens, repeats)
+    t_target, t_draft = curves["target"], curves["draft"]
     options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
                    eos_token_id=eos_token_id)
     plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress)
@@ -266,6 +275,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats),
         "latency": {"k": list(range(1, max_tokens + 1)), "target_s": t_target, "draft_s": t_draft},
         "overhead_per_step_s": overhead,
+        "estimate_over_measured": statistics.median(
+            r["estimated_tokens_per_second"] / r["measured_tokens_per_second"] for r in rows),
         "ar_tokens_per_second": plain.measured_tps,
         "grid": rows,
         "recommended": recommend(rows),
@@ -363,7 +374,7 @@ def markdown(profile: dict) -> str:
         f"{rec['estimated_tokens_per_second']:.1f} tokens/s, measured {rec['measured_tokens_per_second']:.1f}; "
         f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "
         f"tokens/s ({rec['fraction_of_best_measured']:.0%} of it reached)",
-        *([no_gain_note(profile)] if no_gain_note(profile) else []),
+        *[note for note in (consistency_note(profile), no_gain_note(profile)) if note],
         "",
         "## Forward latency after a cached context of " f"{s['context']} tokens (median of {s['repeats']})",
         "",
@@ -374,6 +385,15 @@ def markdown(profile: dict) -> str:
         grid_table(profile),
         "",
     ])
+
+
+def consistency_note(profile: dict) -> str:
+    """A warning when the latency model and the calibration run disagree (empty string otherwise)."""
+    ratio = profile["estimate_over_measured"]
+    if 1 / AGREEMENT <= ratio <= AGREEMENT:
+        return ""
+    return (f"- **the latency curves and the calibration run disagree** (estimated / measured tokens/s = {ratio:.2f}): "
+            "the machine was probably busy during one of them; run `opttree calibrate` again on an idle machine")
 
 
 def no_gain_note(profile: dict) -> str:

@@ -204,7 +204,8 @@ def cmd_calibrate(args) -> int:
               f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
               f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
               f"{profile['ar_tokens_per_second']:.1f} tokens/s")
-        if calibrate.no_gain_note(profile):
-            print(calibrate.no_gain_note(profile).removeprefix("- "))
+        for note in (calibrate.consistency_note(profile), calibrate.no_gain_note(profile)):
+            if note:
+                print(note.removeprefix("- "))
         print(f"saved {paths['cached_profile']} (used by --budget auto) and {paths['profile']}", file=sys.stderr)
     return 0
