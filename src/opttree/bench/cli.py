@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
 
-DEFAULT_METHODS = "all"
-DEFAULT_BUDGETS = "4,8,16"
+BENCH_METHODS = "all"
+BENCH_BUDGETS = "4,8,16"
 
 
 def register(subparsers) -> None:
@@ -21,10 +21,10 @@ def register(subparsers) -> None:
     add_decoding_args(bench)
     bench.add_argument("--prompts", required=True, help="Spec-Bench (.jsonl: turns, category), HumanEval "
                        "(.jsonl: prompt) or plain text (one prompt per line)")
-    bench.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated: ar, tree policies "
+    bench.add_argument("--methods", default=BENCH_METHODS, help="comma-separated: ar, tree policies "
                        "(opt, chain, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every one "
                        "(default: all). ar always runs: it is the baseline")
-    bench.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma-separated draft-node budgets, each tree "
+    bench.add_argument("--budgets", default=BENCH_BUDGETS, help="comma-separated draft-node budgets, each tree "
                        "policy runs at every one; 'auto' = the calibrated budget and delta (default: 4,8,16)")
     bench.add_argument("--delta", type=float, default=DEFAULT_DELTA)
     bench.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
