@@ -381,19 +381,13 @@ def test_sequoia_equals_greedy_top_n_for_a_decreasing_vector(n, depth):
     assert sequoia.tree_value(acc, sequoia.optimal_tree(acc, n, depth)) == pytest.approx(best, rel=1e-9)
 
 
-def test_sequoia_uses_the_installed_vector():
+def test_sequoia_uses_the_configured_vector():
     default = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape
-    try:
-        sequoia.set_acceptance_vector([0.3, 0.3, 0.3], greedy=True)  # wide: the root takes three children
-        wide = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape
-        assert int((wide.parents == -1).sum()) == 3
-        sampled = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6, temperature=1.0)).shape
-        assert torch.equal(sampled.parents, default.parents)  # only the greedy vector was replaced
-    finally:
-        sequoia.set_acceptance_vector(None)
-    assert torch.equal(make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape.parents, default.parents)
+    wide = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6, acceptance=[0.3, 0.3, 0.3])).shape
+    assert int((wide.parents == -1).sum()) == 3  # wide: the root takes three children
+    assert int((default.parents == -1).sum()) < 3
     with pytest.raises(ValueError, match="acceptance vector"):
-        sequoia.set_acceptance_vector([0.8, 0.5])
+        SpecConfig(tree="sequoia", acceptance=[0.8, 0.5])
 
 
 def test_measure_acceptance_vector(small_pair):
@@ -416,11 +410,8 @@ def test_sequoia_profile_round_trip(small_pair):
     target, draft, prompt = small_pair
     entry = sequoia.profile_entry(target, target, [prompt], width=3, new_tokens=6)
     assert entry == {"greedy": pytest.approx([1.0, 0, 0]), "sampled": pytest.approx([1.0, 0, 0])}
-    try:
-        sequoia.use_profile({sequoia.PROFILE_FIELD: entry})
-        shape = make_policy(SpecConfig(tree="sequoia", budget=5, max_depth=8, temperature=1.0)).shape
-        assert torch.equal(shape.depths, torch.arange(1, 6))  # a perfect draft: one chain
-        sequoia.use_profile({})
-        assert sequoia.acceptance_vector(greedy=False) == sequoia.DEFAULT_ACCEPTANCE
-    finally:
-        sequoia.set_acceptance_vector(None)
+    profile = {sequoia.PROFILE_FIELD: entry}
+    acc = sequoia.profile_vector(profile, greedy=False)
+    shape = make_policy(SpecConfig(tree="sequoia", budget=5, max_depth=8, temperature=1.0, acceptance=acc)).shape
+    assert torch.equal(shape.depths, torch.arange(1, 6))  # a perfect draft: one chain
+    assert sequoia.profile_vector({}, greedy=True) is None

@@ -52,28 +52,35 @@ def load_pair(args):
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 
-def resolve_budget(args, target, draft) -> tuple[int, float]:
-    """--budget N, or 'auto': the budget and delta recommended by `opttree calibrate` for this pair."""
-    if args.budget != "auto":
+def tree_options(args, target, draft) -> dict:
+    """The SpecConfig fields of the tree flags. --budget 'auto' takes the budget and delta that
+    `opttree calibrate` recommended for this pair; a saved profile also feeds Sequoia's vector."""
+    options = dict(tree=args.tree, budget=args.budget, delta=args.delta, max_depth=args.max_depth)
+    if args.budget == "auto":
+        from .bench.calibrate import auto_settings
+
+        options["budget"], options["delta"] = auto_settings(target, draft)
+    else:
         try:
-            return int(args.budget), args.delta
+            options["budget"] = int(args.budget)
         except ValueError:
             raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {args.budget!r}") from None
-    from .bench.calibrate import auto_settings
+    if args.tree == "sequoia":
+        from .bench.calibrate import policy_options
 
-    return auto_settings(target, draft)
+        options.update(policy_options(target, draft, args.tree, args.temperature))
+    return options
 
 
 def cmd_generate(args) -> int:
     from .engine import stream
 
     target, draft, tokenizer = load_pair(args)
-    budget, delta = resolve_budget(args, target, draft)
+    tree = tree_options(args, target, draft)
     prompt_ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = stream(
-        target, prompt_ids, draft, tokenizer=tokenizer, stop=args.stop, tree=args.tree, budget=budget, delta=delta,
-        max_depth=args.max_depth, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        target, prompt_ids, draft, tokenizer=tokenizer, stop=args.stop, **tree, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
     if not args.json:
         print(args.prompt, end="", flush=True)
@@ -86,7 +93,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({
             "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
-            "time_s": s.time_s, "tree": args.tree, "budget": budget, "delta": delta, "stats": s.to_dict(),
+            "time_s": s.time_s, "tree": args.tree, "budget": tree["budget"], "delta": tree["delta"],
+            "stats": s.to_dict(),
         }))
     else:
         print(f"\n\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "

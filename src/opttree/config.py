@@ -10,6 +10,14 @@ DEFAULT_DELTA = 0.2
 DEFAULT_MAX_DEPTH = 8
 
 
+def check_acceptance(acc) -> tuple[float, ...]:
+    """A positional acceptance vector: acc[k] = P(the (k+1)-th child is the accepted one)."""
+    acc = tuple(float(a) for a in acc)
+    if not acc or any(not 0 <= a <= 1 for a in acc) or sum(acc) > 1 + 1e-6:
+        raise ValueError(f"an acceptance vector needs entries in [0, 1] summing to at most 1, got {list(acc)}")
+    return acc
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     tree: str = "opt"  # tree policy name (see opttree.policies.available())
@@ -21,6 +29,7 @@ class SpecConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
+    acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -37,6 +46,8 @@ class SpecConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.acceptance is not None:
+            object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
 
     @property
     def greedy(self) -> bool:

@@ -44,15 +44,15 @@ def run_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
     import json
 
-    from .cli import load_pair, resolve_budget
+    from .cli import load_pair, tree_options
     from .engine import generate
 
     target, draft, tokenizer = load_pair(args)
-    budget, delta = resolve_budget(args, target, draft)
+    tree = tree_options(args, target, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
     methods = {"ar": dict(tree="ar"),
-               args.tree: dict(tree=args.tree, budget=budget, delta=delta, max_depth=args.max_depth)}
+               args.tree: tree}
     prompts = [tokenizer(p, return_tensors="pt").input_ids for p in DEMO_PROMPTS]
     generate(target, prompts[0], draft, **methods[args.tree], **{**common, "max_new_tokens": 8})  # warm-up
     totals = {name: {"tokens": 0, "steps": 0, "time": 0.0} for name in methods}
@@ -76,11 +76,11 @@ def run_demo(args) -> int:
         rows.append({"method": name, "mean_accepted_length": t["tokens"] / t["steps"], "tokens_per_second": speed,
                      "speedup": speed / ar_speed})
     if args.json:
-        print(json.dumps({"rows": rows, "identical_to_ar": same, "prompts": len(prompts), "budget": budget}))
+        print(json.dumps({"rows": rows, "identical_to_ar": same, "prompts": len(prompts), "budget": tree["budget"]}))
         return 0
     print(f"\n{'method':<10}{'accepted/step':>15}{'tokens/s':>12}{'speedup':>10}")
     for r in rows:
         print(f"{r['method']:<10}{r['mean_accepted_length']:>15.2f}{r['tokens_per_second']:>12.1f}{r['speedup']:>9.2f}x")
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding "
-          f"({args.dtype}, temperature {args.temperature}, budget {budget}, delta {delta})")
+          f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']})")
     return 0

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from ..cache import context_window, new_cache, truncate
 from ..drafters import ModelDrafter
 from ..engine import generate
+from ..policies import sequoia
 from ..tree import position_ids, tree_attention_mask
 from ..verify import masked_forward
 from .methods import seconds_since
@@ -280,6 +281,7 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "ar_tokens_per_second": plain.measured_tps,
         "grid": rows,
         "recommended": recommend(rows),
+        sequoia.PROFILE_FIELD: sequoia.profile_entry(target, draft, prompts, new_tokens=max_new_tokens),
     }
 
 
@@ -331,6 +333,15 @@ def load_profile(target, draft) -> dict:
         raise ValueError(f"calibration profile {path} has version {profile.get('version')}, expected "
                          f"{PROFILE_VERSION}; run `opttree calibrate` again")
     return profile
+
+
+def policy_options(target, draft, tree: str, temperature: float) -> dict:
+    """Extra SpecConfig fields a tree policy takes from this pair's profile, if one was saved:
+    Sequoia's measured acceptance vector. {} without a profile (the policy's defaults apply)."""
+    if tree != "sequoia" or draft is None or not profile_path(target, draft).exists():
+        return {}
+    vector = sequoia.profile_vector(load_profile(target, draft), greedy=temperature == 0)
+    return {"acceptance": vector} if vector else {}
 
 
 def auto_settings(target, draft) -> tuple[int, float]:

@@ -89,6 +89,8 @@ def seconds_since(start: float, model) -> float:
 
 
 def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
+    from .calibrate import policy_options  # calibrate measures through this module
+
     options = dict(
         tree=spec.name, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
@@ -97,6 +99,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     )
     if spec.budget is not None:
         options["budget"] = spec.budget
+    options.update(policy_options(target, draft, spec.name, settings.temperature))
 
     def run(prompt_ids: torch.Tensor) -> Run:
         start = time.perf_counter()

@@ -12,9 +12,9 @@ they are drawn without replacement from the draft's distribution (warped like th
 verified by recursive rejection sampling (acc[k] = how often the k-th draw is accepted).
 
 The vector is measured on calibration prompts (`measure_acceptance_vector`; `profile_entry` gives
-the greedy and the sampled one for `opttree calibrate` to save under PROFILE_FIELD of the profile;
-`use_profile(profile)` or `set_acceptance_vector` installs them for the policies made afterwards).
-Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
+the greedy and the sampled one, which `opttree calibrate` saves under PROFILE_FIELD of the profile)
+and reaches the policy as `SpecConfig.acceptance` (the CLI and `opttree bench` pass the calibrated
+one for the pair when a profile exists). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
 measured 0.74 greedy agreement for a small distilled draft) and a tail falling by about half per rank.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ..config import SpecConfig
+from ..config import SpecConfig, check_acceptance
 from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
 from ..tree import DraftTree
@@ -35,24 +35,6 @@ from . import register_policy
 from .static import ChildPicker, Path, Shape, grow
 
 DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
-
-_active: dict[bool, tuple[float, ...]] = {}  # greedy (temperature 0) -> installed vector
-
-
-def set_acceptance_vector(acc: Sequence[float] | None, greedy: bool | None = None) -> None:
-    """Install a measured vector for greedy decoding (`greedy=True`), sampling (`False`) or both
-    (`None`); `acc=None` removes it (back to `DEFAULT_ACCEPTANCE`). Policies made afterwards use it."""
-    for key in (True, False) if greedy is None else (greedy,):
-        if acc is None:
-            _active.pop(key, None)
-        else:
-            _active[key] = _check_vector(acc)
-
-
-def acceptance_vector(greedy: bool) -> tuple[float, ...]:
-    """The installed vector for this kind of decoding, else `DEFAULT_ACCEPTANCE`."""
-    return _active.get(greedy, DEFAULT_ACCEPTANCE)
-
 
 PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
 
@@ -67,24 +49,16 @@ def profile_entry(target: PreTrainedModel, draft: PreTrainedModel, prompts_ids: 
     }
 
 
-def use_profile(profile: dict) -> None:
-    """Install the vectors of a loaded calibration profile (or the defaults, if it has none)."""
-    entry = profile.get(PROFILE_FIELD) or {}
-    set_acceptance_vector(entry.get("greedy"), greedy=True)
-    set_acceptance_vector(entry.get("sampled"), greedy=False)
-
-
-def _check_vector(acc: Sequence[float]) -> tuple[float, ...]:
-    acc = tuple(float(a) for a in acc)
-    if not acc or any(not 0 <= a <= 1 for a in acc) or sum(acc) > 1 + 1e-6:
-        raise ValueError(f"an acceptance vector needs entries in [0, 1] summing to at most 1, got {list(acc)}")
-    return acc
+def profile_vector(profile: dict, greedy: bool) -> tuple[float, ...] | None:
+    """The vector a calibration profile holds for greedy decoding or for sampling, if any."""
+    vector = (profile.get(PROFILE_FIELD) or {}).get("greedy" if greedy else "sampled")
+    return tuple(vector) if vector else None
 
 
 def optimal_tree(acc: Sequence[float], budget: int, max_depth: int) -> list[Path]:
     """The rank paths of the tree of at most `budget` nodes and depth <= max_depth that maximises
     the sum over its nodes of the product of acc[rank] along the node's path. Sorted by depth."""
-    _, paths = _solve(_check_vector(acc), budget, max_depth)
+    _, paths = _solve(check_acceptance(acc), budget, max_depth)
     return sorted(paths, key=lambda p: (len(p), p))
 
 
@@ -198,7 +172,7 @@ class Sequoia:
     needs_drafter = True
 
     def __init__(self, config: SpecConfig):
-        acc = acceptance_vector(greedy=config.temperature == 0)
+        acc = config.acceptance or DEFAULT_ACCEPTANCE
         self.shape = Shape.from_paths(optimal_tree(acc, config.budget, config.max_depth))
         self.picker = ChildPicker(config, sampled=True)  # top-ranked children at temperature 0
 
