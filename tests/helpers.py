@@ -138,3 +138,25 @@ def char_tokenizer(vocab: int = 96):
     tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(alphabet)}, unk_token=alphabet[0]))
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[2], pad_token=alphabet[0])
+
+
+def sample_counts(target, draft, prompt, steps: int, runs: int, **kw):
+    """Counter of the first `steps` generated tokens over `runs` seeded generations."""
+    from collections import Counter
+
+    import opttree
+
+    counts = Counter()
+    for seed in range(runs):
+        out = opttree.generate(target, prompt, draft, max_new_tokens=steps, seed=seed, eos_token_id=[], **kw)
+        counts[tuple(out.new_tokens.tolist())] += 1
+    return counts
+
+
+def path_of(tree, i: int) -> tuple[int, ...]:
+    """The tokens on the root->node path of tree node i."""
+    path = []
+    while i >= 0:
+        path.append(int(tree.tokens[i]))
+        i = int(tree.parents[i])
+    return tuple(path[::-1])

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from helpers import char_tokenizer, hf_greedy, tiny_model
 
 from opttree.cli import main

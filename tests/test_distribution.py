@@ -1,10 +1,9 @@
 """Sampling is lossless: the first tokens follow the target's exact distribution."""
 
-from collections import Counter
 
 import pytest
 import torch
-from helpers import chi_square_pvalue, exact_joint, tiny_model
+from helpers import chi_square_pvalue, exact_joint, sample_counts, tiny_model
 
 import opttree
 import opttree.engine
@@ -21,14 +20,6 @@ def pair():
     return target, draft, prompt
 
 
-def sample_counts(target, draft, prompt, runs=RUNS, **kw) -> Counter:
-    counts = Counter()
-    for seed in range(runs):
-        out = opttree.generate(target, prompt, draft, max_new_tokens=STEPS, seed=seed, eos_token_id=[], **kw)
-        counts[tuple(out.new_tokens.tolist())] += 1
-    return counts
-
-
 @pytest.mark.parametrize("tree,budget,warp", [
     ("opt", 4, {}),
     ("opt", 3, {"top_p": 0.7}),
@@ -39,7 +30,7 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp)
     target, draft, prompt = pair
     warp = {"temperature": 1.0, **warp}
     exact = exact_joint(target, prompt, STEPS, **warp)
-    counts = sample_counts(target, draft, prompt, tree=tree, budget=budget, delta=0.0, max_depth=3, **warp)
+    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree=tree, budget=budget, delta=0.0, max_depth=3, **warp)
     assert chi_square_pvalue(counts, exact, RUNS) > 1e-3
 
 
@@ -58,5 +49,5 @@ def test_the_check_detects_a_biased_acceptance_rule(pair, monkeypatch):
 
     monkeypatch.setattr(opttree.engine, "accept", biased)
     exact = exact_joint(target, prompt, STEPS, temperature=1.0)
-    counts = sample_counts(target, draft, prompt, tree="opt", budget=4, delta=0.0, max_depth=3, temperature=1.0)
+    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree="opt", budget=4, delta=0.0, max_depth=3, temperature=1.0)
     assert chi_square_pvalue(counts, exact, RUNS) < 1e-3

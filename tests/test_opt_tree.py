@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import ScriptedDrafter
+from helpers import ScriptedDrafter, path_of
 
 from opttree.config import SpecConfig
 from opttree.policies import make_policy
@@ -41,14 +41,6 @@ def best_subtree_value(drafter: ScriptedDrafter, n: int, max_depth: int) -> floa
                 merged[a + b] = max(merged[a + b], root[a] + child[b])
         root = merged
     return root[min(n, len(root) - 1)]
-
-
-def path_of(tree, i):
-    path = []
-    while i >= 0:
-        path.append(int(tree.tokens[i]))
-        i = int(tree.parents[i])
-    return tuple(path[::-1])
 
 
 @pytest.mark.parametrize("seed", range(5))

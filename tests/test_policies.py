@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, tiny_model
+from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, path_of, sample_counts, tiny_model
 
 import opttree
 from opttree.config import SpecConfig
@@ -81,14 +81,6 @@ def small_pair():
     return target, draft, torch.tensor([[1, 3, 0, 4]])
 
 
-def sample_counts(target, draft, prompt, runs=RUNS, **kw) -> Counter:
-    counts = Counter()
-    for seed in range(runs):
-        out = opttree.generate(target, prompt, draft, max_new_tokens=STEPS, seed=seed, eos_token_id=[], **kw)
-        counts[tuple(out.new_tokens.tolist())] += 1
-    return counts
-
-
 # (policy, budget, delta, sampling options): dyspec's threshold is delta / budget
 DISTRIBUTION_CASES = [
     ("static", 4, 0.2, {}),
@@ -105,7 +97,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_pair, tree, budget,
     target, draft, prompt = small_pair
     warp = {"temperature": 1.0, **warp}
     exact = exact_joint(target, prompt, STEPS, **warp)
-    counts = sample_counts(target, draft, prompt, tree=tree, budget=budget, delta=delta, max_depth=2, **warp)
+    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree=tree, budget=budget, delta=delta, max_depth=2, **warp)
     assert chi_square_pvalue(counts, exact, RUNS) > 1e-3
 
 
@@ -141,7 +133,7 @@ def test_the_check_detects_a_top_k_tree_verified_by_rejection_sampling(small_pai
 
     monkeypatch.setattr(ChildPicker, "pick", top_ranked)
     exact = exact_joint(target, prompt, STEPS, temperature=1.0)
-    counts = sample_counts(target, draft, prompt, tree="sequoia", budget=4, max_depth=2, temperature=1.0)
+    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree="sequoia", budget=4, max_depth=2, temperature=1.0)
     assert chi_square_pvalue(counts, exact, RUNS) < 1e-3
 
 
@@ -207,14 +199,6 @@ def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(mon
 
 
 # ---------------------------------------------------------------- the trees themselves
-
-
-def path_of(tree, i):
-    path = []
-    while i >= 0:
-        path.append(int(tree.tokens[i]))
-        i = int(tree.parents[i])
-    return tuple(path[::-1])
 
 
 def check_tree(tree, drafter, n, max_depth):
