@@ -39,28 +39,26 @@ class Stopper:
         self.generated: list[int] = []
 
     def cut(self, chunk: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends here)."""
-        end = min(chunk.shape[0], self.remaining)
+        """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends with it)."""
+        end, hit = min(chunk.shape[0], self.remaining), False
         is_eos = torch.isin(chunk[:end], self.eos).nonzero()
         if is_eos.numel():
-            end = int(is_eos[0]) + 1  # the EOS token itself is emitted, as transformers does
+            end, hit = int(is_eos[0]) + 1, True  # the EOS token itself is emitted, as transformers does
         if self.stop:
-            end = self._stop_string_end(chunk[:end].tolist(), end)
-        chunk = chunk[:end]
+            stop_end = self._stop_string_end(chunk[:end].tolist())
+            if stop_end is not None:
+                end, hit = stop_end, True
+            self.generated += chunk[:end].tolist()
         self.remaining -= end
-        return chunk, self.remaining == 0 or bool(torch.isin(chunk[-1:], self.eos).any()) or self._stopped
+        return chunk[:end], hit or self.remaining == 0
 
-    _stopped = False
-
-    def _stop_string_end(self, tokens: list[int], end: int) -> int:
+    def _stop_string_end(self, tokens: list[int]) -> int | None:
+        """How many of `tokens` to emit so that the last one completes a stop string; None if none does."""
         for i in range(len(tokens)):
             text = self.tokenizer.decode(self.generated + tokens[: i + 1])
             if any(s in text for s in self.stop):
-                self._stopped = True
-                end = i + 1
-                break
-        self.generated += tokens[:end]
-        return end
+                return i + 1
+        return None
 
 
 class Generation:
