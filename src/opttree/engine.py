@@ -185,7 +185,7 @@ def _prompt_ids(input_ids, target: PreTrainedModel) -> torch.Tensor:
     vocab = _vocab_size(target)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
-    return ids.to(target.device)
+    return ids
 
 
 def _vocab_size(model: PreTrainedModel) -> int:
