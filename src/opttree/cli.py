@@ -20,6 +20,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="weights and activations; float32 is the exactness reference (default: bfloat16)")
+    parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default=None,
+                        help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -41,14 +43,14 @@ def load_pair(args):
 
     from .demo import demo_paths, load_model
 
-    dtype = DTYPES[args.dtype]
+    dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
     if args.target is None:
         target_path, draft_path = demo_paths()
         draft_path = args.draft or draft_path
     else:
         target_path, draft_path = args.target, args.draft
     target = load_model(target_path, dtype)
-    draft = load_model(draft_path, dtype) if draft_path else None
+    draft = load_model(draft_path, draft_dtype) if draft_path else None
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 

@@ -155,7 +155,8 @@ def markdown(results: dict) -> str:
         f"- date: {meta['date']}; machine: {meta['machine']['processor']}, {meta['machine']['cpu_count']} CPUs, "
         f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
         f"transformers {meta['machine']['transformers']}",
-        f"- target: `{meta['target']}`; draft: `{meta['draft']}`; dtype {meta['dtype']}",
+        f"- target: `{meta['target']}`; draft: `{meta['draft']}`; dtype {meta['dtype']}"
+        + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") not in (None, meta["dtype"]) else ""),
         f"- prompts: {meta['prompts']} from `{meta['prompt_file']}` ({len(results['skipped'])} skipped as too long); "
         f"max new tokens {meta['settings']['max_new_tokens']}; temperature {meta['settings']['temperature']}; "
         f"repeats {meta['repeats']}; tree policies: delta {meta['settings']['delta']:g} (unless shown), "
