@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # CPU defaults (2-core machine, the shipped pair): see README "Choosing budget, delta and depth".
 DEFAULT_BUDGET = 16
-DEFAULT_DELTA = 0.2
+DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8
 
 
