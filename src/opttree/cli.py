@@ -67,10 +67,9 @@ def tree_options(args, target, draft) -> dict:
             options["budget"] = int(args.budget)
         except ValueError:
             raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {args.budget!r}") from None
-    if args.tree == "sequoia":
-        from .bench.calibrate import policy_options
+    from .bench.calibrate import policy_options
 
-        options.update(policy_options(target, draft, args.tree, args.temperature))
+    options.update(policy_options(target, draft, args.tree, args.temperature))
     return options
 
 
