@@ -1,7 +1,9 @@
 import os
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)  # tiny models: threads only add contention
+os.environ["OPTTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttree-test-cache-")  # never the user's profiles

@@ -250,6 +250,12 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert "recommended: budget" in paths["markdown"].read_text()
     assert profile["estimate_over_measured"] > 0
     assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
+    fitted = profile[cal.DRAFT_TEMPERATURE_FIELD]
+    assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
+    assert rec["draft_temperature"] == fitted["greedy"]  # the grid ran at the calibration temperature, 0
+    assert cal.profile_options(target, draft, "opt", 0.0) == {"draft_temperature": fitted["greedy"]}
+    sequoia_options = cal.profile_options(target, draft, "sequoia", 1.0)
+    assert sequoia_options["draft_temperature"] == fitted["sampled"] and len(sequoia_options["acceptance"]) == 8
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
         cal.auto_settings(target, other)  # another pair: its own profile

@@ -36,6 +36,17 @@ def test_greedy_identity(pair, tree, budget, delta, depth):
         assert out.stats.new_tokens == 30
 
 
+@pytest.mark.parametrize("draft_temperature", [0.3, 3.0])
+def test_greedy_identity_at_any_draft_temperature(pair, draft_temperature):
+    """The draft temperature reshapes the tree (p-hat), never the output."""
+    _, target, draft = pair
+    for prompt in prompts(3, seed=5):
+        ref = hf_greedy(target, prompt, 30, eos_token_id=None)
+        out = opttree.generate(target, prompt, draft, budget=8, delta=0.05, max_new_tokens=30, eos_token_id=[],
+                               draft_temperature=draft_temperature)
+        assert torch.equal(out.sequences, ref)
+
+
 def test_greedy_identity_with_the_target_as_its_own_draft(pair):
     _, target, _ = pair
     for prompt in prompts(4, seed=7):

@@ -89,6 +89,8 @@ DISTRIBUTION_CASES = [
     ("sequoia", 6, 0.2, {"top_p": 0.8}),
     ("dyspec", 4, 0.6, {}),
     ("dyspec", 5, 0.6, {"top_k": 3, "temperature": 0.8}),
+    ("sequoia", 4, 0.2, {"draft_temperature": 0.5}),  # children drawn from a sharpened draft
+    ("dyspec", 4, 0.6, {"draft_temperature": 2.0}),  # ... and from a flattened one
 ]
 
 
@@ -96,8 +98,10 @@ DISTRIBUTION_CASES = [
 def test_sampled_tokens_follow_the_target_distribution(small_pair, tree, budget, delta, warp):
     target, draft, prompt = small_pair
     warp = {"temperature": 1.0, **warp}
+    draft_temperature = warp.pop("draft_temperature", 1.0)
     exact = exact_joint(target, prompt, STEPS, **warp)
-    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree=tree, budget=budget, delta=delta, max_depth=2, **warp)
+    counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree=tree, budget=budget, delta=delta, max_depth=2,
+                           draft_temperature=draft_temperature, **warp)
     assert chi_square_pvalue(counts, exact, RUNS) > 1e-3
 
 
@@ -106,7 +110,7 @@ def test_distribution_cases_draw_branching_trees_verified_the_intended_way(small
     and carry draft distributions exactly when their children were sampled."""
     target, draft, prompt = small_pair
     for tree, budget, delta, warp in DISTRIBUTION_CASES:
-        warp = {"temperature": 1.0, **warp}
+        warp = {"temperature": 1.0, **{k: v for k, v in warp.items() if k != "draft_temperature"}}
         configs = [SpecConfig(tree=tree, budget=budget, delta=delta, max_depth=2, seed=s, **warp) for s in range(5)]
         built = [make_policy(config).build(_drafter(draft, prompt), prompt[0], 2) for config in configs]
         assert any(t.max_depth == 2 for t in built), tree
@@ -392,7 +396,8 @@ def test_measure_acceptance_vector(small_pair):
 
 def test_sequoia_profile_round_trip(small_pair):
     target, draft, prompt = small_pair
-    entry = sequoia.profile_entry(target, target, [prompt], width=3, new_tokens=6)
+    entry = {mode: sequoia.measure_acceptance_vector(target, target, [prompt], width=3, temperature=t, new_tokens=6)
+             for mode, t in (("greedy", 0.0), ("sampled", 1.0))}
     assert entry == {"greedy": pytest.approx([1.0, 0, 0]), "sampled": pytest.approx([1.0, 0, 0])}
     profile = {sequoia.PROFILE_FIELD: entry}
     acc = sequoia.profile_vector(profile, greedy=False)

@@ -6,6 +6,9 @@ The layout of `transformers.DynamicCache` (per layer `.keys` / `.values` of shap
 
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -16,6 +19,17 @@ ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention")
 def new_cache() -> DynamicCache:
     """A cache of plain full-attention layers (sliding windows are checked by `check_model`)."""
     return DynamicCache()
+
+
+def last_logits_only(model: PreTrainedModel) -> dict:
+    """Forward kwargs that compute logits for the last position only, where the model supports it
+    (a prompt's prefill needs at most one row of the vocabulary projection, not one per token)."""
+    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+
+
+@lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def cache_len(cache: DynamicCache) -> int:

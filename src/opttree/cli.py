@@ -31,10 +31,27 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default="opt", help=f"tree policy: {', '.join(available())} (default: opt)")
-    parser.add_argument("--budget", default=str(defaults.DEFAULT_BUDGET),
-                        help=f"draft nodes per step, or 'auto' for the calibrated value (default: {defaults.DEFAULT_BUDGET})")
-    parser.add_argument("--delta", type=float, default=defaults.DEFAULT_DELTA)
+    parser.add_argument("--budget", help="draft nodes per step, or 'auto' for the calibrated value (default: auto "
+                        f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
+    parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
+                        f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
     parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH)
+    add_draft_temperature_arg(parser)
+
+
+def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-temperature", type=float, help="divide the draft's logits by this before the "
+                        "tree is built (p-hat calibration; lossless for any value > 0) (default: the pair's "
+                        "calibration profile, else 1)")
+
+
+def draft_temperature(args, target, draft) -> float:
+    """--draft-temperature, else the value fitted by `opttree calibrate` for this pair, else 1."""
+    from .bench.calibrate import profile_options
+
+    if args.draft_temperature is not None:
+        return args.draft_temperature
+    return profile_options(target, draft, "opt", args.temperature).get("draft_temperature", 1.0)
 
 
 def load_pair(args):
@@ -55,21 +72,24 @@ def load_pair(args):
 
 
 def tree_options(args, target, draft) -> dict:
-    """The SpecConfig fields of the tree flags. --budget 'auto' takes the budget and delta that
-    `opttree calibrate` recommended for this pair; a saved profile also feeds Sequoia's vector."""
-    options = dict(tree=args.tree, budget=args.budget, delta=args.delta, max_depth=args.max_depth)
-    if args.budget == "auto":
-        from .bench.calibrate import auto_settings
+    """The SpecConfig fields of the tree flags. With a calibration profile for the pair (written by
+    `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
+    delta the profile recommends; its draft temperature and Sequoia vector apply too. Flags given win."""
+    from .bench.calibrate import auto_settings, find_profile, profile_options
 
+    budget = args.budget or ("auto" if find_profile(target, draft) is not None else str(defaults.DEFAULT_BUDGET))
+    options = dict(tree=args.tree, max_depth=args.max_depth, delta=defaults.DEFAULT_DELTA)
+    if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft)
     else:
         try:
-            options["budget"] = int(args.budget)
+            options["budget"] = int(budget)
         except ValueError:
-            raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {args.budget!r}") from None
-    from .bench.calibrate import policy_options
-
-    options.update(policy_options(target, draft, args.tree, args.temperature))
+            raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {budget!r}") from None
+    if args.delta is not None:
+        options["delta"] = args.delta
+    options.update(profile_options(target, draft, args.tree, args.temperature))
+    options["draft_temperature"] = draft_temperature(args, target, draft)
     return options
 
 
@@ -95,6 +115,7 @@ def cmd_generate(args) -> int:
             "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
             "time_s": s.time_s, "tree": args.tree, "budget": tree["budget"], "delta": tree["delta"],
+            "draft_temperature": tree["draft_temperature"],
             "stats": s.to_dict(),
         }))
     else:

@@ -30,6 +30,7 @@ class SpecConfig:
     top_k: int = 0  # 0 = off
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
+    draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -46,6 +47,8 @@ class SpecConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
+            raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
         if self.acceptance is not None:
             object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
 

@@ -82,5 +82,6 @@ def run_demo(args) -> int:
     for r in rows:
         print(f"{r['method']:<10}{r['mean_accepted_length']:>15.2f}{r['tokens_per_second']:>12.1f}{r['speedup']:>9.2f}x")
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding "
-          f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']})")
+          f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']:g}, "
+          f"draft temperature {tree['draft_temperature']:.2g})")
     return 0

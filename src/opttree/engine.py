@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .cache import check_model, compact, context_window, new_cache
+from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .config import SpecConfig
 from .drafters import Drafter, ModelDrafter
 from .policies import TreePolicy, make_policy
@@ -90,7 +90,8 @@ class Generation:
             cache = new_cache()  # holds committed[:-1]; the last committed token is the root
             if self.prompt_len > 1:
                 prefix = self.committed[:-1]
-                target(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0])[None], past_key_values=cache)
+                target(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0])[None], past_key_values=cache,
+                       **last_logits_only(target))  # the logits are not used: one row is the least we can ask
             if drafter is not None:
                 drafter.start(self.committed)
             stats.prefill_s = time.perf_counter() - start
@@ -133,7 +134,8 @@ def stream(
     **options,
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
-    fields (tree, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed)."""
+    fields (tree, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
+    draft_temperature, acceptance); draft_temperature applies when `draft` is a model."""
     config = SpecConfig(**options)
     policy = make_policy(config)
     ids = _prompt_ids(input_ids, target)
@@ -148,7 +150,7 @@ def stream(
             _check_vocab(target, draft)
             _check_fits(draft, "draft", max_len)
             check_model(draft, "draft", max_len)
-            draft = ModelDrafter(draft)
+            draft = ModelDrafter(draft, config.draft_temperature)
         drafter = draft
     if isinstance(stop, str):
         stop = [stop]

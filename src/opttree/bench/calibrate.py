@@ -1,9 +1,12 @@
 """Hardware-aware budget (DESIGN.md section 9): `opttree calibrate` and `--budget auto`.
 
+0. Alignment of the pair: on text the target writes from the calibration prompts, the draft
+   temperature that calibrates p-hat (`opttree.alignment.fit_draft_temperature`) and Sequoia's
+   acceptance vector, each for greedy decoding and for sampling (at temperature 1).
 1. Latency curves: target and draft forward time for k = 1..K new tokens after a ~200-token KV
    cache (a root and k - 1 children, the engine's masked forward), median of repeats.
-2. A short calibration run: every (budget, delta) of a grid on a few prompts, interleaved with
-   plain decoding, recording mean accepted length (MAL), tree size, draft layers and tokens/s.
+2. A short calibration run: every (budget, delta) of a grid on a few prompts, with the draft at
+   its calibrated temperature, interleaved with plain decoding, recording mean accepted length (MAL), tree size, draft layers and tokens/s.
 3. Estimate, per grid point: tokens/s = new tokens / (steps * step time + prefill), with
    step time = T_target(nodes + 1) + T_draft(MAL) + layers * T_draft(width) + overhead.
    The forwards come from the latency curves; the overhead (sampling, tree building, caches,
@@ -12,7 +15,9 @@
    tokens/s falls below CONFIRM of the best measured one, the measured best is recommended.
 
 The profile is saved as DIR/profile.json and in the user cache (`profile_path`), keyed by the two
-models' configurations and dtype; `auto_settings(target, draft)` reads it back.
+models' configurations and dtype; `auto_settings(target, draft)` and `profile_options` read it back.
+The shipped pair comes with the profile of the reference machine (`SHIPPED_PROFILES`), used until
+`opttree calibrate` writes one for this machine.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..alignment import fit_draft_temperature, paired_logits
 from ..cache import context_window, new_cache, truncate
+from ..demo import MODELS_DIR
 from ..drafters import ModelDrafter
 from ..engine import generate
 from ..policies import sequoia
@@ -37,11 +44,13 @@ from ..verify import masked_forward
 from .methods import seconds_since
 from .report import machine_info, now
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: draft temperature
+SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json
+ALIGNMENT_WIDTH = 8  # ranks in Sequoia's acceptance vector
 CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
-DEFAULT_BUDGETS = (2, 4, 8, 12, 16, 24, 32)
-DEFAULT_DELTAS = (0.1, 0.3, 0.6)
+DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
+DEFAULT_DELTAS = (0.1, 0.2, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
     "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items, or -1.\"\"\"\n",
     "import json\nimport os\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
@@ -50,6 +59,28 @@ CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --p
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    result = []\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
 ]
+
+
+# ---- 0. alignment ---------------------------------------------------------------------------------
+
+
+def alignment_entry(target, draft, prompts: list[torch.Tensor], new_tokens: int, seed: int = 0) -> dict:
+    """The profile fields that describe the pair rather than the machine: the draft temperature and
+    Sequoia's acceptance vector (at that temperature), for greedy decoding and for sampling at T=1."""
+    temperatures, vectors = {}, {}
+    for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        pairs = list(paired_logits(target, draft, prompts, temperature, new_tokens=new_tokens, seed=seed))
+        temperatures[mode] = fit_draft_temperature(pairs, temperature)
+        vectors[mode] = sequoia.acceptance_vector(pairs, ALIGNMENT_WIDTH, temperature, seed=seed,
+                                                  draft_temperature=temperatures[mode])
+    return {DRAFT_TEMPERATURE_FIELD: temperatures, sequoia.PROFILE_FIELD: vectors}
+
+
+DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
+
+
+def profile_draft_temperature(profile: dict, temperature: float) -> float:
+    return float(profile[DRAFT_TEMPERATURE_FIELD]["greedy" if temperature == 0 else "sampled"])
 
 
 # ---- 1. latency curves ---------------------------------------------------------------------------
@@ -145,7 +176,7 @@ class Tally:
 
 
 def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas, options: dict,
-                    progress: bool = True) -> tuple[Tally, list[Tally]]:
+                    progress: bool = True, draft_temperature: float = 1.0) -> tuple[Tally, list[Tally]]:
     """Plain decoding and every (budget, delta) on every prompt, interleaved per prompt (rotated order)."""
     plain = Tally(None, None)
     grid = [Tally(b, d) for b in budgets for d in deltas]
@@ -156,7 +187,7 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
     for i, ids in enumerate(prompts):
         shift = i % len(settings)
         for tally in settings[shift:] + settings[:shift]:
-            drafter = CountingDrafter(ModelDrafter(draft))
+            drafter = CountingDrafter(ModelDrafter(draft, draft_temperature))
             tree = dict(tree="ar") if tally.budget is None else dict(tree="opt", budget=tally.budget, delta=tally.delta)
             start = time.perf_counter()
             out = generate(target, ids, drafter, **tree, **options)
@@ -257,12 +288,14 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     window = min(w for w in (context_window(target), context_window(draft), 10**9) if w is not None)
     if context + max_tokens > window:
         raise ValueError(f"context {context} + max_tokens {max_tokens} exceeds the models' context window {window}")
+    alignment = alignment_entry(target, draft, prompts, max_new_tokens, seed)
+    draft_temperature = profile_draft_temperature(alignment, temperature)
     cached = context_ids(prompts, context)
     curves = latency_curves({"target": target, "draft": draft}, cached, max_tokens, repeats)
     t_target, t_draft = curves["target"], curves["draft"]
     options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
                    eos_token_id=eos_token_id)
-    plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress)
+    plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress, draft_temperature)
     overhead = fitted_overhead(grid, t_target, t_draft)
     rows = grid_rows(plain, grid, t_target, t_draft, overhead)
     return {
@@ -280,8 +313,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
             r["estimated_tokens_per_second"] / r["measured_tokens_per_second"] for r in rows),
         "ar_tokens_per_second": plain.measured_tps,
         "grid": rows,
-        "recommended": recommend(rows),
-        sequoia.PROFILE_FIELD: sequoia.profile_entry(target, draft, prompts, new_tokens=max_new_tokens),
+        "recommended": dict(recommend(rows), draft_temperature=draft_temperature),
+        **alignment,
     }
 
 
@@ -319,11 +352,29 @@ def save_profile(profile: dict, out_dir: Path | None = None) -> list[Path]:
     return paths
 
 
+def shipped_profile_path(target, draft) -> Path | None:
+    """The reference machine's profile, if these are the shipped models at a dtype it was measured in."""
+    def is_shipped(model, name):
+        return Path(model.config._name_or_path).resolve() == (MODELS_DIR / name).resolve()
+
+    path = SHIPPED_PROFILES / f"{str(target.dtype).removeprefix('torch.')}.json"
+    return path if is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists() else None
+
+
+def find_profile(target, draft) -> Path | None:
+    """This machine's profile for the pair, else the shipped one (shipped pair only), else None."""
+    if draft is None:
+        return None
+    path = profile_path(target, draft)
+    return path if path.exists() else shipped_profile_path(target, draft)
+
+
 def load_profile(target, draft) -> dict:
     if draft is None:
         raise ValueError("--budget auto needs a draft model: calibration profiles belong to a target/draft pair")
-    path = profile_path(target, draft)
-    if not path.exists():
+    path = find_profile(target, draft)
+    if path is None:
+        path = profile_path(target, draft)
         raise ValueError(
             f"no calibration profile for this target/draft pair ({target.dtype}) at {path}; "
             "run `opttree calibrate` with the same --target, --draft and --dtype first, or give --budget N"
@@ -335,17 +386,21 @@ def load_profile(target, draft) -> dict:
     return profile
 
 
-def policy_options(target, draft, tree: str, temperature: float) -> dict:
-    """Extra SpecConfig fields a tree policy takes from this pair's profile, if one was saved:
-    Sequoia's measured acceptance vector. {} without a profile (the policy's defaults apply)."""
-    if tree != "sequoia" or draft is None or not profile_path(target, draft).exists():
+def profile_options(target, draft, tree: str, temperature: float) -> dict:
+    """The SpecConfig fields this pair's profile (`find_profile`) sets for a tree policy: the draft
+    temperature, and Sequoia's acceptance vector. {} without a profile (the defaults apply)."""
+    if draft is None or find_profile(target, draft) is None:
         return {}
-    vector = sequoia.profile_vector(load_profile(target, draft), greedy=temperature == 0)
-    return {"acceptance": vector} if vector else {}
+    profile = load_profile(target, draft)
+    options = {"draft_temperature": profile_draft_temperature(profile, temperature)}
+    vector = sequoia.profile_vector(profile, greedy=temperature == 0)
+    if tree == "sequoia" and vector:
+        options["acceptance"] = vector
+    return options
 
 
 def auto_settings(target, draft) -> tuple[int, float]:
-    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine."""
+    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`)."""
     chosen = load_profile(target, draft)["recommended"]
     return int(chosen["budget"]), float(chosen["delta"])
 
@@ -381,6 +436,8 @@ def markdown(profile: dict) -> str:
         f"- target `{profile['target']}`, draft `{profile['draft']}`, dtype {profile['dtype']}",
         f"- calibration run: {s['prompts']} prompts x {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
         f"max depth {s['max_depth']}; plain decoding {profile['ar_tokens_per_second']:.1f} tokens/s",
+        f"- draft temperature (fitted on the target's continuations): greedy "
+        f"{profile[DRAFT_TEMPERATURE_FIELD]['greedy']:.3g}, sampled {profile[DRAFT_TEMPERATURE_FIELD]['sampled']:.3g}",
         f"- **recommended: budget {rec['budget']}, delta {rec['delta']:g}** ({rec['chosen_by']}): estimated "
         f"{rec['estimated_tokens_per_second']:.1f} tokens/s, measured {rec['measured_tokens_per_second']:.1f}; "
         f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "

@@ -14,7 +14,7 @@ BENCH_BUDGETS = "4,8,16"
 
 
 def register(subparsers) -> None:
-    from ..cli import add_decoding_args
+    from ..cli import add_decoding_args, add_draft_temperature_arg
 
     bench = subparsers.add_parser("bench", help="speed of opttree's tree policies and transformers' peers, "
                                   "side by side on your prompts (results.json, tables, plots)")
@@ -28,6 +28,7 @@ def register(subparsers) -> None:
                        "policy runs at every one; 'auto' = the calibrated budget and delta (default: 4,8,16)")
     bench.add_argument("--delta", type=float, default=DEFAULT_DELTA)
     bench.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
+    add_draft_temperature_arg(bench)
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
     bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     bench.add_argument("--per-category", type=int, help="at most this many prompts of each category")
@@ -46,8 +47,8 @@ def register(subparsers) -> None:
     cal.add_argument("--max-tokens", type=int, default=64, help="latency curve up to this many new tokens (default: 64)")
     cal.add_argument("--context", type=int, default=200, help="cached tokens before the timed forwards (default: 200)")
     cal.add_argument("--repeats", type=int, default=7, help="timed repeats per point, the median is kept (default: 7)")
-    cal.add_argument("--budgets", help="budget grid (default: 2,4,8,12,16,24,32)")
-    cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.6)")
+    cal.add_argument("--budgets", help="budget grid (default: 2,4,6,8,10,12,16,24,32)")
+    cal.add_argument("--deltas", help="delta grid (default: 0.1,0.2,0.3,0.45,0.6)")
     cal.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     cal.add_argument("--out", default="calibration", help="output directory (default: calibration)")
     cal.add_argument("--no-progress", action="store_true")
@@ -113,7 +114,7 @@ def as_command(name: str, args) -> str:
 
 
 def cmd_bench(args) -> int:
-    from ..cli import load_pair
+    from ..cli import draft_temperature, load_pair
     from . import report
     from .methods import Settings, expand_methods
     from .prompts import encode, load_prompts
@@ -126,7 +127,7 @@ def cmd_bench(args) -> int:
     specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft))
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
-                        eos_token_id=tokenizer.eos_token_id)
+                        eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft))
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
@@ -201,7 +202,8 @@ def cmd_calibrate(args) -> int:
     else:
         print(calibrate.grid_table(profile))
         best = rec["best_measured"]
-        print(f"\nrecommended: --budget {rec['budget']} --delta {rec['delta']:g} ({rec['chosen_by']}); measured "
+        print(f"\nrecommended: --budget {rec['budget']} --delta {rec['delta']:g} --draft-temperature "
+              f"{rec['draft_temperature']:.3g} ({rec['chosen_by']}); measured "
               f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
               f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
               f"{profile['ar_tokens_per_second']:.1f} tokens/s")

@@ -39,6 +39,7 @@ class Settings:
     delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own
     max_depth: int = DEFAULT_MAX_DEPTH
     eos_token_id: int | None = None
+    draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def seconds_since(start: float, model) -> float:
 
 
 def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
-    from .calibrate import policy_options  # calibrate measures through this module
+    from .calibrate import profile_options  # calibrate measures through this module
 
     options = dict(
         tree=spec.name, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
@@ -99,7 +100,8 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     )
     if spec.budget is not None:
         options["budget"] = spec.budget
-    options.update(policy_options(target, draft, spec.name, settings.temperature))
+    options.update(profile_options(target, draft, spec.name, settings.temperature))
+    options["draft_temperature"] = settings.draft_temperature
 
     def run(prompt_ids: torch.Tensor) -> Run:
         start = time.perf_counter()

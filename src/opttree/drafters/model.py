@@ -2,6 +2,12 @@
 
 One forward per tree layer: the nodes of a layer attend to the committed prefix, to their own
 ancestors and to themselves (an ancestor-only mask, never a stale sibling).
+
+`temperature` divides the draft's logits before they become log-probabilities: a calibration of
+p-hat (`opttree.alignment.fit_draft_temperature`). A small distilled draft is often under-confident
+on the text its target writes, which makes every p-hat-driven tree too wide and too shallow. Any
+value is lossless: trees of top-ranked tokens are verified by the target alone, and sampled trees
+carry the distribution they were actually drawn from.
 """
 
 from __future__ import annotations
@@ -9,13 +15,16 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..cache import compact, new_cache, truncate
+from ..cache import compact, last_logits_only, new_cache, truncate
 from ..verify import masked_forward
 
 
 class ModelDrafter:
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0):
+        if not (0 < temperature < float("inf")):
+            raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
         self.model = model
+        self.temperature = temperature
         self.cache = new_cache()
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
@@ -32,12 +41,13 @@ class ModelDrafter:
         assert new.numel() > 0, "the root must be new to the drafter"
         positions = torch.arange(self.committed_len, committed.shape[0])
         logits = self.model(
-            input_ids=new[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True
+            input_ids=new[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True,
+            **last_logits_only(self.model),
         ).logits[0, -1]  # (V,)
         self.committed_len = self.base = committed.shape[0]
         self.slot_depths = torch.empty(0, dtype=torch.long)
         self.slot_ancestors = torch.empty(0, 0, dtype=torch.bool)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return self._log_probs(logits)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         k, s = tokens.shape[0], self.slot_depths.shape[0]
@@ -55,7 +65,12 @@ class ModelDrafter:
         grown[s:] = ancestors
         self.slot_ancestors = grown
         self.slot_depths = torch.cat([self.slot_depths, depths])
-        return torch.log_softmax(logits.float(), dim=-1)
+        return self._log_probs(logits)
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature."""
+        logits = logits.float()
+        return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
     def accept(self, slots: torch.Tensor) -> None:
         run = slots >= 0  # the drafted nodes of an accepted path form a prefix of it

@@ -38,10 +38,11 @@ class OptTree:
             e_prev = e_depth
             tokens, parents, scores = layers[-1]
             logq = drafter.expand(tokens, parents)  # (k, V)
-            child = (scores[:, None] + logq).flatten()  # (k * V,) log p-hat of every child
+            best = logq.topk(min(n, logq.shape[1]), dim=1)  # (k, n'): only a row's n best can make the top n
+            child = (scores[:, None] + best.values).flatten()  # (k * n',) log p-hat of those children
             scores, flat = child.topk(min(n, child.shape[0]))
-            vocab = logq.shape[1]
-            layers.append((flat % vocab, offset + flat // vocab, scores))
+            width = best.indices.shape[1]
+            layers.append((best.indices.flatten()[flat], offset + flat // width, scores))
             offset += tokens.shape[0]
         sizes = [layer[0].shape[0] for layer in layers]
         candidates = torch.arange(sum(sizes))

@@ -11,8 +11,8 @@ target's argmax is the draft's (k+1)-th choice), verified by token matching. At 
 they are drawn without replacement from the draft's distribution (warped like the target's) and
 verified by recursive rejection sampling (acc[k] = how often the k-th draw is accepted).
 
-The vector is measured on calibration prompts (`measure_acceptance_vector`; `profile_entry` gives
-the greedy and the sampled one, which `opttree calibrate` saves under PROFILE_FIELD of the profile)
+The vector is measured on calibration prompts (`measure_acceptance_vector`; `opttree calibrate`
+saves the greedy one and the sampled one, at temperature 1, under PROFILE_FIELD of the profile)
 and reaches the policy as `SpecConfig.acceptance` (the CLI and `opttree bench` pass the calibrated
 one for the pair when a profile exists). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
 measured 0.74 greedy agreement for a small distilled draft) and a tail falling by about half per rank.
@@ -21,12 +21,13 @@ measured 0.74 greedy agreement for a small distilled draft) and a tail falling b
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ..alignment import paired_logits
 from ..config import SpecConfig, check_acceptance
 from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
@@ -37,16 +38,6 @@ from .static import ChildPicker, Path, Shape, grow
 DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
 
 PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
-
-
-def profile_entry(target: PreTrainedModel, draft: PreTrainedModel, prompts_ids: Sequence[torch.Tensor],
-                  width: int = 8, **options) -> dict[str, list[float]]:
-    """What `opttree calibrate` stores under PROFILE_FIELD: the vector for greedy decoding and the one
-    for sampling (measured at temperature 1, used at any temperature > 0)."""
-    return {
-        "greedy": measure_acceptance_vector(target, draft, prompts_ids, width, temperature=0.0, **options),
-        "sampled": measure_acceptance_vector(target, draft, prompts_ids, width, temperature=1.0, **options),
-    }
 
 
 def profile_vector(profile: dict, greedy: bool) -> tuple[float, ...] | None:
@@ -104,7 +95,6 @@ def _solve(acc: tuple[float, ...], n: int, depth: int) -> tuple[float, list[Path
     return float(best[depth, n]), subtree(depth, n, ())
 
 
-@torch.inference_mode()
 def measure_acceptance_vector(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -115,30 +105,29 @@ def measure_acceptance_vector(
     top_p: float = 1.0,
     new_tokens: int = 64,
     seed: int = 0,
+    draft_temperature: float = 1.0,
 ) -> list[float]:
-    """Measure acc[k] = P(the (k+1)-th child is the accepted one) on calibration prompts.
+    """Measure acc[k] = P(the (k+1)-th child is the accepted one) on calibration prompts: the
+    target continues each prompt ((T,) or (1, T)) by `new_tokens` tokens, greedy at temperature 0
+    and sampled otherwise (`opttree.alignment.paired_logits`), then `acceptance_vector`."""
+    pairs = paired_logits(target, draft, prompts_ids, temperature, top_k, top_p, new_tokens, seed)
+    return acceptance_vector(pairs, width, temperature, top_k, top_p, seed, draft_temperature)
 
-    For each prompt (a (T,) or (1, T) tensor) the target continues it by `new_tokens` tokens
-    (greedy at temperature 0, sampled otherwise); one forward of each model over prompt +
-    continuation gives the target's p and the draft's q at every continuation position.
-    Temperature 0: the rank of the target's argmax in the draft's order. Otherwise: `width`
-    draws without replacement from q (warped like p), and the exact probability, given the draws,
-    that recursive rejection sampling accepts each one. Averaged over all positions.
+
+def acceptance_vector(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], width: int = 8, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_temperature: float = 1.0) -> list[float]:
+    """acc[k] averaged over every position of (target logits (P, V), draft logits (P, V)) pairs.
+
+    Temperature 0: the rank of the target's argmax in the draft's order. Otherwise: `width` draws
+    without replacement from q (the draft's logits / draft_temperature, warped like p), and the exact
+    probability, given the draws, that recursive rejection sampling accepts each one.
     """
-    from ..engine import generate
-
     generator = torch.Generator().manual_seed(seed)
     total = torch.zeros(width, dtype=torch.float64)
     positions = 0
-    for i, prompt in enumerate(prompts_ids):
-        prompt = torch.as_tensor(prompt).view(-1)
-        out = generate(target, prompt, tree="ar", max_new_tokens=new_tokens, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=seed + i)
-        ids = out.sequences  # (1, T + new)
-        start = prompt.shape[0] - 1  # the position that predicts the first new token
-        target_logits = target(input_ids=ids).logits[0, start:-1].float()  # (P, V)
-        draft_logits = draft(input_ids=ids).logits[0, start:-1].float()  # (P, V)
-        total += _accepted_by_rank(target_logits, draft_logits, width, temperature, top_k, top_p, generator)
+    for target_logits, draft_logits in pairs:
+        total += _accepted_by_rank(target_logits, draft_logits / draft_temperature, width, temperature, top_k, top_p,
+                                   generator)
         positions += target_logits.shape[0]
     return (total / max(positions, 1)).tolist()
 
