@@ -50,7 +50,7 @@ ALIGNMENT_WIDTH = 8  # ranks in Sequoia's acceptance vector
 CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
-DEFAULT_DELTAS = (0.1, 0.2, 0.3, 0.45, 0.6)
+DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
     "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items, or -1.\"\"\"\n",
     "import json\nimport os\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
@@ -58,6 +58,8 @@ CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --p
     "def parse_args(argv=None):\n    import argparse\n\n    parser = argparse.ArgumentParser(description=\"Copy files.\")\n",
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    result = []\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+    "def word_counts(text):\n    \"\"\"Count how often each word occurs in text.\"\"\"\n    counts = {}\n",
+    "import re\n\n\ndef is_valid_email(address):\n",
 ]
 
 
@@ -273,7 +275,7 @@ def recommend(rows: list[dict]) -> dict:
 
 
 def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_BUDGETS, deltas=DEFAULT_DELTAS,
-              max_tokens: int = 64, context: int = 200, repeats: int = 7, max_new_tokens: int = 64,
+              max_tokens: int = 64, context: int = 200, repeats: int = 7, max_new_tokens: int = 128,
               max_depth: int = 8, temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
               progress: bool = True) -> dict:
     """Measure, estimate and recommend. Returns the profile (a JSON-able dict). Prompts: ids (1, T)."""
