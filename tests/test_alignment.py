@@ -85,3 +85,21 @@ def test_a_sharper_draft_grows_deeper_opt_trees():
             tree = make_policy(SpecConfig(budget=12, delta=0.0, max_depth=8)).build(drafter, prompt, 8)
         depths[tau] = tree.max_depth
     assert depths[0.25] > depths[4.0]
+
+
+def test_reliability_table_shows_the_calibration():
+    from opttree.alignment import reliability
+
+    exact = reliability([(t, t) for t, _ in synthetic_pairs(1.0)])  # the target as its own draft
+    assert sum(row["positions"] for row in exact) == 3000
+    assert all(row["accepted"] == 1.0 for row in exact if row["positions"])
+    assert all(row["from"] <= row["stated"] < row["to"] + 1e-9 for row in exact if row["positions"])
+
+    pairs = synthetic_pairs(0.2, noise=1.0)  # under-confident: states less than it achieves
+
+    def gap(rows):  # position-weighted |stated - accepted|
+        return sum(r["positions"] * abs(r["stated"] - r["accepted"]) for r in rows if r["positions"]) / 3000
+
+    raw, calibrated = reliability(pairs), reliability(pairs, fit_draft_temperature(pairs))
+    assert all(r["stated"] < r["accepted"] for r in raw if r["positions"] > 100)
+    assert gap(calibrated) < gap(raw) / 2

@@ -248,6 +248,7 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert json.loads(paths["profile"].read_text())["recommended"] == json.loads(json.dumps(rec))
     assert paths["latency_plot"].read_bytes()[:4] == b"\x89PNG"
     assert "recommended: budget" in paths["markdown"].read_text()
+    assert "Is the draft's p-hat calibrated" in paths["markdown"].read_text()
     assert profile["estimate_over_measured"] > 0
     assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
     fitted = profile[cal.DRAFT_TEMPERATURE_FIELD]

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from .sampling import target_probs
 
 TEMPERATURE_RANGE = (0.05, 20.0)  # where fit_draft_temperature searches
+RELIABILITY_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 @torch.inference_mode()
@@ -90,3 +91,24 @@ def fit_draft_temperature(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], te
             b = lo + ratio * (hi - lo)
             fb = loss(b)
     return 2 / (lo + hi)
+
+
+def reliability(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], draft_temperature: float = 1.0,
+                bins: Sequence[float] = RELIABILITY_BINS) -> list[dict]:
+    """A reliability table of the draft's first choice at temperature 0: positions binned by the
+    draft's top probability (logits / draft_temperature); per bin, how many, the mean stated
+    probability, and how often the first choice is the target's argmax (what greedy verification
+    accepts). A calibrated draft has stated ~= accepted in every bin."""
+    target_logits = torch.cat([t for t, _ in pairs])
+    draft_logits = torch.cat([d for _, d in pairs])
+    top = (draft_logits / draft_temperature).softmax(dim=-1).max(dim=-1)  # (P,)
+    hit = (top.indices == target_logits.argmax(dim=-1)).double()  # (P,)
+    which = torch.bucketize(top.values, torch.tensor(bins[1:-1]), right=True)  # (P,) bin index
+    rows = []
+    for i, (lo, hi) in enumerate(zip(bins, bins[1:])):
+        member = which == i
+        count = int(member.sum())
+        rows.append({"from": lo, "to": hi, "positions": count,
+                     "stated": float(top.values[member].mean()) if count else None,
+                     "accepted": float(hit[member].mean()) if count else None})
+    return rows

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..alignment import fit_draft_temperature, paired_logits
+from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..cache import context_window, new_cache, truncate
 from ..demo import MODELS_DIR
 from ..drafters import ModelDrafter
@@ -47,6 +47,8 @@ from .report import machine_info, now
 PROFILE_VERSION = 2  # 2: draft temperature
 SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json
 ALIGNMENT_WIDTH = 8  # ranks in Sequoia's acceptance vector
+DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
+RELIABILITY_FIELD = "draft_reliability"  # {"raw": rows, "calibrated": rows} of alignment.reliability
 CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
@@ -68,17 +70,17 @@ CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --p
 
 def alignment_entry(target, draft, prompts: list[torch.Tensor], new_tokens: int, seed: int = 0) -> dict:
     """The profile fields that describe the pair rather than the machine: the draft temperature and
-    Sequoia's acceptance vector (at that temperature), for greedy decoding and for sampling at T=1."""
+    Sequoia's acceptance vector (at that temperature), for greedy decoding and for sampling at T=1,
+    and the greedy reliability of the draft's first choice before and after the temperature."""
     temperatures, vectors = {}, {}
     for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
         pairs = list(paired_logits(target, draft, prompts, temperature, new_tokens=new_tokens, seed=seed))
         temperatures[mode] = fit_draft_temperature(pairs, temperature)
         vectors[mode] = sequoia.acceptance_vector(pairs, ALIGNMENT_WIDTH, temperature, seed=seed,
                                                   draft_temperature=temperatures[mode])
-    return {DRAFT_TEMPERATURE_FIELD: temperatures, sequoia.PROFILE_FIELD: vectors}
-
-
-DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
+        if mode == "greedy":
+            table = {"raw": reliability(pairs), "calibrated": reliability(pairs, temperatures[mode])}
+    return {DRAFT_TEMPERATURE_FIELD: temperatures, sequoia.PROFILE_FIELD: vectors, RELIABILITY_FIELD: table}
 
 
 def profile_draft_temperature(profile: dict, temperature: float) -> float:
@@ -417,6 +419,23 @@ def latency_table(profile: dict) -> str:
     return "\n".join(lines)
 
 
+def reliability_table(profile: dict) -> str:
+    """Stated top-1 probability vs how often the target agrees, before and after the draft temperature."""
+    table = profile[RELIABILITY_FIELD]
+    tau = profile[DRAFT_TEMPERATURE_FIELD]["greedy"]
+    lines = [f"| draft's top probability | positions (raw) | stated | accepted | positions (/ {tau:.3g}) | stated | "
+             "accepted |", "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def cells(row):
+        if not row["positions"]:
+            return "0 | | "
+        return f"{row['positions']} | {row['stated']:.2f} | {row['accepted']:.2f}"
+
+    for raw, calibrated in zip(table["raw"], table["calibrated"]):
+        lines.append(f"| {raw['from']:.1f}-{raw['to']:.1f} | {cells(raw)} | {cells(calibrated)} |")
+    return "\n".join(lines)
+
+
 def grid_table(profile: dict) -> str:
     lines = ["| budget | delta | mean accepted length | nodes/step | draft layers/step | estimated tokens/s | "
              "measured tokens/s | measured speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -445,6 +464,10 @@ def markdown(profile: dict) -> str:
         f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "
         f"tokens/s ({rec['fraction_of_best_measured']:.0%} of it reached)",
         *[note for note in (consistency_note(profile), no_gain_note(profile)) if note],
+        "",
+        "## Is the draft's p-hat calibrated? (greedy, the draft's first choice)",
+        "",
+        reliability_table(profile),
         "",
         "## Forward latency after a cached context of " f"{s['context']} tokens (median of {s['repeats']})",
         "",
