@@ -257,6 +257,12 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert cal.profile_options(target, draft, "opt", 0.0) == {"draft_temperature": fitted["greedy"]}
     sequoia_options = cal.profile_options(target, draft, "sequoia", 1.0)
     assert sequoia_options["draft_temperature"] == fitted["sampled"] and len(sequoia_options["acceptance"]) == 8
+    stale = dict(json.loads(paths["cached_profile"].read_text()), version=cal.PROFILE_VERSION - 1)
+    paths["cached_profile"].write_text(json.dumps(stale))  # written by an older opttree
+    with pytest.warns(UserWarning, match="run `opttree calibrate` again"):
+        assert cal.find_profile(target, draft) is None
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no calibration profile"):
+        cal.auto_settings(target, draft)
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
         cal.auto_settings(target, other)  # another pair: its own profile

@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,11 +367,18 @@ def shipped_profile_path(target, draft) -> Path | None:
 
 
 def find_profile(target, draft) -> Path | None:
-    """This machine's profile for the pair, else the shipped one (shipped pair only), else None."""
+    """This machine's profile for the pair, else the shipped one (shipped pair only), else None.
+    A profile written by an older opttree is ignored, with a warning."""
     if draft is None:
         return None
     path = profile_path(target, draft)
-    return path if path.exists() else shipped_profile_path(target, draft)
+    if path.exists():
+        version = json.loads(path.read_text()).get("version")
+        if version == PROFILE_VERSION:
+            return path
+        warnings.warn(f"ignoring calibration profile {path}: version {version}, this opttree needs version "
+                      f"{PROFILE_VERSION}; run `opttree calibrate` again", stacklevel=2)
+    return shipped_profile_path(target, draft)
 
 
 def load_profile(target, draft) -> dict:
