@@ -84,4 +84,10 @@ def run_demo(args) -> int:
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding "
           f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']:g}, "
           f"draft temperature {tree['draft_temperature']:.2g})")
+    if args.temperature > 0:
+        print("(sampling: the outputs follow the target's distribution exactly; the same tokens as plain "
+              "decoding are not guaranteed at temperature > 0)")
+    elif same < len(prompts) and args.dtype not in ("float32", "fp32"):
+        print(f"({args.dtype} rounds a forward over a tree differently from a one-token forward, so near-ties can "
+              "flip; --dtype float32 is the exact reference, token for token)")
     return 0
