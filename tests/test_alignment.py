@@ -103,3 +103,14 @@ def test_reliability_table_shows_the_calibration():
     raw, calibrated = reliability(pairs), reliability(pairs, fit_draft_temperature(pairs))
     assert all(r["stated"] < r["accepted"] for r in raw if r["positions"] > 100)
     assert gap(calibrated) < gap(raw) / 2
+
+
+def test_a_draft_temperature_with_a_custom_drafter_is_an_error():
+    from helpers import ScriptedDrafter
+
+    import opttree
+
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
+    with pytest.raises(ValueError, match="custom Drafter"):
+        opttree.generate(target, torch.tensor([5, 9]), ScriptedDrafter(vocab=target.config.vocab_size),
+                         draft_temperature=0.5, max_new_tokens=4)

@@ -151,6 +151,9 @@ def stream(
             _check_fits(draft, "draft", max_len)
             check_model(draft, "draft", max_len)
             draft = ModelDrafter(draft, config.draft_temperature)
+        elif config.draft_temperature != 1:
+            raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
+                             "log-probabilities (scale them there)")
         drafter = draft
     if isinstance(stop, str):
         stop = [stop]
