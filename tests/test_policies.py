@@ -10,6 +10,7 @@ import torch
 from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, path_of, sample_counts, tiny_model
 
 import opttree
+from opttree.alignment import paired_logits
 from opttree.config import SpecConfig
 from opttree.policies import make_policy, sequoia
 from opttree.policies.eagle2 import top_k as eagle2_top_k
@@ -378,16 +379,19 @@ def test_sequoia_uses_the_configured_vector():
         SpecConfig(tree="sequoia", acceptance=[0.8, 0.5])
 
 
+def measure(target, draft, prompts_ids, width, temperature, new_tokens=8):
+    pairs = paired_logits(target, draft, prompts_ids, temperature, new_tokens=new_tokens)
+    return sequoia.acceptance_vector(pairs, width, temperature)
+
+
 def test_measure_acceptance_vector(small_pair):
     target, draft, prompt = small_pair
     prompts_ids = [prompt, torch.tensor([2, 1])]
     for temperature in (0.0, 1.0):  # the target as its own draft: the first child is always accepted
-        acc = sequoia.measure_acceptance_vector(target, target, prompts_ids, width=3, temperature=temperature,
-                                                new_tokens=8)
+        acc = measure(target, target, prompts_ids, width=3, temperature=temperature)
         assert acc == pytest.approx([1.0, 0.0, 0.0], abs=1e-6)
     for temperature, width in ((0.0, 5), (1.0, 4)):
-        acc = sequoia.measure_acceptance_vector(target, draft, prompts_ids, width=width, temperature=temperature,
-                                                new_tokens=8)
+        acc = measure(target, draft, prompts_ids, width=width, temperature=temperature)
         assert len(acc) == width and all(a >= 0 for a in acc) and sum(acc) <= 1 + 1e-9
         if temperature == 0:
             assert sum(acc) == pytest.approx(1.0)  # with width = vocab, the target's token has some rank
@@ -396,7 +400,7 @@ def test_measure_acceptance_vector(small_pair):
 
 def test_sequoia_profile_round_trip(small_pair):
     target, draft, prompt = small_pair
-    entry = {mode: sequoia.measure_acceptance_vector(target, target, [prompt], width=3, temperature=t, new_tokens=6)
+    entry = {mode: measure(target, target, [prompt], width=3, temperature=t, new_tokens=6)
              for mode, t in (("greedy", 0.0), ("sampled", 1.0))}
     assert entry == {"greedy": pytest.approx([1.0, 0, 0]), "sampled": pytest.approx([1.0, 0, 0])}
     profile = {sequoia.PROFILE_FIELD: entry}

@@ -2,7 +2,7 @@
 
 `paired_logits` continues calibration prompts with the target and returns both models' logits at
 every continuation position. From them come Sequoia's positional acceptance vector
-(`policies.sequoia.measure_acceptance_vector`) and the draft temperature that calibrates p-hat
+(`policies.sequoia.acceptance_vector`) and the draft temperature that calibrates p-hat
 (`fit_draft_temperature`), both saved by `opttree calibrate`.
 """
 

@@ -11,7 +11,7 @@ target's argmax is the draft's (k+1)-th choice), verified by token matching. At 
 they are drawn without replacement from the draft's distribution (warped like the target's) and
 verified by recursive rejection sampling (acc[k] = how often the k-th draw is accepted).
 
-The vector is measured on calibration prompts (`measure_acceptance_vector`; `opttree calibrate`
+The vector is measured on calibration prompts (`acceptance_vector`; `opttree calibrate`
 saves the greedy one and the sampled one, at temperature 1, under PROFILE_FIELD of the profile)
 and reaches the policy as `SpecConfig.acceptance` (the CLI and `opttree bench` pass the calibrated
 one for the pair when a profile exists). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
@@ -25,9 +25,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
-from ..alignment import paired_logits
 from ..config import SpecConfig, check_acceptance
 from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
@@ -95,28 +93,11 @@ def _solve(acc: tuple[float, ...], n: int, depth: int) -> tuple[float, list[Path
     return float(best[depth, n]), subtree(depth, n, ())
 
 
-def measure_acceptance_vector(
-    target: PreTrainedModel,
-    draft: PreTrainedModel,
-    prompts_ids: Sequence[torch.Tensor],
-    width: int = 8,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    new_tokens: int = 64,
-    seed: int = 0,
-    draft_temperature: float = 1.0,
-) -> list[float]:
-    """Measure acc[k] = P(the (k+1)-th child is the accepted one) on calibration prompts: the
-    target continues each prompt ((T,) or (1, T)) by `new_tokens` tokens, greedy at temperature 0
-    and sampled otherwise (`opttree.alignment.paired_logits`), then `acceptance_vector`."""
-    pairs = paired_logits(target, draft, prompts_ids, temperature, top_k, top_p, new_tokens, seed)
-    return acceptance_vector(pairs, width, temperature, top_k, top_p, seed, draft_temperature)
-
-
 def acceptance_vector(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], width: int = 8, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_temperature: float = 1.0) -> list[float]:
-    """acc[k] averaged over every position of (target logits (P, V), draft logits (P, V)) pairs.
+    """acc[k] = P(the (k+1)-th child is the accepted one), averaged over every position of (target
+    logits (P, V), draft logits (P, V)) pairs: `opttree.alignment.paired_logits` on calibration
+    prompts, generated at the same temperature.
 
     Temperature 0: the rank of the target's argmax in the draft's order. Otherwise: `width` draws
     without replacement from q (the draft's logits / draft_temperature, warped like p), and the exact
