@@ -73,10 +73,8 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
 
     max_len: the longest sequence this generation can reach (prompt + new tokens).
     """
-    if model.device.type != "cpu":
-        raise NotImplementedError(
-            f"{role} model is on {model.device}: this version of opttree runs on the CPU only; move it with model.cpu()"
-        )
+    if model.device.type == "meta":
+        raise ValueError(f"{role} model is on the meta device (its weights are not loaded): load or move it first")
     config = model.config.get_text_config()
     attn = model.config._attn_implementation
     if attn not in MASKABLE_ATTENTION:

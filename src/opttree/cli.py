@@ -22,6 +22,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations; float32 is the exactness reference (default: bfloat16)")
     parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default=None,
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
+    parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
+                        "('auto' = cuda when available, else cpu) (default: auto)")
+    parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -54,6 +57,19 @@ def draft_temperature(args, target, draft) -> float:
     return profile_options(target, draft, "opt", args.temperature).get("draft_temperature", 1.0)
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device -> a torch device that exists here; a clear error otherwise."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__})")
+    return device
+
+
 def load_pair(args):
     """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
     from transformers import AutoTokenizer
@@ -66,8 +82,10 @@ def load_pair(args):
         draft_path = args.draft or draft_path
     else:
         target_path, draft_path = args.target, args.draft
-    target = load_model(target_path, dtype)
-    draft = load_model(draft_path, draft_dtype) if draft_path else None
+    device = resolve_device(args.device)
+    draft_device = resolve_device(args.draft_device or args.device)
+    target = load_model(target_path, dtype).to(device)
+    draft = load_model(draft_path, draft_dtype).to(draft_device) if draft_path else None
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .config import SpecConfig
+from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import Drafter, ModelDrafter
 from .policies import TreePolicy, make_policy
 from .stats import GenerationStats
@@ -41,7 +42,7 @@ class Stopper:
     def cut(self, chunk: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends with it)."""
         end, hit = min(chunk.shape[0], self.remaining), False
-        is_eos = torch.isin(chunk[:end], self.eos).nonzero()
+        is_eos = torch.isin(chunk[:end], self.eos.to(chunk.device)).nonzero()
         if is_eos.numel():
             end, hit = int(is_eos[0]) + 1, True  # the EOS token itself is emitted, as transformers does
         if self.stop:
@@ -74,7 +75,8 @@ class Generation:
         stopper: Stopper,
     ):
         self.target, self.drafter, self.policy, self.config, self.stopper = target, drafter, policy, config, stopper
-        self.committed = input_ids  # (T,) prompt + tokens emitted so far
+        self.device = model_device(target)  # every tensor of the loop lives here
+        self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
         self.stats = GenerationStats()
 
@@ -83,44 +85,52 @@ class Generation:
         return self.committed[None]  # (1, T)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        cfg, stats, target, drafter = self.config, self.stats, self.target, self.drafter
-        generator = torch.Generator().manual_seed(cfg.seed)
-        start = time.perf_counter()
+        cfg, stats, target, drafter, device = self.config, self.stats, self.target, self.drafter, self.device
+        generator = seeded_generator(cfg.seed, device)
+        phases = PhaseClock(device)
+
+        def clock() -> float:  # wall time once the device's queued work is done
+            synchronize(device)
+            return time.perf_counter()
+
+        start = clock()
         with torch.inference_mode():
             cache = new_cache()  # holds committed[:-1]; the last committed token is the root
             if self.prompt_len > 1:
                 prefix = self.committed[:-1]
-                target(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0])[None], past_key_values=cache,
+                positions = torch.arange(prefix.shape[0], device=device)
+                target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
                        **last_logits_only(target))  # the logits are not used: one row is the least we can ask
             if drafter is not None:
                 drafter.start(self.committed)
-            stats.prefill_s = time.perf_counter() - start
+            stats.prefill_s = clock() - start
             finished = False
             while not finished:
                 prefix_len = self.committed.shape[0] - 1
-                t0 = time.perf_counter()
+                t0 = phases.mark()
                 # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
                 depth_limit = self.stopper.remaining - 1
-                tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty()
-                t1 = time.perf_counter()
+                tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
+                tree = tree.to(device)  # a drafter may run on another device
+                t1 = phases.mark()
                 # 2. verify: one target forward over [root] + tree
                 logits = verify_tree(target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
-                t2 = time.perf_counter()
+                t2 = phases.mark()
                 # 3. accept: the longest branch the target agrees with, plus its bonus token
                 accepted, bonus = accept(tree, logits, cfg, generator)  # (A,), ()
                 # 4. compact both caches to the root + accepted path
-                compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1]))
+                compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
                 if drafter is not None:
                     drafter.accept(tree.draft_slots[accepted])
                 # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
                 chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
                 self.committed = torch.cat([self.committed, chunk])
-                stats.draft_s += t1 - t0
-                stats.verify_s += t2 - t1
+                stats.draft_s += phases.seconds(t0, t1)  # the step has synchronised: reading marks stalls nothing
+                stats.verify_s += phases.seconds(t1, t2)
                 stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
                 stats.time_s = time.perf_counter() - start
                 yield chunk
-        stats.time_s = time.perf_counter() - start
+        stats.time_s = clock() - start
 
 
 def stream(

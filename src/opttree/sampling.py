@@ -35,12 +35,12 @@ def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Gene
     logp: (R, V) log-probabilities, -inf = impossible. Returns tokens (R, k') and valid (R, k'), k' = min(k, V):
     valid is False from the draw on which a row's support is exhausted.
     """
-    u = torch.rand(logp.shape, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)  # (R, V)
+    u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(min=torch.finfo(torch.float32).tiny)  # (R, V)
     keys = logp - torch.log(-torch.log(u))  # (R, V) logp + Gumbel noise
     top = keys.topk(min(k, logp.shape[-1]), dim=-1)
     return top.indices, torch.isfinite(top.values)
 
 
-def policy_generator(seed: int) -> torch.Generator:
+def policy_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A tree policy's own RNG: reproducible from the generation seed, a different stream from the verifier's."""
-    return torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15) % 2**63)
+    return torch.Generator(device=device).manual_seed((seed + 0x9E3779B97F4A7C15) % 2**63)

@@ -30,6 +30,14 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
 
+    def to(self, device: torch.device) -> "DraftTree":
+        """The same tree on `device` (a no-op when it is there already)."""
+        if self.tokens.device == device:
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs.to(device)
+        return DraftTree(self.tokens.to(device), self.parents.to(device), self.depths.to(device),
+                         self.scores.to(device), self.draft_slots.to(device), probs)
+
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "DraftTree":
         long = torch.empty(0, dtype=torch.long, device=device)

@@ -25,7 +25,7 @@ def masked_forward(
     mask = allowed[None, None]  # (1, 1, Q, K)
     if model.config._attn_implementation == "eager":
         dtype = model.dtype
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     out = model(
         input_ids=input_ids[None],
         position_ids=positions[None],
@@ -82,7 +82,7 @@ def accept_sampled(
         y = torch.multinomial(target_probs(logits[node + 1], temperature, top_k, top_p), 1, generator=generator)
         child = ((tree.parents == node) & (tree.tokens == y)).nonzero()  # (0 or 1, 1)
         if child.numel() == 0:
-            return torch.tensor(accepted, dtype=torch.long), y.squeeze(0)
+            return torch.tensor(accepted, dtype=torch.long, device=logits.device), y.squeeze(0)
         node = int(child[0, 0])
         accepted.append(node)
 
@@ -122,7 +122,7 @@ def accept_rejection_sampling(
     while True:
         p, q = target_p[node + 1], tree.draft_probs[node + 1]  # (V,), (V,)
         children = children_of[node + 1]
-        coins = torch.rand(len(children), generator=generator).tolist()
+        coins = torch.rand(len(children), generator=generator, device=p.device).tolist()
         for child, coin in zip(children, coins):
             x = tokens[child]
             if coin * float(q[x]) < float(p[x]):  # accepted with probability min(1, p(x) / q(x))
@@ -132,7 +132,7 @@ def accept_rejection_sampling(
             p, q = _rejected(p, q, x)
         else:  # every child rejected (or none): the bonus comes from what is left of p
             bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
-            return torch.tensor(accepted, dtype=torch.long), bonus
+            return torch.tensor(accepted, dtype=torch.long, device=bonus.device), bonus
 
 
 def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +142,7 @@ def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, t
     total = float(rest.sum())
     if total > 0:  # total = 0 only if p == q up to rounding, where rejection has probability ~0
         p = rest / total
-    q = q.index_fill(0, torch.tensor(x), 0.0)
+    q = q.index_fill(0, torch.tensor(x, device=q.device), 0.0)
     return p, q / q.sum().clamp(min=torch.finfo(q.dtype).tiny)
 
 

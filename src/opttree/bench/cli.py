@@ -166,6 +166,8 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
         "target": target.config._name_or_path,
         "draft": None if draft is None else draft.config._name_or_path,
         "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "draft_device": None if draft is None else str(draft.device),
         "draft_dtype": None if draft is None else str(draft.dtype).removeprefix("torch."),
         "prompt_file": str(args.prompts),
         "prompts": prompts,

@@ -154,8 +154,11 @@ def markdown(results: dict) -> str:
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}; machine: {meta['machine']['processor']}, {meta['machine']['cpu_count']} CPUs, "
         f"torch {meta['machine']['torch']} ({meta['machine']['torch_threads']} threads), "
-        f"transformers {meta['machine']['transformers']}",
-        f"- target: `{meta['target']}`; draft: `{meta['draft']}`; dtype {meta['dtype']}"
+        f"transformers {meta['machine']['transformers']}"
+        + (f"; GPU: {meta['machine']['cuda']}" if meta['machine'].get("cuda") else ""),
+        f"- target: `{meta['target']}`; draft: `{meta['draft']}`; device {meta.get('device', 'cpu')}"
+        + (f" (draft {meta['draft_device']})" if meta.get("draft_device") not in (None, meta.get("device")) else "")
+        + f"; dtype {meta['dtype']}"
         + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") not in (None, meta["dtype"]) else ""),
         f"- prompts: {meta['prompts']} from `{meta['prompt_file']}` ({len(results['skipped'])} skipped as too long); "
         f"max new tokens {meta['settings']['max_new_tokens']}; temperature {meta['settings']['temperature']}; "

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache import compact, last_logits_only, new_cache, truncate
+from ..device import model_device
 from ..verify import masked_forward
 
 
@@ -24,12 +25,16 @@ class ModelDrafter:
         if not (0 < temperature < float("inf")):
             raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
         self.model = model
+        self.device = model_device(model)  # inputs go here; log-probabilities come back from here
         self.temperature = temperature
         self.cache = new_cache()
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
-        self.slot_depths = torch.empty(0, dtype=torch.long)  # (S,)
-        self.slot_ancestors = torch.empty(0, 0, dtype=torch.bool)  # (S, S): [i, j] slot j is i or its ancestor
+        self._open_tree()
+
+    def _open_tree(self) -> None:
+        self.slot_depths = torch.empty(0, dtype=torch.long, device=self.device)  # (S,)
+        self.slot_ancestors = torch.empty(0, 0, dtype=torch.bool, device=self.device)  # (S, S): [i, j] slot j is i or its ancestor
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = new_cache()
@@ -37,30 +42,30 @@ class ModelDrafter:
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.committed_len)  # drop the slots of the previous tree
-        new = committed[self.committed_len :]  # (R,) tokens the draft has not seen yet
+        new = committed[self.committed_len :].to(self.device)  # (R,) tokens the draft has not seen yet
         assert new.numel() > 0, "the root must be new to the drafter"
-        positions = torch.arange(self.committed_len, committed.shape[0])
+        positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
         logits = self.model(
             input_ids=new[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True,
             **last_logits_only(self.model),
         ).logits[0, -1]  # (V,)
         self.committed_len = self.base = committed.shape[0]
-        self.slot_depths = torch.empty(0, dtype=torch.long)
-        self.slot_ancestors = torch.empty(0, 0, dtype=torch.bool)
+        self._open_tree()
         return self._log_probs(logits)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
         k, s = tokens.shape[0], self.slot_depths.shape[0]
         has_parent = parent_slots >= 0
         depths = torch.where(has_parent, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(tokens)
-        ancestors = torch.zeros(k, s + k, dtype=torch.bool)  # (K, S+K)
+        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
         if s:
             ancestors[:, :s] = self.slot_ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
-        ancestors[:, s:] = torch.eye(k, dtype=torch.bool)
-        allowed = torch.cat([torch.ones(k, self.base, dtype=torch.bool), ancestors], dim=1)  # (K, base+S+K)
+        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([torch.ones(k, self.base, dtype=torch.bool, device=self.device), ancestors], dim=1)  # (K, base+S+K)
         logits = masked_forward(self.model, self.cache, tokens, self.base - 1 + depths, allowed)  # (K, V)
 
-        grown = torch.zeros(s + k, s + k, dtype=torch.bool)
+        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
         grown[:s, :s] = self.slot_ancestors
         grown[s:] = ancestors
         self.slot_ancestors = grown
@@ -73,6 +78,7 @@ class ModelDrafter:
         return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
     def accept(self, slots: torch.Tensor) -> None:
+        slots = slots.to(self.device)
         run = slots >= 0  # the drafted nodes of an accepted path form a prefix of it
         kept = slots[: int(run.long().cumprod(0).sum())]
         compact(self.cache, self.base, kept)

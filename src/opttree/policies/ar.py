@@ -18,4 +18,4 @@ class Autoregressive:
         pass
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        return DraftTree.empty()
+        return DraftTree.empty(committed.device)

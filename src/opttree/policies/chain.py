@@ -20,15 +20,16 @@ class Chain:
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         length = min(self.length, depth_limit)
         logq = drafter.root(committed)  # (V,)
+        device = logq.device
         tokens, scores, slots = [], [], []
-        score = torch.zeros(())
+        score = torch.zeros((), device=device)
         for depth in range(1, length + 1):
             token = logq.argmax()
             score = score + logq[token]
             tokens.append(token)
             scores.append(score)
             if depth < length:
-                parent_slot = torch.tensor([depth - 2]) if depth > 1 else torch.tensor([-1])
+                parent_slot = torch.tensor([depth - 2 if depth > 1 else -1], device=device)
                 logq = drafter.expand(token.view(1), parent_slot)[0]
                 slots.append(depth - 1)
             else:
@@ -36,8 +37,8 @@ class Chain:
         n = len(tokens)
         return DraftTree(
             tokens=torch.stack(tokens),
-            parents=torch.arange(n) - 1,
-            depths=torch.arange(1, n + 1),
+            parents=torch.arange(n, device=device) - 1,
+            depths=torch.arange(1, n + 1, device=device),
             scores=torch.stack(scores),
-            draft_slots=torch.tensor(slots, dtype=torch.long),
+            draft_slots=torch.tensor(slots, dtype=torch.long, device=device),
         )

@@ -42,8 +42,9 @@ class DySpec:
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         max_depth = min(self.max_depth, depth_limit)
         dists = self.picker.log_dist(drafter.root(committed)[None])  # (F, V) of the frontier
-        frontier = torch.full((1,), -1, dtype=torch.long)  # (F,) tree index of the frontier nodes, -1 = root
-        value = torch.zeros(1)  # (F,) log value of the frontier nodes
+        device = dists.device
+        frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # (F,) tree index of the frontier nodes, -1 = root
+        value = torch.zeros(1, device=device)  # (F,) log value of the frontier nodes
         tokens, parents, depths, scores, slots = [], [], [], [], []
         probs, prob_nodes = [dists.exp()], [frontier]
         size = next_slot = 0
@@ -55,7 +56,7 @@ class DySpec:
             offer = value[:, None] + (1 - taken_before).clamp(min=0).log()  # (F, k) log value offering child i
             offer = offer.masked_fill(~ok | (offer.exp() <= self.threshold), float("-inf"))
             order = offer.flatten().sort(descending=True, stable=True).indices[:room]
-            take = torch.zeros(offer.numel(), dtype=torch.bool)
+            take = torch.zeros(offer.numel(), dtype=torch.bool, device=device)
             take[order] = offer.flatten()[order] > float("-inf")
             row, rank = take.view_as(offer).nonzero(as_tuple=True)  # by parent, then draw order
             if row.numel() == 0:
@@ -65,7 +66,7 @@ class DySpec:
             parents.append(frontier[row])
             depths.append(torch.full_like(row, depth))
             scores.append(child_score)
-            index = torch.arange(size, size + row.numel())  # tree indices of the new children
+            index = torch.arange(size, size + row.numel(), device=device)  # tree indices of the new children
             size += row.numel()
             expand = (child_score.exp() > self.threshold) & (depth < max_depth) & (size < self.n)
             child_slots = torch.full_like(row, -1)
@@ -74,7 +75,7 @@ class DySpec:
                 parent_tree = frontier[row[run]]
                 parent_slots = torch.where(parent_tree >= 0, torch.cat(slots + [child_slots])[parent_tree.clamp(min=0)], -1)
                 dists = self.picker.log_dist(drafter.expand(tokens[-1][run], parent_slots))  # (F', V)
-                child_slots[run] = torch.arange(next_slot, next_slot + run.numel())
+                child_slots[run] = torch.arange(next_slot, next_slot + run.numel(), device=device)
                 next_slot += run.numel()
                 frontier, value = index[run], child_score[run]
                 probs.append(dists.exp())
@@ -83,10 +84,10 @@ class DySpec:
             if not bool(expand.any()):
                 break
         if not tokens:
-            return DraftTree.empty()
+            return DraftTree.empty(device)
         draft_probs = None
         if self.picker.sampled:
-            draft_probs = torch.zeros(size + 1, dists.shape[1])  # (N + 1, V), zero rows for leaves
+            draft_probs = torch.zeros(size + 1, dists.shape[1], device=device)  # (N + 1, V), zero rows for leaves
             draft_probs[torch.cat(prob_nodes) + 1] = torch.cat(probs)
         return DraftTree(torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(scores),
                          torch.cat(slots), draft_probs)

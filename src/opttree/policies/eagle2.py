@@ -47,7 +47,7 @@ class Eagle2:
             expand = scores.topk(min(self.k, scores.shape[0])).indices  # (k,) positions in the layer
             parent_slots = torch.cat(slots)[parents[expand].clamp(min=0)].masked_fill(parents[expand] < 0, -1)
             logq = drafter.expand(tokens[expand], parent_slots)  # (k, V)
-            slots[-1][expand] = torch.arange(next_slot, next_slot + expand.shape[0])
+            slots[-1][expand] = torch.arange(next_slot, next_slot + expand.shape[0], device=logq.device)
             next_slot += expand.shape[0]
             child_scores, child_tokens = (scores[expand, None] + logq).topk(min(self.k, logq.shape[1]), dim=1)  # (k, k)
             child_parents = (offset + expand)[:, None].expand_as(child_tokens)

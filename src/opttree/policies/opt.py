@@ -45,9 +45,9 @@ class OptTree:
             layers.append((best.indices.flatten()[flat], offset + flat // width, scores))
             offset += tokens.shape[0]
         sizes = [layer[0].shape[0] for layer in layers]
-        candidates = torch.arange(sum(sizes))
+        candidates = torch.arange(sum(sizes), device=logq.device)
         slots = torch.where(candidates < offset, candidates, -1)  # the last layer was never run
-        depths = torch.cat([torch.full((size,), d + 1) for d, size in enumerate(sizes)])
+        depths = torch.cat([torch.full((size,), d + 1, device=logq.device) for d, size in enumerate(sizes)])
         return select_best(
             torch.cat([layer[0] for layer in layers]),
             torch.cat([layer[1] for layer in layers]),

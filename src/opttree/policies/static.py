@@ -65,6 +65,9 @@ class Shape:
     def __len__(self) -> int:
         return self.parents.shape[0]
 
+    def to(self, device: torch.device) -> "Shape":
+        return Shape(self.parents.to(device), self.ranks.to(device), self.depths.to(device))
+
     def cut(self, max_depth: int) -> "Shape":
         """The nodes at most `max_depth` deep (a prefix, as nodes are sorted by depth)."""
         n = int((self.depths <= max_depth).sum())
@@ -83,7 +86,8 @@ class ChildPicker:
     def __init__(self, config: SpecConfig, sampled: bool):
         self.sampled = sampled and config.temperature > 0
         self.warp = (config.temperature, config.top_k, config.top_p)
-        self.generator = policy_generator(config.seed) if self.sampled else None
+        self.seed = config.seed
+        self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
 
     def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
         """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
@@ -92,6 +96,8 @@ class ChildPicker:
     def pick(self, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, V) -> children tokens (R, k') in rank / draw order and valid (R, k'), k' = min(k, V)."""
         if self.sampled:
+            if self.generator is None:
+                self.generator = policy_generator(self.seed, log_dist.device)
             return sample_without_replacement(log_dist, k, self.generator)
         tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
@@ -104,18 +110,20 @@ def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildP
     """
     n = len(shape)
     if n == 0:
-        return DraftTree.empty()
-    has_child = torch.zeros(n, dtype=torch.bool)
-    has_child[shape.parents[shape.parents >= 0]] = True
-    tokens = torch.zeros(n, dtype=torch.long)
-    scores = torch.zeros(n)
-    valid = torch.zeros(n, dtype=torch.bool)
-    slots = torch.full((n,), -1, dtype=torch.long)
-    dist_row = torch.full((n + 1,), -1, dtype=torch.long)  # [i + 1] = row of node i in `dists` (0 = root)
-    dist_row[0] = 0
+        return DraftTree.empty(committed.device)
     dists = picker.log_dist(drafter.root(committed)[None])  # (R, V) distributions of the last run layer
+    device = dists.device
+    shape = shape.to(device)
+    has_child = torch.zeros(n, dtype=torch.bool, device=device)
+    has_child[shape.parents[shape.parents >= 0]] = True
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    scores = torch.zeros(n, device=device)
+    valid = torch.zeros(n, dtype=torch.bool, device=device)
+    slots = torch.full((n,), -1, dtype=torch.long, device=device)
+    dist_row = torch.full((n + 1,), -1, dtype=torch.long, device=device)  # [i + 1] = row of node i in `dists` (0 = root)
+    dist_row[0] = 0
     run_probs = [dists.exp()]  # for draft_probs
-    run_nodes = [torch.full((1,), -1, dtype=torch.long)]
+    run_nodes = [torch.full((1,), -1, dtype=torch.long, device=device)]
     next_slot = 0
     for depth in range(1, int(shape.depths.max()) + 1):
         layer = (shape.depths == depth).nonzero().squeeze(1)  # (L,) contiguous node indices
@@ -134,18 +142,18 @@ def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildP
             break
         parent_slots = torch.where(shape.parents[run] >= 0, slots[shape.parents[run].clamp(min=0)], -1)
         dists = picker.log_dist(drafter.expand(tokens[run], parent_slots))  # (K, V)
-        slots[run] = torch.arange(next_slot, next_slot + run.numel())
+        slots[run] = torch.arange(next_slot, next_slot + run.numel(), device=device)
         next_slot += run.numel()
-        dist_row[run + 1] = torch.arange(run.numel())
+        dist_row[run + 1] = torch.arange(run.numel(), device=device)
         run_probs.append(dists.exp())
         run_nodes.append(run)
     keep = valid.nonzero().squeeze(1)  # (M,) a connected subtree: a kept node's parent is valid
-    new_index = torch.full((n + 1,), -1, dtype=torch.long)
-    new_index[keep + 1] = torch.arange(keep.numel())
+    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=device)
+    new_index[keep + 1] = torch.arange(keep.numel(), device=device)
     draft_probs = None
     if picker.sampled:
         probs = torch.cat(run_probs)  # (runs + 1, V)
-        draft_probs = torch.zeros(keep.numel() + 1, probs.shape[1])  # (M + 1, V), zero rows for leaves
+        draft_probs = torch.zeros(keep.numel() + 1, probs.shape[1], device=device)  # (M + 1, V), zero rows for leaves
         draft_probs[new_index[torch.cat(run_nodes) + 1] + 1] = probs
     return DraftTree(
         tokens=tokens[keep],

@@ -221,6 +221,21 @@ def cmd_pair(args) -> None:
         _log(f"installed target and draft into {args.install_dir}")
 
 
+def cmd_inflate(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .inflate import inflate
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, local_files_only=True)
+    big = inflate(model, args.hidden, args.intermediate, args.layers, device=args.device).to(dtypes[args.dtype])
+    big.save_pretrained(args.out)
+    AutoTokenizer.from_pretrained(args.target).save_pretrained(args.out)
+    params = sum(p.numel() for p in big.parameters())
+    _log(f"saved {args.out}: {params / 1e9:.2f}B parameters ({args.dtype}), the function of {args.target}")
+
+
 def register(subparsers) -> None:
     """Add ``train {tokenizer,lm,draft,pair}`` to an argparse subparsers object."""
     train = subparsers.add_parser("train", help="train the tokenizer, target LM and draft model")
@@ -263,6 +278,17 @@ def register(subparsers) -> None:
     p.add_argument("--no-install", dest="install_dir", action="store_const", const=None)
     _add_train_args(p, lr=1e-3, batch_size=8)
     p.set_defaults(func=cmd_pair)
+
+    p = sub.add_parser("inflate", help="widen and deepen a Llama target without changing its function "
+                       "(a GPU testbed: the shipped target at a 1B model's cost)")
+    p.add_argument("--target", type=Path, required=True, help="Llama model dir (with tokenizer)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--hidden", type=int, default=2048, help="hidden width (default: 2048)")
+    p.add_argument("--intermediate", type=int, default=5632, help="MLP width (default: 5632)")
+    p.add_argument("--layers", type=int, default=22, help="decoder layers (default: 22, ~1.1B parameters)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--device", default="cpu", help="where to build it (cuda is much faster for 1B)")
+    p.set_defaults(func=cmd_inflate)
     for action in p._actions:  # pair manages run dirs, budgets, lr and batch size per model itself
         if action.dest in ("run_dir", "steps", "minutes", "lr", "batch_size", "shape", "resume", "cache_dir"):
             action.required = False

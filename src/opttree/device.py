@@ -1,0 +1,49 @@
+"""Where a model lives, and what timing and random numbers need there.
+
+Every tensor of a generation is created on its model's device; the engine never moves a model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+
+def model_device(model: PreTrainedModel) -> torch.device:
+    """The device of the model's input embeddings: where its input ids must be."""
+    return model.get_input_embeddings().weight.device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock reading after it is true (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A per-request RNG on `device`. A seed outside [0, 2**64) is an error, not silently wrapped."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class PhaseClock:
+    """Marks on the device's timeline, to split a step into draft / verify without stalling it:
+    CUDA events on a GPU (read once the step has synchronised anyway), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+
+    def mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.events else end - start
