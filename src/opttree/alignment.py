@@ -34,7 +34,7 @@ def paired_logits(
     """Per prompt ((T,) or (1, T)): the target continues it by `new_tokens` tokens (greedy at
     temperature 0, sampled otherwise), then one forward of each model over prompt + continuation.
     Yields float32 (target logits (P, V), draft logits (P, V)) at the P positions that predict the
-    continuation's tokens."""
+    continuation's tokens, on the CPU."""
     from .engine import generate
 
     for i, prompt in enumerate(prompts_ids):
@@ -43,7 +43,9 @@ def paired_logits(
                        top_k=top_k, top_p=top_p, seed=seed + i)
         ids = out.sequences  # (1, T + new)
         start = prompt.shape[0] - 1  # the position that predicts the first new token
-        yield target(input_ids=ids).logits[0, start:-1].float(), draft(input_ids=ids).logits[0, start:-1].float()
+        target_logits = target(input_ids=ids).logits[0, start:-1]
+        draft_logits = draft(input_ids=ids.to(draft.device)).logits[0, start:-1]
+        yield target_logits.float().cpu(), draft_logits.float().cpu()  # the fits run on the host
 
 
 def draft_cross_entropy(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_temperature: float,

@@ -278,6 +278,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-install", dest="install_dir", action="store_const", const=None)
     _add_train_args(p, lr=1e-3, batch_size=8)
     p.set_defaults(func=cmd_pair)
+    for action in p._actions:  # pair manages run dirs, budgets, lr and batch size per model itself
+        if action.dest in ("run_dir", "steps", "minutes", "lr", "batch_size", "shape", "resume", "cache_dir"):
+            action.required = False
+            action.help = argparse.SUPPRESS
 
     p = sub.add_parser("inflate", help="widen and deepen a Llama target without changing its function "
                        "(a GPU testbed: the shipped target at a 1B model's cost)")
@@ -289,10 +293,6 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--device", default="cpu", help="where to build it (cuda is much faster for 1B)")
     p.set_defaults(func=cmd_inflate)
-    for action in p._actions:  # pair manages run dirs, budgets, lr and batch size per model itself
-        if action.dest in ("run_dir", "steps", "minutes", "lr", "batch_size", "shape", "resume", "cache_dir"):
-            action.required = False
-            action.help = argparse.SUPPRESS
 
 
 def main(argv: list[str] | None = None) -> None:
