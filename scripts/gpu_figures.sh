@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/BENCHMARKS.md ("On a GPU"). Usage, from the repository root on a CUDA machine:
 #   scripts/gpu_figures.sh check   OUT_DIR   # CUDA tests (greedy identity, seeded sampling, host syncs)
-#   scripts/gpu_figures.sh curves  OUT_DIR   # calibrate: latency curves and budgets, shipped pair and 1.1B inflated target
+#   scripts/gpu_figures.sh curves  OUT_DIR   # latency curves and per-step time split, shipped pair and 1.1B inflated target
+#   scripts/gpu_figures.sh calibrate OUT_DIR # opttree calibrate's budget x delta grid for the shipped pair
 #   scripts/gpu_figures.sh bench   OUT_DIR   # HumanEval bench against transformers' peers, both targets
-# HUMANEVAL (default ../shared/data/humaneval.jsonl) and LIMIT (prompts, default 40) can be overridden.
+# HUMANEVAL (default ../shared/data/humaneval.jsonl), LIMIT (prompts, default 20) and BUDGETS (16,64) can be overridden.
 set -euo pipefail
 what=$1 out=$2
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -20,23 +21,22 @@ case $what in
 check)
     python3 -m pytest -q -rs -s tests/test_devices.py 2>&1 | tail -25
     ;;
-curves)
-    opttree calibrate --device cuda --dtype bfloat16 --max-tokens 256 --budgets 8,16,32,48,64,96 \
-        --deltas 0.1,0.3,0.6 --out /tmp/cal-shipped --no-progress
+curves)  # latency curves and the per-step time split (scripts/gpu_profile.py), both targets
     inflated
-    opttree calibrate --target $big --draft src/opttree/models/draft --device cuda --dtype bfloat16 \
-        --max-tokens 256 --budgets 8,16,32,48,64,96 --deltas 0.1,0.3,0.6 --out /tmp/cal-1b --no-progress
-    for run in shipped 1b; do
-        mkdir -p "$out/cal-$run"; cp /tmp/cal-$run/{calibration.md,latency.png,profile.json} "$out/cal-$run/"
-    done
+    python3 scripts/gpu_profile.py --target src/opttree/models/target --draft src/opttree/models/draft
+    python3 scripts/gpu_profile.py --target $big --draft src/opttree/models/draft
+    ;;
+calibrate)  # the full calibration grid of the shipped pair (~7 min on an H100)
+    opttree calibrate --device cuda --dtype bfloat16 --max-tokens 256 --budgets 8,16,32,48,64,96 \
+        --deltas 0.1,0.3,0.6 --out "$out/cal-shipped" --no-progress
     ;;
 bench)
     inflated
-    for target in src/opttree/models/target $big; do
+    for target in $big src/opttree/models/target; do
         name=$([ $target = $big ] && echo 1b || echo shipped)
         opttree bench --target $target --draft src/opttree/models/draft --device cuda --dtype bfloat16 \
-            --prompts "$humaneval" --limit "${LIMIT:-40}" --methods ar,opt,chain,hf-assisted,hf-lookup \
-            --budgets 16,32,64 --delta 0.3 --max-new-tokens 128 --out /tmp/bench-$name --no-progress
+            --prompts "$humaneval" --limit "${LIMIT:-20}" --methods ar,opt,hf-assisted,hf-lookup \
+            --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens 128 --out /tmp/bench-$name --no-progress
         mkdir -p "$out/bench-$name"; cp /tmp/bench-$name/{results.md,results.json} "$out/bench-$name/"
     done
     ;;
