@@ -105,3 +105,16 @@ def test_inflated_target_computes_the_same_function():
         torch.testing.assert_close(big(ids).logits, small(ids).logits, atol=1e-4, rtol=1e-4)
     out = opttree.generate(big, ids, small, budget=8, max_new_tokens=24, eos_token_id=[])
     assert torch.equal(out.sequences, hf_greedy(small, ids, 24))
+
+
+def test_compiled_models_stay_exact():
+    """`compile_model` (--compile): torch.compile'd forwards with trees of changing size, same tokens."""
+    from opttree.device import compile_model
+
+    target = tiny_model("llama", seed=1, layers=2, hidden=64)
+    draft = tiny_model("llama", seed=2, layers=1, hidden=32)
+    refs = [(p, hf_greedy(target, p, 20)) for p in prompts(2, seed=9)]
+    compile_model(target), compile_model(draft)
+    for prompt, ref in refs:
+        out = opttree.generate(target, prompt, draft, budget=8, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(out.sequences, ref)

@@ -25,6 +25,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
                         "('auto' = cuda when available, else cpu) (default: auto)")
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models' forwards: ~20%% "
+                        "faster steps on a CPU after ~1 minute of compilation (pays for long runs)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -86,6 +88,10 @@ def load_pair(args):
     draft_device = resolve_device(args.draft_device or args.device)
     target = load_model(target_path, dtype).to(device)
     draft = load_model(draft_path, draft_dtype).to(draft_device) if draft_path else None
+    if args.compile:
+        from .device import compile_model
+
+        target, draft = compile_model(target), draft and compile_model(draft)
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 

@@ -47,3 +47,13 @@ class PhaseClock:
 
     def seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1000 if self.events else end - start
+
+
+def compile_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Compile the model's forward with torch.compile (dynamic shapes: trees and caches change size
+    every step). In place; returns the model. The first calls compile (about a minute for the shipped
+    target on a 2-core CPU), so it pays for long runs (benchmarks, servers), not for one prompt."""
+    if not getattr(model, "_opttree_compiled", False):
+        model.forward = torch.compile(model.forward, dynamic=True)
+        model._opttree_compiled = True
+    return model
