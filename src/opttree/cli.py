@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=cmd_generate)
 
-    for module in ("opttree.train.cli", "opttree.bench.cli"):
+    for module in ("opttree.train.cli", "opttree.bench.cli", "opttree.server"):
         try:
             __import__(module, fromlist=["register"]).register(sub)
         except ModuleNotFoundError as err:

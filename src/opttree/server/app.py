@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (DESIGN.md section 17).
+
+One request decodes at a time (batch 1); the others wait in a bounded queue (429 when it is full).
+Decoding runs in a worker thread so the event loop keeps answering; a streaming client that
+disconnects cancels its request at the next step. Request fields are OpenAI's, each honoured or
+refused with a 400 naming it; tree settings (`tree`, `budget`, `delta`, `max_depth`,
+`draft_temperature`) may be given per request as extra fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import prometheus_client as prom
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import stream
+
+TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions; anything else is refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)  # OpenAI's default
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # opttree's own extra fields: the tree settings of this request
+    tree: str | None = None
+    budget: int | None = None
+    delta: float | None = None
+    max_depth: int | None = None
+    draft_temperature: float | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise OpenAIError(400, f"n={self.n}: opttree returns one choice per request (n=1)", "n")
+        if self.logprobs not in (None, False, 0):
+            raise OpenAIError(400, "logprobs are not supported by opttree serve", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise OpenAIError(400, f"{name} is not supported (it would change the target's distribution)", name)
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise OpenAIError(400, "at most 4 stop sequences", "stop")
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            raise OpenAIError(400, "a stop sequence must not be empty", "stop")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+@dataclass
+class Metrics:
+    """Prometheus counters with vLLM's spec-decode names under the `opttree:` prefix."""
+
+    registry: prom.CollectorRegistry = field(default_factory=prom.CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = prom.Counter("opttree:requests", "finished requests", ["endpoint", "status"], registry=r)
+        self.drafts = prom.Counter("opttree:spec_decode_num_drafts", "target verification steps", registry=r)
+        self.draft_tokens = prom.Counter("opttree:spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
+        self.accepted = prom.Counter("opttree:spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.per_pos = prom.Counter("opttree:spec_decode_num_accepted_tokens_per_pos",
+                                    "steps whose accepted draft reached this position", ["position"], registry=r)
+        self.generated = prom.Counter("opttree:generation_tokens", "tokens generated", registry=r)
+        self.mal = prom.Gauge("opttree:spec_decode_mean_acceptance_length",
+                              "new tokens per step, bonus included, over all requests", registry=r)
+        self.latency = prom.Histogram("opttree:e2e_request_latency_seconds", "request latency", registry=r)
+        self.waiting = prom.Gauge("opttree:num_requests_waiting", "requests queued or running", registry=r)
+        self._tokens = self._steps = 0
+
+    def observe(self, stats) -> None:
+        self.drafts.inc(stats.steps)
+        self.draft_tokens.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.generated.inc(stats.new_tokens)
+        for position in range(1, len(stats.accepted_histogram)):  # steps with more than `position - 1` accepted
+            self.per_pos.labels(str(position - 1)).inc(sum(stats.accepted_histogram[position:]))
+        self._tokens += stats.new_tokens
+        self._steps += stats.steps
+        self.mal.set(self._tokens / self._steps if self._steps else 0.0)
+
+
+class TextDeltas:
+    """Incremental text as OpenAI sends it: UTF-8-safe (a trailing partial character, decoded as
+    U+FFFD, waits for the tokens that finish it) and cut before the first stop sequence (text that
+    could be the start of one waits until it is clear)."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer, self.stop, self.ids, self.sent = tokenizer, stop or [], [], 0
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            end = min(hits)
+        elif final:
+            end = len(text)
+        else:
+            end = len(text.rstrip("\ufffd"))
+            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        return delta
+
+
+class Server:
+    """The models, the engine settings and the one-at-a-time decoding queue."""
+
+    def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
+        self.metrics = Metrics()
+        self.lock = threading.Lock()  # one decoding at a time; held by the decoding thread itself
+        self.pending = 0
+
+    def prompt_ids(self, req) -> list[int]:
+        if isinstance(req, ChatRequest):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise OpenAIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", "messages")
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(req.prompt, list):
+            return req.prompt
+        return self.tokenizer(req.prompt, add_special_tokens=False).input_ids
+
+    def start(self, req) -> tuple[Any, list[int]]:
+        """Validate and set up a generation (errors here are 400s, before anything is sent)."""
+        req.refuse_unsupported()
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise OpenAIError(400, "the prompt is empty", "prompt")
+        options = dict(self.tree_options)
+        options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        try:
+            run = stream(self.target, [ids], self.draft, tokenizer=self.tokenizer, stop=req.stop_list or None,
+                         max_new_tokens=req.new_tokens,
+                         temperature=req.temperature, top_p=req.top_p, seed=seed, **options)
+        except (ValueError, NotImplementedError, TypeError) as err:
+            raise OpenAIError(400, str(err)) from None
+        return run, ids
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def _decode(run, lock: threading.Lock, cancelled: threading.Event) -> Iterator[list[int]]:
+    """The run's chunks, decoded while holding `lock`; stops at the next step once `cancelled` is set."""
+    with lock:
+        for chunk in run:
+            if cancelled.is_set():
+                return
+            yield chunk.tolist()
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="opttree", description="OpenAI-compatible speculative decoding")
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError):
+        server.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return _error(err.status, err.message, err.param, err.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        server.metrics.requests.labels(request.url.path, "400").inc()
+        return _error(400, f"{param}: {first['msg']}" if param else first["msg"], param)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "opttree",
+                                            "created": 0}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        server.metrics.waiting.set(server.pending)
+        return PlainTextResponse(prom.generate_latest(server.metrics.registry).decode(),
+                                 media_type=prom.CONTENT_TYPE_LATEST)
+
+    async def serve(request: Request, req, chat: bool):
+        if server.pending >= server.max_queue:
+            return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
+                                           "type": "rate_limit_error", "param": None, "code": None}},
+                                status_code=429, headers={"Retry-After": "1"})
+        run, ids = server.start(req)
+        server.pending += 1
+        kind = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created, began = int(time.time()), time.perf_counter()
+        max_tokens, stop = req.new_tokens, req.stop_list
+        cancelled = threading.Event()
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = ({"role": "assistant", "content": text} if text is not None else {}) if delta else \
+                {"role": "assistant", "content": text}
+            return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": finish}
+
+        def usage() -> dict:
+            n = run.stats.new_tokens
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+        def done(status: str) -> None:
+            server.pending -= 1
+            server.metrics.observe(run.stats)
+            server.metrics.latency.observe(time.perf_counter() - began)
+            server.metrics.requests.labels(request.url.path, status).inc()
+
+        if not req.stream:
+            try:
+                chunks = await asyncio.to_thread(lambda: list(_decode(run, server.lock, cancelled)))
+            except BaseException:
+                cancelled.set()
+                done("500")
+                raise
+            text = TextDeltas(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
+            finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
+            done("200")
+            return {"id": rid, "object": kind, "created": created, "model": server.model_name,
+                    "choices": [choice(text, finish, delta=False)], "usage": usage()}
+
+        async def events():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def produce() -> None:
+                try:
+                    for chunk in _decode(run, server.lock, cancelled):
+                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                except BaseException as err:  # reported to the client as an error event
+                    loop.call_soon_threadsafe(queue.put_nowait, err)
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+            def event(body: dict) -> str:
+                return f"data: {json.dumps(body)}\n\n"
+
+            header = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                      "model": server.model_name}
+            status = "200"
+            try:
+                if chat:
+                    yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "finish_reason": None}]})
+                deltas = TextDeltas(server.tokenizer, stop)
+                loop.run_in_executor(None, produce)
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        status = "500"
+                        yield event({"error": {"message": str(item), "type": "server_error"}})
+                        break
+                    if await request.is_disconnected():
+                        status = "499"
+                        break
+                    text = deltas.push(item)
+                    if text:
+                        yield event({**header, "choices": [choice(text, None, delta=True)]})
+                else:
+                    tail = deltas.push([], final=True)
+                    finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
+                    last = {**header, "choices": [choice(tail or None if chat else tail, finish, delta=True)]}
+                    if req.stream_options and req.stream_options.get("include_usage"):
+                        last["usage"] = usage()
+                    yield event(last)
+                    yield "data: [DONE]\n\n"
+            except BaseException:  # the client went away (the response is cancelled): 499, as nginx logs it
+                status = "499" if status == "200" else status
+                raise
+            finally:
+                cancelled.set()  # the decoding thread stops at its next step and releases the lock
+                done(status)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest):
+        for name in ("echo", "suffix"):
+            if getattr(req, name):
+                raise OpenAIError(400, f"{name} is not supported by opttree serve", name)
+        if req.best_of not in (None, 1):
+            raise OpenAIError(400, "best_of is not supported (one choice per request)", "best_of")
+        return await serve(request, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatRequest):
+        return await serve(request, req, chat=True)
+
+    return app
