@@ -137,3 +137,20 @@ def test_confident_self_draft_reaches_max_depth_plus_one():
                            max_new_tokens=(max_depth + 1) * 10, eos_token_id=[])
     assert out.stats.mean_accepted_length == max_depth + 1
     assert out.stats.accepted_histogram[max_depth] == 10
+
+
+def test_interleaved_streams_in_one_thread(pair):
+    """Two streams consumed round-robin (as an async server does) equal separate runs, and the
+    caller's code between chunks runs with its own grad mode, not in inference mode."""
+    _, target, draft = pair
+    a, b = prompts(2, seed=11)
+    refs = [opttree.generate(target, p, draft, budget=4, max_new_tokens=20, eos_token_id=[]).sequences for p in (a, b)]
+    runs = [opttree.stream(target, p, draft, budget=4, max_new_tokens=20, eos_token_id=[]) for p in (a, b)]
+    iterators, live = [iter(r) for r in runs], [True, True]
+    while any(live):
+        for i, it in enumerate(iterators):
+            if live[i]:
+                live[i] = next(it, None) is not None
+                assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    for run, ref in zip(runs, refs):
+        assert torch.equal(run.sequences, ref)

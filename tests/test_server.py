@@ -11,7 +11,8 @@ import torch
 import uvicorn
 
 import opttree
-from opttree.server.app import Server, TextDeltas, create_app
+from opttree.server.app import Server, create_app
+from opttree.text import TextStream
 
 TREE = dict(tree="opt", budget=4, delta=0.1)
 PROMPT = "def fibonacci(n):\n"
@@ -145,10 +146,10 @@ def test_text_deltas_never_split_a_character_or_leak_a_stop(pair):
     tok = pair[2]
     text = "naïve → ok"
     ids = tok(text, add_special_tokens=False).input_ids
-    deltas = TextDeltas(tok)
+    deltas = TextStream(tok)
     pieces = [deltas.push([i]) for i in ids] + [deltas.push([], final=True)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-    deltas = TextDeltas(tok, stop=["→ o"])
+    deltas = TextStream(tok, stop=["→ o"])
     assert "".join([deltas.push([i]) for i in ids] + [deltas.push([], final=True)]) == "naïve "
 
 

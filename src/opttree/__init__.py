@@ -6,6 +6,7 @@ from .engine import Generation, GenerationOutput, generate, stream
 from .policies import available as available_policies
 from .policies import register_policy
 from .stats import GenerationStats
+from .text import TextStream
 from .tree import DraftTree
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "DraftTree",
+    "TextStream",
     "generate",
     "stream",
     "register_policy",

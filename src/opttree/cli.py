@@ -119,6 +119,7 @@ def tree_options(args, target, draft) -> dict:
 
 def cmd_generate(args) -> int:
     from .engine import stream
+    from .text import TextStream
 
     target, draft, tokenizer = load_pair(args)
     tree = tree_options(args, target, draft)
@@ -129,9 +130,12 @@ def cmd_generate(args) -> int:
     )
     if not args.json:
         print(args.prompt, end="", flush=True)
+    text = TextStream(tokenizer)  # a character split across chunks prints once it is whole
     for chunk in run:
         if not args.json:
-            print(tokenizer.decode(chunk), end="", flush=True)
+            print(text.push(chunk.tolist()), end="", flush=True)
+    if not args.json:
+        print(text.push([], final=True), flush=True)
     new = run.sequences[0, prompt_ids.shape[1]:]
     s = run.stats
     if args.json:
@@ -143,7 +147,7 @@ def cmd_generate(args) -> int:
             "stats": s.to_dict(),
         }))
     else:
-        print(f"\n\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "
+        print(f"\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "
               f"{s.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
     return 0
 

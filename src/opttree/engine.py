@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .config import SpecConfig
@@ -85,52 +85,66 @@ class Generation:
         return self.committed[None]  # (1, T)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        cfg, stats, target, drafter, device = self.config, self.stats, self.target, self.drafter, self.device
-        generator = seeded_generator(cfg.seed, device)
-        phases = PhaseClock(device)
-
-        def clock() -> float:  # wall time once the device's queued work is done
-            synchronize(device)
-            return time.perf_counter()
-
-        start = clock()
+        device, stats = self.device, self.stats
+        generator, phases = seeded_generator(self.config.seed, device), PhaseClock(device)
+        start = _clock(device)
+        # Inference mode is entered per step and never held across a yield: streams interleaved in
+        # one thread stay independent, and the caller's code between chunks keeps its own grad mode.
         with torch.inference_mode():
-            cache = new_cache()  # holds committed[:-1]; the last committed token is the root
-            if self.prompt_len > 1:
-                prefix = self.committed[:-1]
-                positions = torch.arange(prefix.shape[0], device=device)
-                target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
-                       **last_logits_only(target))  # the logits are not used: one row is the least we can ask
-            if drafter is not None:
-                drafter.start(self.committed)
-            stats.prefill_s = clock() - start
-            finished = False
-            while not finished:
-                prefix_len = self.committed.shape[0] - 1
-                t0 = phases.mark()
-                # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
-                depth_limit = self.stopper.remaining - 1
-                tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
-                tree = tree.to(device)  # a drafter may run on another device
-                t1 = phases.mark()
-                # 2. verify: one target forward over [root] + tree
-                logits = verify_tree(target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
-                t2 = phases.mark()
-                # 3. accept: the longest branch the target agrees with, plus its bonus token
-                accepted, bonus = accept(tree, logits, cfg, generator)  # (A,), ()
-                # 4. compact both caches to the root + accepted path
-                compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
-                if drafter is not None:
-                    drafter.accept(tree.draft_slots[accepted])
-                # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
-                chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
-                self.committed = torch.cat([self.committed, chunk])
-                stats.draft_s += phases.seconds(t0, t1)  # the step has synchronised: reading marks stalls nothing
-                stats.verify_s += phases.seconds(t1, t2)
-                stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
-                stats.time_s = time.perf_counter() - start
-                yield chunk
-        stats.time_s = clock() - start
+            cache = self._prefill()
+        stats.prefill_s = _clock(device) - start
+        finished = False
+        while not finished:
+            with torch.inference_mode():
+                chunk, finished = self._step(cache, generator, phases)
+            stats.time_s = time.perf_counter() - start  # the step has synchronised
+            yield chunk
+        stats.time_s = _clock(device) - start
+
+    def _prefill(self) -> DynamicCache:
+        """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
+        cache = new_cache()
+        if self.prompt_len > 1:
+            prefix = self.committed[:-1]
+            positions = torch.arange(prefix.shape[0], device=self.device)
+            self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
+                        **last_logits_only(self.target))  # the logits are not used: one row is the least we can ask
+        if self.drafter is not None:
+            self.drafter.start(self.committed)
+        return cache
+
+    def _step(self, cache: DynamicCache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
+        """One speculative step; returns (the emitted chunk (C,), whether generation ends with it)."""
+        drafter, device = self.drafter, self.device
+        prefix_len = self.committed.shape[0] - 1
+        t0 = phases.mark()
+        # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
+        depth_limit = self.stopper.remaining - 1
+        tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
+        tree = tree.to(device)  # a drafter may run on another device
+        t1 = phases.mark()
+        # 2. verify: one target forward over [root] + tree
+        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
+        t2 = phases.mark()
+        # 3. accept: the longest branch the target agrees with, plus its bonus token
+        accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
+        # 4. compact both caches to the root + accepted path
+        compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
+        if drafter is not None:
+            drafter.accept(tree.draft_slots[accepted])
+        # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
+        chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
+        self.committed = torch.cat([self.committed, chunk])
+        self.stats.draft_s += phases.seconds(t0, t1)  # the step has synchronised: reading marks stalls nothing
+        self.stats.verify_s += phases.seconds(t1, t2)
+        self.stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
+        return chunk, finished
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time once the device's queued work is done."""
+    synchronize(device)
+    return time.perf_counter()
 
 
 def stream(

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import stream
+from ..text import TextStream
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
 
@@ -129,29 +130,6 @@ class Metrics:
         self._tokens += stats.new_tokens
         self._steps += stats.steps
         self.mal.set(self._tokens / self._steps if self._steps else 0.0)
-
-
-class TextDeltas:
-    """Incremental text as OpenAI sends it: UTF-8-safe (a trailing partial character, decoded as
-    U+FFFD, waits for the tokens that finish it) and cut before the first stop sequence (text that
-    could be the start of one waits until it is clear)."""
-
-    def __init__(self, tokenizer, stop: list[str] | None = None):
-        self.tokenizer, self.stop, self.ids, self.sent = tokenizer, stop or [], [], 0
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            end = min(hits)
-        elif final:
-            end = len(text)
-        else:
-            end = len(text.rstrip("\ufffd"))
-            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
-        delta, self.sent = text[self.sent:end], max(self.sent, end)
-        return delta
 
 
 class Server:
@@ -273,7 +251,7 @@ def create_app(server: Server) -> FastAPI:
                 cancelled.set()
                 done("500")
                 raise
-            text = TextDeltas(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
+            text = TextStream(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
             finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
             done("200")
             return {"id": rid, "object": kind, "created": created, "model": server.model_name,
@@ -301,7 +279,7 @@ def create_app(server: Server) -> FastAPI:
                 if chat:
                     yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                         "finish_reason": None}]})
-                deltas = TextDeltas(server.tokenizer, stop)
+                deltas = TextStream(server.tokenizer, stop)
                 loop.run_in_executor(None, produce)
                 while (item := await queue.get()) is not None:
                     if isinstance(item, BaseException):
