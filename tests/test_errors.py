@@ -23,8 +23,14 @@ def still_works(target, draft):
 @pytest.mark.parametrize("kwargs,message", [
     ({"budget": 0}, "budget must be an integer >= 1"),
     ({"budget": -3}, "budget must be an integer >= 1"),
-    ({"temperature": -0.5}, "temperature must be >= 0"),
-    ({"temperature": float("nan")}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be 0 \\(greedy\\) or a finite number"),
+    ({"temperature": 1e-300}, "temperature must be 0 \\(greedy\\) or a finite number >= 0.0001"),
+    ({"seed": 2**64}, r"seed must be an integer in \[0, 2\*\*64\)"),
+    ({"stop": ""}, "stop strings must be non-empty"),
+    ({"generation_config": None}, r"unknown argument\(s\) \[.generation_config.\]"),
+    ({"attention_mask": torch.tensor([[0, 1, 1, 1]])}, "attention_mask with zeros"),
+    ({"do_sample": False, "temperature": 0.7}, "do_sample=False with temperature > 0"),
+    ({"temperature": float("nan")}, "temperature must be 0 \\(greedy\\)"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
@@ -35,7 +41,7 @@ def still_works(target, draft):
 ])
 def test_invalid_arguments(pair, kwargs, message):
     target, draft = pair
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=message):
         opttree.generate(target, PROMPT, draft, **{"max_new_tokens": 8, **kwargs})
     still_works(target, draft)
 
@@ -97,4 +103,46 @@ def test_models_without_weights_are_refused(pair):
     elsewhere = tiny_model("llama", seed=6, layers=1, hidden=32).to("meta")
     with pytest.raises(ValueError, match="draft model is on the meta device"):
         opttree.generate(target, PROMPT, elsewhere, max_new_tokens=8)
+    still_works(target, draft)
+
+
+def test_transformers_spellings_and_scalar_types(pair):
+    """numpy / tensor scalars, a BatchEncoding, do_sample, max_length and an all-ones attention_mask
+    mean what they mean in transformers; float token ids and a too-short max_length are refused."""
+    import numpy as np
+    from transformers import BatchEncoding
+
+    target, draft = pair
+    ref = hf_greedy(target, PROMPT, 12)
+    encoding = BatchEncoding({"input_ids": PROMPT, "attention_mask": torch.ones_like(PROMPT)})
+    out = opttree.generate(target, encoding, draft, budget=np.int64(4), delta=np.float32(0.1), max_length=16,
+                           do_sample=False, eos_token_id=torch.tensor(95), seed=np.uint64(3))
+    assert torch.equal(out.sequences, ref) and out.stats.new_tokens == 12
+    out = opttree.generate(target, PROMPT, draft, max_new_tokens=torch.tensor(12), attention_mask=torch.ones_like(PROMPT),
+                           eos_token_id=np.array([95, 94]))
+    assert torch.equal(out.sequences, ref)
+    with pytest.raises(ValueError, match="input_ids must be integer token ids, got dtype torch.float32"):
+        opttree.generate(target, PROMPT.float(), draft, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_length=3 leaves no room after the 4-token prompt"):
+        opttree.generate(target, PROMPT, draft, max_length=3)
+    with pytest.raises(NotImplementedError, match="num_beams > 1"):
+        opttree.generate(target, PROMPT, draft, num_beams=2)
+    still_works(target, draft)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda logq: logq * 3 + 1, "return log-probabilities .*not raw logits"),
+    (lambda logq: logq.index_fill(-1, torch.tensor([4]), float("inf")), "NaN or \\+inf"),
+    (lambda logq: logq[..., :-2], "returned 94 scores per row; the target's vocabulary has 96"),
+])
+def test_a_custom_drafter_with_malformed_output(pair, bad, message):
+    from helpers import ScriptedDrafter
+
+    class Broken(ScriptedDrafter):
+        def root(self, committed):
+            return bad(super().root(committed))
+
+    target, draft = pair
+    with pytest.raises(ValueError, match=message):
+        opttree.generate(target, PROMPT, Broken(96), max_new_tokens=8)
     still_works(target, draft)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 DEFAULT_BUDGET = 16
 DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8
+# Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
+MIN_TEMPERATURE = 1e-4
 
 
 def check_acceptance(acc) -> tuple[float, ...]:
@@ -41,8 +43,11 @@ class SpecConfig:
             raise ValueError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):  # also rejects NaN
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature!r}")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -10,9 +10,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
+from .arguments import eos_list, prompt_and_mask, spec_options
 from .config import SpecConfig
 from .device import PhaseClock, model_device, seeded_generator, synchronize
-from .drafters import Drafter, ModelDrafter
+from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .policies import TreePolicy, make_policy
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -159,10 +160,13 @@ def stream(
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
     fields (tree, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
-    draft_temperature, acceptance); draft_temperature applies when `draft` is a model."""
-    config = SpecConfig(**options)
-    policy = make_policy(config)
+    draft_temperature, acceptance); draft_temperature applies when `draft` is a model. transformers'
+    spellings `do_sample`, `max_length` and an all-ones `attention_mask` are understood; `input_ids` may
+    be a BatchEncoding."""
+    input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
+    config = SpecConfig(**spec_options(options, ids.shape[0], mask))
+    policy = make_policy(config)
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
@@ -175,17 +179,21 @@ def stream(
             _check_fits(draft, "draft", max_len)
             check_model(draft, "draft", max_len)
             draft = ModelDrafter(draft, config.draft_temperature)
-        elif config.draft_temperature != 1:
-            raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
-                             "log-probabilities (scale them there)")
+        else:
+            if config.draft_temperature != 1:
+                raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
+                                 "log-probabilities (scale them there)")
+            draft = CheckedDrafter(draft, _vocab_size(target))
         drafter = draft
     if isinstance(stop, str):
         stop = [stop]
+    if stop and any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
     if stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
     if eos_token_id is None:
         eos_token_id = getattr(target.generation_config, "eos_token_id", None)
-    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos_ids = eos_list(eos_token_id)
     stopper = Stopper(config.max_new_tokens, eos_ids, stop or [], tokenizer)
     return Generation(target, ids, drafter, policy, config, stopper)
 
@@ -202,15 +210,18 @@ def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> Genera
 
 
 def _prompt_ids(input_ids, target: PreTrainedModel) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:
+        raise ValueError("empty prompt: input_ids must hold at least one token")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    ids = ids.long()
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise NotImplementedError(f"batch size {ids.shape[0]}: opttree decodes one sequence at a time (batch 1)")
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"input_ids must have shape (1, T) or (T,), got {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("empty prompt: input_ids must hold at least one token")
     vocab = _vocab_size(target)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")

@@ -23,6 +23,38 @@ class Drafter(Protocol):
         """The target accepted the nodes with these slots, root to leaf (-1 = never run by the drafter)."""
 
 
+class CheckedDrafter:
+    """A user's Drafter, with its answers checked: log-probabilities over the target's vocabulary,
+    each row normalised, no NaN or +inf (a clear error instead of a malformed tree later)."""
+
+    def __init__(self, inner: Drafter, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.inner.start(input_ids)
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        return self._checked(self.inner.root(committed), "root")
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        return self._checked(self.inner.expand(tokens, parent_slots), "expand")
+
+    def accept(self, slots: torch.Tensor) -> None:
+        self.inner.accept(slots)
+
+    def _checked(self, logq: torch.Tensor, method: str) -> torch.Tensor:
+        name = f"{type(self.inner).__name__}.{method}()"
+        if logq.shape[-1] != self.vocab:
+            raise ValueError(f"{name} returned {logq.shape[-1]} scores per row; the target's vocabulary has {self.vocab}")
+        if bool(torch.isnan(logq).any() | torch.isposinf(logq).any()):
+            raise ValueError(f"{name} returned NaN or +inf: a drafter returns log-probabilities (-inf = impossible)")
+        total = torch.logsumexp(logq.float(), dim=-1)
+        if not bool(((total - 0).abs() < 1e-3).all()):
+            raise ValueError(f"{name} returned rows whose probabilities sum to {total.exp().flatten()[:3].tolist()}...: "
+                             "return log-probabilities (log_softmax of the logits), not raw logits")
+        return logq
+
+
 from .model import ModelDrafter  # noqa: E402
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["Drafter", "CheckedDrafter", "ModelDrafter"]
