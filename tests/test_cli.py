@@ -49,3 +49,20 @@ def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
     assert rc == 2 and "temperature must be 0 (greedy) or a finite number" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--budget must be an integer"):
         main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abc", "--budget", "lots"])
+
+
+def test_every_command_gets_thread_settings_that_hold_up():
+    """The CLI sets passive OpenMP waiting before torch loads, and torch's threads to the usable cores."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; import opttree.cli as c; assert 'torch' in __import__('sys').modules; "
+            "c.threads.set_torch_threads(); import torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads(), len(os.sched_getaffinity(0)))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert out[0] == "PASSIVE" and out[1] == out[2]
+    out = subprocess.run([sys.executable, "-c", "import opttree, sys; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert out == "False"  # importing the package alone loads nothing heavy

@@ -1,25 +1,38 @@
-"""opttree: lossless speculative decoding over adaptive draft trees (OPT-Tree) for Hugging Face causal LMs."""
+"""opttree: lossless speculative decoding over adaptive draft trees (OPT-Tree) for Hugging Face causal LMs.
 
-from .config import SpecConfig
-from .demo import demo_models
-from .engine import Generation, GenerationOutput, generate, stream
-from .policies import available as available_policies
-from .policies import register_policy
-from .stats import GenerationStats
-from .text import TextStream
-from .tree import DraftTree
+The public names load their modules on first use (PEP 562), so that `import opttree.cli` can set
+thread policies before torch is imported.
+"""
 
-__all__ = [
-    "SpecConfig",
-    "demo_models",
-    "Generation",
-    "GenerationOutput",
-    "GenerationStats",
-    "DraftTree",
-    "TextStream",
-    "generate",
-    "stream",
-    "register_policy",
-    "available_policies",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SpecConfig": "config",
+    "demo_models": "demo",
+    "Generation": "engine",
+    "GenerationOutput": "engine",
+    "generate": "engine",
+    "stream": "engine",
+    "available_policies": ("policies", "available"),
+    "register_policy": "policies",
+    "GenerationStats": "stats",
+    "TextStream": "text",
+    "DraftTree": "tree",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'opttree' has no attribute {name!r}")
+    module, attr = _EXPORTS[name] if isinstance(_EXPORTS[name], tuple) else (_EXPORTS[name], name)
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 
-import torch
+from . import threads
 
-from . import config as defaults
-from .policies import available
+threads.passive_openmp()  # before torch loads OpenMP: see threads.py
+
+import torch  # noqa: E402
+
+from . import config as defaults  # noqa: E402
+from .policies import available  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -181,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    threads.set_torch_threads()
     try:
         return args.func(args) or 0
     except (ValueError, NotImplementedError, FileNotFoundError) as err:

@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import prometheus_client as prom
 from fastapi import FastAPI, Request

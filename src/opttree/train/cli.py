@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
-# With the default (spinning) OpenMP wait policy, a 2-thread torch training step on a 2-core machine
-# shared with any other busy process gets ~10x slower; passive waiting avoids it. Only effective when
-# set before torch is first imported (python -m opttree.train.cli ... ; otherwise export it).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from ..threads import passive_openmp
+
+passive_openmp()  # python -m opttree.train.cli ... : before torch is imported (threads.py says why)
 
 DEFAULT_INSTALL_DIR = Path(__file__).resolve().parents[1] / "models"
 
