@@ -47,3 +47,15 @@ def test_shipped_pair_defaults_come_from_its_calibration_profile():
     options = tree_options(build_parser().parse_args(["generate", "--prompt", "x"]), fp32[0], fp32[1])
     assert (options["budget"], options["delta"], options["draft_temperature"]) == (
         config.DEFAULT_BUDGET, config.DEFAULT_DELTA, 1.0)
+
+
+def test_profile_options_at_the_top_level():
+    """`opttree.profile_options` gives every calibrated setting of the shipped pair (its profile is
+    for bfloat16), ready for generate()."""
+    target, draft, tok = opttree.demo_models(torch.bfloat16)
+    options = opttree.profile_options(target, draft)
+    assert {"budget", "delta", "draft_temperature"} <= set(options)
+    ids = tok("def add(a, b):\n", return_tensors="pt").input_ids
+    out = opttree.generate(target, ids, draft, max_new_tokens=8, **options)
+    assert out.stats.new_tokens == 8
+    assert opttree.profile_options(target, None) == {}

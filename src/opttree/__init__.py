@@ -20,6 +20,7 @@ _EXPORTS = {
     "GenerationStats": "stats",
     "TextStream": "text",
     "DraftTree": "tree",
+    "profile_options": ("bench.calibrate", "calibrated_options"),
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -417,6 +417,16 @@ def auto_settings(target, draft) -> tuple[int, float]:
     return int(chosen["budget"]), float(chosen["delta"])
 
 
+def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
+    """Every setting this pair's calibration profile holds for `tree` at `temperature`, ready for
+    `opttree.generate(**...)`: budget, delta, draft temperature (and Sequoia's acceptance vector).
+    {} without a profile (the defaults apply). Exported as `opttree.profile_options`."""
+    options = profile_options(target, draft, tree, temperature)
+    if options:
+        options["budget"], options["delta"] = auto_settings(target, draft)
+    return options
+
+
 # ---- reports -------------------------------------------------------------------------------------
 
 
