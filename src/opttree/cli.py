@@ -22,8 +22,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that decodes (kebab-case versions of SpecConfig's fields)."""
     parser.add_argument("--target", help="target model directory (default: the shipped pair)")
     parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                        help="weights and activations; float32 is the exactness reference (default: bfloat16)")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="weights and activations; float32 is the exactness reference; 'auto' measures which of "
+                        "bfloat16 / float32 makes a tree step faster on this machine (cached) (default: auto)")
     parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default=None,
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
@@ -76,13 +77,44 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def auto_dtype(target_path, draft_path, device: torch.device, tokens: int = 9, draft_layers: int = 3) -> str:
+    """--dtype auto: the dtype in which one tree step (a target forward over `tokens` tokens and
+    `draft_layers` draft forwards) measures faster here; cached per model pair and hardware."""
+    import hashlib
+    from pathlib import Path
+
+    from .bench.calibrate import profile_dir
+    from .demo import load_model
+    from .hardware import choose_dtype, describe, forward_ms, hardware_key
+
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    key = json.dumps([str(Path(target_path).resolve()), str(draft_path and Path(draft_path).resolve()),
+                      hardware_key(device), tokens, draft_layers], sort_keys=True)
+    cache = profile_dir() / f"dtype-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())["dtype"]
+    step_ms = {}
+    for name in ("bfloat16", "float32"):
+        target = load_model(target_path, DTYPES[name]).to(device)
+        step_ms[name] = forward_ms(target, tokens)
+        if draft_path:
+            step_ms[name] += draft_layers * forward_ms(load_model(draft_path, DTYPES[name]).to(device), tokens - 1)
+    chosen = choose_dtype(step_ms)
+    print(f"opttree: --dtype auto chose {chosen}: a tree step (target over {tokens} tokens + {draft_layers} draft "
+          f"layers) measured {step_ms['bfloat16']:.1f} ms in bfloat16 and {step_ms['float32']:.1f} ms in float32 "
+          f"on this machine ({describe(hardware_key(device))}); cached in {cache}", file=sys.stderr)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"dtype": chosen, "step_ms": step_ms, "key": json.loads(key)}) + "\n")
+    return chosen
+
+
 def load_pair(args):
     """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
     from transformers import AutoTokenizer
 
     from .demo import demo_paths, load_model
 
-    dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
     if args.target is None:
         target_path, draft_path = demo_paths()
         draft_path = args.draft or draft_path
@@ -90,6 +122,9 @@ def load_pair(args):
         target_path, draft_path = args.target, args.draft
     device = resolve_device(args.device)
     draft_device = resolve_device(args.draft_device or args.device)
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(target_path, draft_path, device)
+    dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
     target = load_model(target_path, dtype).to(device)
     draft = load_model(draft_path, draft_dtype).to(draft_device) if draft_path else None
     if args.compile:

@@ -26,9 +26,11 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -43,6 +45,7 @@ from ..policies import sequoia
 from ..tree import position_ids, tree_attention_mask
 from ..verify import masked_forward
 from .methods import seconds_since
+from ..hardware import describe, hardware_key
 from .report import machine_info, now
 
 PROFILE_VERSION = 2  # 2: draft temperature
@@ -308,6 +311,7 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "key": profile_key(target, draft),
         "date": now(),
         "machine": machine_info(),
+        "hardware": hardware_key(target.device),
         "target": target.config._name_or_path,
         "draft": draft.config._name_or_path,
         "dtype": str(target.dtype).removeprefix("torch."),
@@ -327,9 +331,10 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
 
 
 def profile_key(target, draft) -> str:
-    """A stable hash of both models' names, configurations and dtypes."""
+    """A stable hash of both models' names, configurations and dtypes, and of the hardware
+    (`opttree.hardware.hardware_key`): a profile from another machine kind is never found."""
     parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype)}
-             for m in (target, draft)]
+             for m in (target, draft)] + [hardware_key(target.device)]
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -363,7 +368,19 @@ def shipped_profile_path(target, draft) -> Path | None:
         return Path(model.config._name_or_path).resolve() == (MODELS_DIR / name).resolve()
 
     path = SHIPPED_PROFILES / f"{str(target.dtype).removeprefix('torch.')}.json"
-    return path if is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists() else None
+    if not (is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists()):
+        return None
+    measured_on, here = json.loads(path.read_text()).get("hardware"), hardware_key(target.device)
+    if measured_on != here:
+        _note_once(f"opttree: the shipped calibration profile was measured on {describe(measured_on or {})}; "
+                   f"this machine is {describe(here)}: not applied (run `opttree calibrate` for this one)")
+        return None
+    return path
+
+
+@lru_cache(maxsize=None)
+def _note_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def find_profile(target, draft) -> Path | None:
