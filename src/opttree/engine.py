@@ -9,8 +9,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .arguments import eos_list, prompt_and_mask, spec_options
+from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .config import SpecConfig
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
