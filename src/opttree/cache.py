@@ -14,6 +14,15 @@ from transformers import DynamicCache, PreTrainedModel
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention")
+# What a layer type that cannot be driven by tree attention really is (for the refusal's message).
+LAYER_KINDS = {
+    "linear_attention": "linear attention (a recurrent state)",
+    "chunked_attention": "chunked attention (attention restarts every chunk)",
+    "indexed_attention": "indexed sparse attention (a learned indexer picks the keys)",
+    "compressed_sparse_attention": "compressed sparse attention",
+    "heavily_compressed_attention": "compressed attention",
+    "mamba": "state-space (Mamba) layers", "conv": "convolution state", "recurrent": "recurrent layers",
+}
 
 
 def new_cache() -> DynamicCache:
@@ -85,9 +94,11 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     odd = sorted(set(layer_types) - set(ROLLBACK_LAYER_TYPES))
     if odd:
+        kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
         raise NotImplementedError(
-            f"{role} model has layers of type {odd}: their state (linear attention / recurrent) cannot be rolled "
-            "back to the accepted branch, so tree speculation is not supported for it"
+            f"{role} model ({type(model).__name__}) has layers of type {kinds}: tree attention cannot drive them "
+            "exactly (or their state cannot be rolled back to the accepted branch), so tree speculation is not "
+            "supported for it"
         )
     window = getattr(config, "sliding_window", None)
     uses_window = window is not None and getattr(config, "use_sliding_window", True) is not False

@@ -11,6 +11,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
+from .certify import certify
 from .config import SpecConfig
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
@@ -170,6 +171,7 @@ def stream(
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
+    certify(target, "target", max_len, config.budget + 1)
     drafter = None
     if policy.needs_drafter:
         if draft is None:
@@ -178,6 +180,7 @@ def stream(
             _check_vocab(target, draft)
             _check_fits(draft, "draft", max_len)
             check_model(draft, "draft", max_len)
+            certify(draft, "draft", max_len, config.budget + 1)
             draft = ModelDrafter(draft, config.draft_temperature)
         else:
             if config.draft_temperature != 1:

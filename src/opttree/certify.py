@@ -1,0 +1,209 @@
+"""Certification: refuse, before any output, a model whose tree forward would not be exact.
+
+Two layers, both run by `certify(model, role, max_len, tree_rows)`:
+1. Named reasons (`KNOWN_REASONS`): classes of models known to break tree attention, each with its
+   real cause (ALiBi, positions from the cache length, recurrent state, bidirectional attention, local
+   windows, rope scaling that switches with the sequence length, a key-index causal buffer).
+2. A numerical probe, cached per configuration: prefill, one tree forward (4D mask, explicit
+   position_ids, extending the cache), compaction to one branch and one more step, each compared with
+   a plain causal forward of that branch. Anything the named reasons miss is caught here, and a model
+   that crashes inside its own code is refused with the architecture's name instead of a stack trace.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .cache import compact
+from .tree import position_ids, tree_attention_mask
+from .verify import masked_forward
+
+PROBE_MAX_LEN = 64  # the probe's sequence reaches min(max_len, this) positions (its bucket)
+# The probe's tree: root, then two branches of two nodes (r -> a -> b, r -> c -> d).
+PROBE_PARENTS = (-1, 0, -1, 2)
+PROBE_DEPTHS = (1, 2, 1, 2)
+PROBE_BRANCHES = ((0, 1, 2), (0, 3, 4))  # rows of [root] + nodes on each root -> leaf path
+
+_certified: dict[tuple, str | None] = {}  # probe key -> reason of failure (None = exact)
+
+
+def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int) -> None:
+    """Raise NotImplementedError naming the architecture and the reason if the engine cannot drive
+    `model` exactly up to `max_len` tokens, with up to `tree_rows` extra cache rows during a step."""
+    config = model.config.get_text_config()
+    name = f"{role} model ({type(model).__name__}, model_type={config.model_type!r})"
+    for check in KNOWN_REASONS:
+        reason = check(model, config, max_len, tree_rows)
+        if reason:
+            raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
+    reason = probe(model, min(max_len, PROBE_MAX_LEN))
+    if reason:
+        raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
+
+
+# ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
+
+ALIBI_TYPES = ("bloom", "mpt")
+CACHE_POSITION_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "mvp",
+                        "trocr", "bigbird_pegasus", "roformer")
+RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "mamba", "mamba2", "falcon_mamba", "bamba", "zamba", "zamba2",
+                   "jamba", "recurrent_gemma", "lfm2", "lfm2_moe", "granitemoehybrid", "falcon_h1", "nemotron_h")
+LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
+
+
+def alibi(model, config, max_len: int, tree_rows: int) -> str | None:
+    attn_config = getattr(config, "attn_config", None)
+    mpt_alibi = getattr(attn_config, "alibi", None) if not isinstance(attn_config, dict) else attn_config.get("alibi")
+    if config.model_type in ALIBI_TYPES or getattr(config, "alibi", False) or mpt_alibi:
+        return "it uses ALiBi, whose bias comes from the key's index in the cache, not from position_ids"
+    return None
+
+
+def cache_length_positions(model, config, max_len: int, tree_rows: int) -> str | None:
+    if config.model_type in CACHE_POSITION_TYPES:
+        return "its positions are derived from the cache length, not from position_ids"
+    return None
+
+
+def recurrent(model, config, max_len: int, tree_rows: int) -> str | None:
+    if config.model_type in RECURRENT_TYPES:
+        return "it keeps a recurrent / state-space state, which cannot be rolled back to the accepted branch"
+    return None
+
+
+def bidirectional(model, config, max_len: int, tree_rows: int) -> str | None:
+    if getattr(config, "is_decoder", None) is False and hasattr(config, "add_cross_attention"):
+        return "it is a bidirectional encoder (is_decoder=False); load it with is_decoder=True for causal generation"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "it uses bidirectional attention (use_bidirectional_attention=True)"
+    return None
+
+
+def local_window(model, config, max_len: int, tree_rows: int) -> str | None:
+    layers = getattr(config, "attention_layers", None) or []
+    window = getattr(config, "window_size", None)
+    if "local" in layers and isinstance(window, int) and max_len > window:
+        return (f"it has local-attention layers (window_size={window}) and this generation reaches {max_len} "
+                f"tokens; keep prompt + max_new_tokens <= {window}")
+    return None
+
+
+def key_index_buffer(model, config, max_len: int, tree_rows: int) -> str | None:
+    """GPT-Neo slices a causal buffer of max_position_embeddings rows by the cache length."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if config.model_type == "gpt_neo" and max_len + tree_rows > limit:
+        return (f"its causal mask is a buffer of {limit} key rows and a step holds up to {max_len + tree_rows} "
+                f"(prompt + max_new_tokens + budget + 1); keep that <= {limit}")
+    return None
+
+
+def length_switched_rope(model, config, max_len: int, tree_rows: int) -> str | None:
+    """LongRoPE / dynamic NTK pick their rope factors from the forward's largest position: a tree's deepest
+    node would switch the whole forward (root included) earlier than plain decoding does."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    for p in kinds:
+        rope_type = p.get("rope_type", p.get("type"))
+        if rope_type not in LENGTH_SWITCHED_ROPE:
+            continue
+        threshold = (p.get("original_max_position_embeddings")
+                     or getattr(config, "original_max_position_embeddings", None)
+                     or config.max_position_embeddings)
+        if max_len > threshold:
+            return (f"its rope_type={rope_type!r} switches factors at original_max_position_embeddings={threshold} "
+                    f"and this generation reaches {max_len} tokens; keep prompt + max_new_tokens <= {threshold}")
+    return None
+
+
+def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
+    """openai-gpt has no cache, XLM its own `cache` dict, CPM-Ant a cache without explicit positions."""
+    params = _forward_params(type(model))
+    missing = [name for name in ("past_key_values", "position_ids") if name not in params]
+    if missing and "**" not in params:
+        return f"its forward takes no {' / '.join(missing)}, which a tree forward over a KV cache needs"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _forward_params(model_class: type) -> frozenset:
+    """Names of the forward's parameters, plus "**" if it takes **kwargs."""
+    params = inspect.signature(model_class.forward).parameters.values()
+    return frozenset("**" if p.kind is inspect.Parameter.VAR_KEYWORD else p.name for p in params)
+
+
+KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
+    no_kv_cache, alibi, cache_length_positions, recurrent, bidirectional, local_window, key_index_buffer, length_switched_rope,
+)
+
+
+# ---- the numerical probe ------------------------------------------------------------------------
+
+
+def probe(model: PreTrainedModel, length: int) -> str | None:
+    """Cached `run_probe`: the reason the tree forward is not exact for this configuration, or None."""
+    key = (type(model), model.config.to_json_string(), model.config._attn_implementation, model.dtype,
+           str(model.device), length)
+    if key not in _certified:
+        with torch.inference_mode():
+            try:
+                _certified[key] = run_probe(model, length)
+            except Exception as error:  # a model that cannot run a tree forward: refuse it by name
+                _certified[key] = f"a tree forward raised {type(error).__name__}: {str(error)[:300]}"
+    return _certified[key]
+
+
+def run_probe(model: PreTrainedModel, length: int) -> str | None:
+    """Prefill, tree forward, compaction and one more step, each against causal forwards of the branch.
+
+    length: the probe sequence's last position + 1 (>= 6)."""
+    device = model.device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prefix_len = max(length - 4, 2)  # root at prefix_len, the second branch's next token at prefix_len + 3
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, max(vocab, 4), (prefix_len + 6,), generator=g).clamp(max=vocab - 1).to(device)
+    prefix, tree_tokens, after = tokens[:prefix_len], tokens[prefix_len:prefix_len + 5], tokens[-1:]
+    parents = torch.tensor(PROBE_PARENTS, device=device)  # (4,)
+    depths = torch.tensor(PROBE_DEPTHS, device=device)
+
+    cache = DynamicCache()
+    model(input_ids=prefix[None], position_ids=torch.arange(prefix_len, device=device)[None],
+          past_key_values=cache, use_cache=True)
+    allowed = tree_attention_mask(parents, prefix_len)  # (5, P + 5)
+    tree_logits = masked_forward(model, cache, tree_tokens, position_ids(depths, prefix_len), allowed)  # (5, V)
+    for branch in PROBE_BRANCHES:
+        rows = torch.tensor(branch, device=device)
+        reference = _causal_logits(model, torch.cat([prefix, tree_tokens[rows]]))[-3:]  # (3, V)
+        if not _close(tree_logits[rows], reference):
+            return (f"the tree forward's logits on branch {branch} differ from a causal forward "
+                    f"(max |diff| {_diff(tree_logits[rows], reference):.3g})")
+
+    keep = torch.tensor(PROBE_BRANCHES[1], device=device)
+    compact(cache, prefix_len, keep)
+    step = masked_forward(model, cache, after, torch.tensor([prefix_len + 3], device=device),
+                          torch.ones(1, prefix_len + 4, dtype=torch.bool, device=device))  # (1, V)
+    reference = _causal_logits(model, torch.cat([prefix, tree_tokens[keep], after]))[-1:]
+    if not _close(step, reference):
+        return f"after compacting the cache to one branch, the next step differs (max |diff| {_diff(step, reference):.3g})"
+    return None
+
+
+def _causal_logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """ids: (T,) -> logits (T, V) of one plain causal forward without cache."""
+    return model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
+                 use_cache=False).logits[0]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the rounding of the model's dtype (different kernels, same maths)."""
+    scale = 1.0 + float(b.float().abs().max())
+    tolerance = max(1e-4, 16 * torch.finfo(a.dtype).eps) * scale
+    return _diff(a, b) <= tolerance

@@ -1,0 +1,64 @@
+"""Tiny random configs for any causal-LM architecture transformers ships (for the architecture sweep)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 96
+# Size attributes set wherever a config has them (different architectures spell them differently).
+SMALL = {
+    "vocab_size": VOCAB, "hidden_size": 64, "n_embd": 64, "d_model": 64, "n_embed": 64, "dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "d_ff": 128, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "decoder_layers": 2, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "n_positions": 256,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "initializer_range": 0.2, "init_std": 0.2,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+}
+
+
+def tiny_config(model_type: str, **extra):
+    """The architecture's default config with every size attribute it has made small (passed to the
+    constructor, so derived attributes follow)."""
+    default = AutoConfig.for_model(model_type)
+    small = {name: value for name, value in SMALL.items() if _is_int(getattr(default, name, None))}
+    if hasattr(default, "qk_rope_head_dim"):
+        small.pop("head_dim", None)  # MLA: head_dim is the rope part, keys have one head per query head
+        small["num_key_value_heads"] = small.get("num_attention_heads", 4)
+    if _is_int(getattr(default, "attention_hidden_size", None)):
+        small["attention_hidden_size"] = 64
+    for name in ("layer_types", "mlp_layer_types"):
+        pattern = getattr(default, name, None)
+        if isinstance(pattern, list) and pattern:
+            small[name] = (pattern * 2)[:2]
+    for name, token in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0), ("decoder_start_token_id", 0)):
+        if hasattr(default, name):
+            small[name] = token
+    small.update(extra)
+    try:
+        return AutoConfig.for_model(model_type, **small)
+    except (AttributeError, TypeError):  # a derived attribute that is not a constructor argument
+        small.pop("head_dim", None)
+        return AutoConfig.for_model(model_type, **small)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def tiny(model_type: str, attn: str = "sdpa", seed: int = 0, **extra):
+    """A tiny fp32 model; ValueError if the architecture does not support `attn`."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **extra)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def tiny_any_attention(model_type: str, seed: int = 0, **extra):
+    """sdpa where the architecture supports it, else eager."""
+    try:
+        return tiny(model_type, "sdpa", seed, **extra)
+    except ValueError:
+        return tiny(model_type, "eager", seed, **extra)
