@@ -37,12 +37,13 @@ def tiny_config(model_type: str, **extra):
     for name, token in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0), ("decoder_start_token_id", 0)):
         if hasattr(default, name):
             small[name] = token
+    if isinstance(getattr(default, "attention_types", None), list):  # GPT-Neo: one entry per layer
+        small["attention_types"] = [[["global", "local"], 1]]
+    derived = [name for name in small if isinstance(getattr(type(default), name, None), property)]
+    for name in derived:  # computed from other attributes: not a constructor argument
+        small.pop(name)
     small.update(extra)
-    try:
-        return AutoConfig.for_model(model_type, **small)
-    except (AttributeError, TypeError):  # a derived attribute that is not a constructor argument
-        small.pop("head_dim", None)
-        return AutoConfig.for_model(model_type, **small)
+    return AutoConfig.for_model(model_type, **small)
 
 
 def _is_int(value) -> bool:

@@ -87,9 +87,10 @@ def bidirectional(model, config, max_len: int, tree_rows: int) -> str | None:
 def local_window(model, config, max_len: int, tree_rows: int) -> str | None:
     layers = getattr(config, "attention_layers", None) or []
     window = getattr(config, "window_size", None)
-    if "local" in layers and isinstance(window, int) and max_len > window:
-        return (f"it has local-attention layers (window_size={window}) and this generation reaches {max_len} "
-                f"tokens; keep prompt + max_new_tokens <= {window}")
+    if "local" in layers and isinstance(window, int) and max_len + tree_rows > window:
+        return (f"it has local-attention layers (window_size={window}, counted in cache rows) and a step of this "
+                f"generation holds up to {max_len + tree_rows} rows (prompt + max_new_tokens + budget + 1); keep "
+                f"that <= {window}")
     return None
 
 
@@ -124,20 +125,19 @@ def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
     """openai-gpt has no cache, XLM its own `cache` dict, CPM-Ant a cache without explicit positions."""
     params = _forward_params(type(model))
     missing = [name for name in ("past_key_values", "position_ids") if name not in params]
-    if missing and "**" not in params:
+    if missing:
         return f"its forward takes no {' / '.join(missing)}, which a tree forward over a KV cache needs"
     return None
 
 
 @lru_cache(maxsize=None)
 def _forward_params(model_class: type) -> frozenset:
-    """Names of the forward's parameters, plus "**" if it takes **kwargs."""
-    params = inspect.signature(model_class.forward).parameters.values()
-    return frozenset("**" if p.kind is inspect.Parameter.VAR_KEYWORD else p.name for p in params)
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
-    no_kv_cache, alibi, cache_length_positions, recurrent, bidirectional, local_window, key_index_buffer, length_switched_rope,
+    alibi, cache_length_positions, recurrent, bidirectional, local_window, key_index_buffer, length_switched_rope,
+    no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
 )
 
 
