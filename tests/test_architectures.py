@@ -1,0 +1,110 @@
+"""Architecture sweep (issue 9): every causal LM transformers ships, tiny, random, fp32. Each case is
+token-identical to `target.generate(do_sample=False)` or refused by opttree with a clear error; never
+a different output, never an error from inside the model.
+
+CI runs a representative subset. The full sweep (every architecture):
+    OPTTREE_FULL_SWEEP=1 python -m pytest -q tests/test_architectures.py
+and its counts by outcome:
+    python tests/test_architectures.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from arch_configs import tiny, tiny_config
+from helpers import hf_greedy, tiny_model
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import opttree
+
+PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
+NEW_TOKENS = 40  # 6 + 40 tokens: past the small windows and thresholds below
+SMALL_WINDOWS = {"sliding_window": 16, "window_size": 16, "attention_chunk_size": 16,
+                 "original_max_position_embeddings": 16}
+BUDGETS = (1, 4, 16)
+SUBSET = ("llama", "gpt2", "gemma3_text", "phi3", "gpt_neo", "mpt", "bart", "deepseek_v3")
+# How a refusal's message names its reason (first match wins).
+REASONS = {
+    "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",
+    "bidirectional": "bidirectional", "local-attention": "local window (GPT-Neo)",
+    "sliding-window": "sliding window crossed", "rope_type=": "rope factors switched by length",
+    "key rows": "key-index causal buffer", "layers of type": "non-attention layer types",
+    "forward takes no": "no positioned KV cache", "exactness check": "failed the exactness probe",
+    "attn_implementation": "attention implementation",
+}
+
+
+def outcome(target, draft, budget: int, reference: torch.Tensor, tree: str = "opt") -> str:
+    """'identical', 'refused: <reason>', 'WRONG' or 'UNCLEAR ERROR: ...' for one generation."""
+    try:
+        out = opttree.generate(target, PROMPT, draft, tree=tree, budget=budget, max_new_tokens=NEW_TOKENS,
+                               eos_token_id=2)
+    except (ValueError, NotImplementedError) as error:
+        return "refused: " + next((name for key, name in REASONS.items() if key in str(error)), str(error)[:80])
+    except Exception as error:  # noqa: BLE001 - anything else is a failure of opttree's checks
+        return f"UNCLEAR ERROR: {type(error).__name__}: {str(error)[:120]}"
+    return "identical" if torch.equal(out.sequences, reference) else "WRONG"
+
+
+def variants(model_type: str) -> list[dict]:
+    """The default config, plus one with every window / threshold it has made small enough to cross."""
+    default = tiny_config(model_type)
+    small = {k: v for k, v in SMALL_WINDOWS.items() if getattr(default.get_text_config(), k, None)}
+    return [{}, small] if small else [{}]
+
+
+def sweep_architecture(model_type: str) -> list[tuple[str, str]]:
+    """[(case, outcome)] over attention implementations, config variants, drafts and budgets."""
+    results = []
+    for extra in variants(model_type):
+        for attn in ("sdpa", "eager"):
+            name = f"{model_type}/{attn}/{'small-windows' if extra else 'default'}"
+            try:
+                target = tiny(model_type, attn, **extra)
+            except Exception:  # noqa: BLE001 - transformers cannot build this tiny config / attention
+                continue
+            try:
+                reference = hf_greedy(target, PROMPT, NEW_TOKENS, eos_token_id=2)
+            except Exception:  # noqa: BLE001 - transformers' own generate fails: nothing to compare with
+                results.append((name, "no reference (transformers' generate fails)"))
+                continue
+            vocab = target.get_output_embeddings().weight.shape[0]
+            drafts = {"self": target, "llama-draft": tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)}
+            for draft_name, draft in drafts.items():
+                for budget in BUDGETS:
+                    results.append((f"{name}/{draft_name}/b{budget}", outcome(target, draft, budget, reference)))
+            results.append((f"{name}/ar", outcome(target, None, 1, reference, tree="ar")))
+    return results
+
+
+FULL = os.environ.get("OPTTREE_FULL_SWEEP") == "1"
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if FULL else SUBSET)
+def test_identical_or_refused(model_type):
+    bad = [(case, result) for case, result in sweep_architecture(model_type)
+           if result == "WRONG" or result.startswith("UNCLEAR")]
+    assert not bad, bad
+
+
+def test_mainstream_architectures_are_not_refused():
+    for model_type in ("llama", "gpt2", "qwen3"):
+        results = [r for case, r in sweep_architecture(model_type) if "default" in case]
+        assert results and all(r == "identical" for r in results), (model_type, results)
+
+
+if __name__ == "__main__":  # the full sweep's counts
+    counts, per_arch = Counter(), {}
+    for model_type in sys.argv[1:] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        results = sweep_architecture(model_type)
+        per_arch[model_type] = Counter(r for _, r in results)
+        counts.update(r for _, r in results)
+        print(model_type, dict(per_arch[model_type]), flush=True)
+    print("TOTAL", dict(counts))
+    print("architectures with at least one identical case:",
+          sum(1 for c in per_arch.values() if c["identical"]), "of", len(per_arch))
