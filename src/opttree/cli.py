@@ -8,7 +8,7 @@ import sys
 
 from . import threads
 
-threads.passive_openmp()  # before torch loads OpenMP: see threads.py
+threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 import torch  # noqa: E402
 

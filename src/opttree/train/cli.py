@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
-from ..threads import passive_openmp
-
-passive_openmp()  # python -m opttree.train.cli ... : before torch is imported (threads.py says why)
+# Training runs long, often beside other work: wait passively (threads.py has the measurements).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # python -m opttree.train.cli ...: before torch is imported
 
 DEFAULT_INSTALL_DIR = Path(__file__).resolve().parents[1] / "models"
 
