@@ -46,9 +46,47 @@ def test_generate_streams_text(model_dirs, capsys):
 def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
     target, draft = model_dirs
     rc = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abc", "--temperature", "-1"])
-    assert rc == 2 and "temperature must be 0 (greedy) or a finite number" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--budget must be an integer"):
-        main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abc", "--budget", "lots"])
+    assert rc == 2 and "--temperature must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget must be an integer >= 1 or 'auto', got '0'"),
+    (["--budget", "lots"], "--budget must be an integer"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["--target", "{tmp}/nope", "--draft", "{draft}"], "--target {tmp}/nope: no such directory"),
+    (["--target", "{tmp}/file.txt", "--draft", "{draft}"], "is a file; pass the model's directory"),
+    (["--target", "{tmp}", "--draft", "{draft}"], "no model here (expected config.json"),
+    (["--target", "{target}", "--draft", "{tmp}/nope"], "--draft {tmp}/nope: no such directory"),
+    (["--target", "{target}"], "--target without --draft: pass --draft PATH, or --tree ar for plain decoding"),
+    (["--prompt-file", "{tmp}/bad.txt"], "not valid UTF-8"),
+])
+def test_cli_errors_are_one_line_before_models_load(model_dirs, tmp_path, capsys, flags, message):
+    target, draft = model_dirs
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "bad.txt").write_bytes(b"abc\xff\xfe")
+    fill = dict(tmp=tmp_path, target=target, draft=draft)
+    flags = [f.format(**fill) for f in flags]
+    base = ["--target", str(target), "--draft", str(draft)] if "--target" not in flags else []
+    if "--prompt-file" not in flags:
+        base += ["--prompt", "abc"]
+    assert main(["generate", *base, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message.format(**fill) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_out_pointing_at_a_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert main(["bench", "--prompts", str(tmp_path / "f"), "--out", str(tmp_path / "f")]) == 2
+    assert "is a file; pass a directory" in capsys.readouterr().err
+
+
+def test_prompt_file_holds_a_multi_line_prompt(model_dirs, tmp_path, capsys):
+    target, draft = model_dirs
+    (tmp_path / "p.txt").write_text("ab\ncd")
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt-file", str(tmp_path / "p.txt"),
+                 "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ab\ncd") and out.endswith("\n")
 
 
 def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):

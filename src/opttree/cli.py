@@ -109,6 +109,36 @@ def auto_dtype(target_path, draft_path, device: torch.device, tokens: int = 9, d
     return chosen
 
 
+def check_model_dir(path, flag: str) -> None:
+    """A clear error for a --target / --draft that is not a local model directory (before transformers
+    would read it as a Hub repo id)."""
+    from pathlib import Path
+
+    folder = Path(path)
+    if not folder.exists():
+        raise ValueError(f"{flag} {path}: no such directory")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: is a file; pass the model's directory (with config.json and weights)")
+    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ValueError(f"{flag} {path}: no model here (expected config.json and *.safetensors or *.bin weights)")
+
+
+def check_flags(args) -> None:
+    """Flag values that cannot work, reported before any model loads."""
+    budget = getattr(args, "budget", None)
+    if budget not in (None, "auto") and (not budget.isdigit() or int(budget) < 1):
+        raise ValueError(f"--budget must be an integer >= 1 or 'auto', got {budget!r}")
+    if getattr(args, "max_new_tokens", 0) < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if getattr(args, "temperature", 0.0) < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if getattr(args, "target", None) and not getattr(args, "draft", None) and getattr(args, "tree", "ar") != "ar":
+        raise ValueError("--target without --draft: pass --draft PATH, or --tree ar for plain decoding")
+    out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
+    if out is not None and __import__("os").path.isfile(out):
+        raise ValueError(f"--out {out}: is a file; pass a directory (created if missing)")
+
+
 def load_pair(args):
     """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
     from transformers import AutoTokenizer
@@ -120,6 +150,9 @@ def load_pair(args):
         draft_path = args.draft or draft_path
     else:
         target_path, draft_path = args.target, args.draft
+    check_model_dir(target_path, "--target")
+    if draft_path:
+        check_model_dir(draft_path, "--draft")
     device = resolve_device(args.device)
     draft_device = resolve_device(args.draft_device or args.device)
     if args.dtype == "auto":
@@ -156,19 +189,38 @@ def tree_options(args, target, draft) -> dict:
     return options
 
 
+def read_prompt(args) -> str:
+    """--prompt, or --prompt-file (`-` = stdin) for multi-line prompts; invalid UTF-8 is a clear error."""
+    if args.prompt_file is not None:
+        try:
+            data = sys.stdin.buffer.read() if args.prompt_file == "-" else open(args.prompt_file, "rb").read()
+        except OSError as err:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {err.strerror}") from None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--prompt-file {args.prompt_file}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("--prompt is not valid UTF-8 (check the terminal's encoding, or use --prompt-file)") from None
+    return args.prompt
+
+
 def cmd_generate(args) -> int:
     from .engine import stream
     from .text import TextStream
 
+    prompt = read_prompt(args)
     target, draft, tokenizer = load_pair(args)
     tree = tree_options(args, target, draft)
-    prompt_ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = stream(
         target, prompt_ids, draft, tokenizer=tokenizer, stop=args.stop, **tree, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
     if not args.json:
-        print(args.prompt, end="", flush=True)
+        print(prompt, end="", flush=True)
     text = TextStream(tokenizer)  # a character split across chunks prints once it is whole
     for chunk in run:
         if not args.json:
@@ -204,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with speculative decoding")
     add_decoding_args(gen)
     add_tree_args(gen)
-    gen.add_argument("--prompt", required=True)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (a newline in bash: --prompt $'a\\nb')")
+    prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin), for multi-line prompts")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=cmd_generate)
@@ -222,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     threads.set_torch_threads()
     try:
+        check_flags(args)
         return args.func(args) or 0
     except (ValueError, NotImplementedError, FileNotFoundError) as err:
         print(f"opttree: error: {err}", file=sys.stderr)
