@@ -116,3 +116,15 @@ def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):
     out = subprocess.run([sys.executable, "-c", "import opttree, sys; print('torch' in sys.modules)"],
                          capture_output=True, text=True, env=env, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_eager_attention_from_the_cli_without_progress_bars(model_dirs, capsys):
+    target, draft = model_dirs
+    rc = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abcdef", "--dtype", "float32",
+               "--max-new-tokens", "12", "--budget", "4", "--attn-implementation", "eager", "--json"])
+    captured = capsys.readouterr()
+    tok = char_tokenizer()
+    ids = tok("abcdef", return_tensors="pt").input_ids
+    ref = hf_greedy(tiny_model("llama", seed=1), ids, 12, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+    assert rc == 0 and json.loads(captured.out)["token_ids"] == ref.tolist()
+    assert "Loading weights" not in captured.err

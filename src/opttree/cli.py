@@ -32,11 +32,13 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models' forwards: ~20%% "
                         "faster steps on a CPU after ~1 minute of compilation (pays for long runs)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa",
+                        help="attention kernels; eager for architectures without sdpa (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +47,7 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                         f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
     parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
-    parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH)
+    parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH, help="(default: %(default)s)")
     add_draft_temperature_arg(parser)
 
 
@@ -158,8 +160,9 @@ def load_pair(args):
     if args.dtype == "auto":
         args.dtype = auto_dtype(target_path, draft_path, device)
     dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
-    target = load_model(target_path, dtype).to(device)
-    draft = load_model(draft_path, draft_dtype).to(draft_device) if draft_path else None
+    attn = getattr(args, "attn_implementation", "sdpa")
+    target = load_model(target_path, dtype, attn).to(device)
+    draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
     if args.compile:
         from .device import compile_model
 
@@ -272,11 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_transformers() -> None:
+    """No weight-loading progress bars on every command."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     threads.set_torch_threads()
     try:
         check_flags(args)
+        quiet_transformers()
         return args.func(args) or 0
     except (ValueError, NotImplementedError, FileNotFoundError) as err:
         print(f"opttree: error: {err}", file=sys.stderr)

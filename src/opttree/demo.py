@@ -25,11 +25,13 @@ def demo_paths() -> tuple[Path, Path]:
     return target, draft
 
 
-def load_model(path, dtype: torch.dtype = torch.float32):
-    """A causal LM from a local directory, with an attention implementation that takes tree masks."""
+def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """A causal LM from a local directory (never the Hub), with an attention implementation that
+    takes tree masks (sdpa or eager)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                local_files_only=True).eval()
 
 
 def demo_models(dtype: torch.dtype = torch.bfloat16):
