@@ -250,6 +250,7 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert "recommended: budget" in paths["markdown"].read_text()
     assert "Is the draft's p-hat calibrated" in paths["markdown"].read_text()
     assert profile["estimate_over_measured"] > 0
+    assert len(profile["noise"]["probe_ms_before"]) == cal.NOISE_REPEATS and "problem" in profile["noise"]
     assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
     fitted = profile[cal.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
@@ -266,6 +267,14 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
         cal.auto_settings(target, other)  # another pair: its own profile
+
+
+def test_noise_check_flags_a_changed_load_or_unsteady_timings():
+    steady = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8, 10.0, 10.1, 9.9]
+    assert cal.noise_problem(steady, [t * 1.1 for t in steady]) == ""
+    assert "load changed" in cal.noise_problem(steady, [t * 3 for t in steady])  # a busy spell began mid-run
+    unsteady = [10.0, 30.0, 9.0, 25.0, 10.0, 40.0, 9.5, 28.0, 10.0]
+    assert "spread" in cal.noise_problem(unsteady, unsteady)
 
 
 def test_disagreement_between_latency_model_and_measurement_is_reported():
@@ -318,7 +327,7 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
 
     rc = main(["calibrate", *pair, "--prompts", str(prompts), "--max-tokens", "5", "--context", "16", "--repeats", "2",
                "--budgets", "1,2", "--deltas", "0.2", "--max-new-tokens", "6", "--out", str(tmp_path / "cal"),
-               "--no-progress", "--json"])
+               "--no-progress", "--json", "--save-disturbed"])  # tiny models' sub-ms timings may look unsteady
     assert rc == 0
     rec = json.loads(capsys.readouterr().out)
     assert (tmp_path / "cal" / "profile.json").exists()
@@ -330,6 +339,24 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["budget"] for r in rows if r["method"] == "opt"] == [rec["budget"]] * 2  # "all" and the category
+
+
+def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(model_dirs, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cal, "noise_problem", lambda before, after: "a busy spell (test)")
+    target, draft, _ = model_dirs
+    rc = main(["calibrate", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
+               "--limit", "1", "--context", "8", "--max-tokens", "4", "--budgets", "1,2", "--max-new-tokens", "4",
+               "--out", str(tmp_path / "cal"), "--no-progress", "--json"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    rec = json.loads(captured.out)
+    assert rec["disturbed"] and "NOT used by --budget auto" in captured.err
+    profile = json.loads((tmp_path / "cal" / "profile.json").read_text())
+    assert profile["settings"]["prompts"] == 1 and profile["settings"]["repeats"] == 3  # --limit; --quick's repeats
+    assert [r["delta"] for r in profile["grid"]] == [0.3, 0.6, 0.3, 0.6]  # --quick's delta grid
+    assert not list((tmp_path / "cache").glob(f"**/{profile['key']}.json"))  # not where --budget auto looks
 
 
 def test_bench_errors_are_clear(model_dirs, tmp_path, monkeypatch, capsys):

@@ -54,6 +54,9 @@ ALIGNMENT_WIDTH = 8  # ranks in Sequoia's acceptance vector
 DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
 RELIABILITY_FIELD = "draft_reliability"  # {"raw": rows, "calibrated": rows} of alignment.reliability
 CONFIRM = 0.9  # the estimate's choice must reach this fraction of the best measured tokens/s
+NOISE_REPEATS = 9  # 1-token target forwards timed before and after the calibration run
+NOISE_SHIFT = 1.5  # medians before / after differ by more than this factor: the load changed
+NOISE_SPREAD = 0.5  # interquartile range / median of one batch above this: the timings are unsteady
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
@@ -211,6 +214,31 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
     return plain, grid
 
 
+def probe_ms(model, context: torch.Tensor, repeats: int = NOISE_REPEATS) -> list[float]:
+    """ms of `repeats` one-token forwards after `context` (C,) is cached: the noise probe's samples."""
+    cache = new_cache()
+    ids = context.to(model.device)
+    with torch.inference_mode():
+        model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
+              past_key_values=cache)
+        return [1000 * forward_seconds(model, cache, ids, 1) for _ in range(repeats)]
+
+
+def noise_problem(before: list[float], after: list[float]) -> str:
+    """Why the machine looked disturbed during calibration ('' if it did not), from the same 1-token
+    forward timed before and after the run: a shifted median (the load changed) or a wide spread."""
+    medians = [statistics.median(before), statistics.median(after)]
+    if max(medians) > NOISE_SHIFT * min(medians):
+        return (f"a 1-token target forward took {medians[0]:.2f} ms before the calibration run and "
+                f"{medians[1]:.2f} ms after it (the machine's load changed)")
+    for name, samples in (("before", before), ("after", after)):
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        if q3 - q1 > NOISE_SPREAD * statistics.median(samples):
+            return (f"repeated 1-token target forwards {name} the run spread {q1:.2f}-{q3:.2f} ms "
+                    f"(interquartile) around {statistics.median(samples):.2f} ms")
+    return ""
+
+
 # ---- 3. the estimate -----------------------------------------------------------------------------
 
 
@@ -299,11 +327,13 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     alignment = alignment_entry(target, draft, prompts, max_new_tokens, seed)
     draft_temperature = profile_draft_temperature(alignment, temperature)
     cached = context_ids(prompts, context)
+    probe_before = probe_ms(target, cached)
     curves = latency_curves({"target": target, "draft": draft}, cached, max_tokens, repeats)
     t_target, t_draft = curves["target"], curves["draft"]
     options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
                    eos_token_id=eos_token_id)
     plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress, draft_temperature)
+    probe_after = probe_ms(target, cached)
     overhead = fitted_overhead(grid, t_target, t_draft)
     rows = grid_rows(plain, grid, t_target, t_draft, overhead)
     return {
@@ -321,6 +351,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "estimate_over_measured": statistics.median(
             r["estimated_tokens_per_second"] / r["measured_tokens_per_second"] for r in rows),
         "ar_tokens_per_second": plain.measured_tps,
+        "noise": {"probe_ms_before": probe_before, "probe_ms_after": probe_after,
+                  "problem": noise_problem(probe_before, probe_after)},
         "grid": rows,
         "recommended": dict(recommend(rows), draft_temperature=draft_temperature),
         **alignment,
@@ -555,11 +587,15 @@ def plot_latency(profile: dict, path: Path) -> Path:
     return path
 
 
-def write(profile: dict, out_dir: Path) -> dict[str, Path]:
-    """profile.json (also in the user cache), calibration.md, latency.png in out_dir."""
+def write(profile: dict, out_dir: Path, cache: bool = True) -> dict[str, Path]:
+    """profile.json (also in the user cache if `cache`), calibration.md, latency.png in out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cached, local = save_profile(profile, out_dir)
+    if cache:
+        cached, local = save_profile(profile, out_dir)
+    else:  # a disturbed measurement: kept for inspection, never used by --budget auto
+        cached, local = None, out_dir / "profile.json"
+        local.write_text(json.dumps(profile, indent=1) + "\n")
     (out_dir / "calibration.md").write_text(markdown(profile))
     return {"profile": local, "cached_profile": cached, "markdown": out_dir / "calibration.md",
             "latency_plot": plot_latency(profile, out_dir / "latency.png")}

@@ -41,19 +41,39 @@ def register(subparsers) -> None:
     cal = subparsers.add_parser("calibrate", help="measure forward latency and recommend budget and delta "
                                 "for this machine (used by --budget auto)")
     add_decoding_args(cal)
-    cal.set_defaults(max_new_tokens=128)
+    cal.set_defaults(max_new_tokens=None)
+    cal.add_argument("--quick", action="store_true",
+                     help="a quick calibration, well under a minute: " + describe_calibration(QUICK_CALIBRATION))
     cal.add_argument("--prompts", help="calibration prompts, any bench format (default: a few built-in code prompts)")
-    cal.add_argument("--limit", type=int, default=8, help="prompts from --prompts (default: 8)")
-    cal.add_argument("--max-tokens", type=int, default=64, help="latency curve up to this many new tokens (default: 64)")
+    cal.add_argument("--limit", type=int, help="at most this many prompts (default: 8; 3 with --quick)")
+    cal.add_argument("--max-tokens", type=int, help="latency curve up to this many new tokens (default: 64; 17 with --quick)")
     cal.add_argument("--context", type=int, default=200, help="cached tokens before the timed forwards (default: 200)")
-    cal.add_argument("--repeats", type=int, default=7, help="timed repeats per point, the median is kept (default: 7)")
-    cal.add_argument("--budgets", help="budget grid (default: 2,4,6,8,10,12,16,24,32)")
-    cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.45,0.6)")
+    cal.add_argument("--repeats", type=int, help="timed repeats per point, the median is kept (default: 7; 3 with --quick)")
+    cal.add_argument("--budgets", help="budget grid (default: 2,4,6,8,10,12,16,24,32; 2,4,8,12,16 with --quick)")
+    cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.45,0.6; 0.3,0.6 with --quick)")
+    cal.add_argument("--save-disturbed", action="store_true",
+                     help="use the profile for --budget auto even if the noise check found the machine disturbed")
     cal.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     cal.add_argument("--out", default="calibration", help="output directory (default: calibration)")
     cal.add_argument("--no-progress", action="store_true")
     cal.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     cal.set_defaults(func=cmd_calibrate)
+
+
+FULL_CALIBRATION = dict(limit=8, max_tokens=64, repeats=7, max_new_tokens=128, budgets="2,4,6,8,10,12,16,24,32",
+                        deltas="0.1,0.3,0.45,0.6")
+QUICK_CALIBRATION = dict(limit=3, max_tokens=17, repeats=3, max_new_tokens=48, budgets="2,4,8,12,16", deltas="0.3,0.6")
+
+
+def describe_calibration(settings: dict) -> str:
+    return ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in settings.items())
+
+
+def fill_calibration_defaults(args) -> None:
+    """Every calibrate setting the user left unset, from the full or the --quick table."""
+    for name, value in (QUICK_CALIBRATION if args.quick else FULL_CALIBRATION).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 # ---- argument parsing ----------------------------------------------------------------------------
@@ -182,13 +202,16 @@ def cmd_calibrate(args) -> int:
     from . import calibrate
     from .prompts import encode, load_prompts, parse_text
 
+    fill_calibration_defaults(args)
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     target, draft, tokenizer = load_pair(args)
     if args.prompts:
         prompts = load_prompts(args.prompts, limit=args.limit)
     else:
-        prompts = parse_text(calibrate.CALIBRATION_PROMPTS, "builtin")
-    budgets = parse_list(args.budgets, int, "--budgets") if args.budgets else calibrate.DEFAULT_BUDGETS
-    deltas = parse_list(args.deltas, float, "--deltas") if args.deltas else calibrate.DEFAULT_DELTAS
+        prompts = parse_text(calibrate.CALIBRATION_PROMPTS, "builtin")[:args.limit]
+    budgets = parse_list(args.budgets, int, "--budgets")
+    deltas = parse_list(args.deltas, float, "--deltas")
     if any(not 0 <= d < 1 for d in deltas):
         raise ValueError(f"--deltas must be in [0, 1), got {deltas}")
     profile = calibrate.run_calibration(
@@ -197,10 +220,16 @@ def cmd_calibrate(args) -> int:
         max_depth=args.max_depth, temperature=args.temperature, seed=args.seed, eos_token_id=tokenizer.eos_token_id,
         progress=not args.no_progress,
     )
-    paths = calibrate.write(profile, Path(args.out))
+    problem = profile["noise"]["problem"]
+    if problem:
+        print(f"opttree calibrate: WARNING: the machine looked disturbed: {problem}. "
+              + ("Saved anyway (--save-disturbed)." if args.save_disturbed else
+                 "This profile is NOT used by --budget auto; run again on a quieter machine "
+                 "(or pass --save-disturbed)."), file=sys.stderr)
+    paths = calibrate.write(profile, Path(args.out), cache=args.save_disturbed or not problem)
     rec = profile["recommended"]
     if args.json:
-        print(json.dumps(dict(rec, profile=str(paths["cached_profile"]))))
+        print(json.dumps(dict(rec, profile=str(paths["cached_profile"] or paths["profile"]), disturbed=bool(problem))))
     else:
         print(calibrate.grid_table(profile))
         best = rec["best_measured"]
@@ -212,5 +241,8 @@ def cmd_calibrate(args) -> int:
         for note in (calibrate.consistency_note(profile), calibrate.no_gain_note(profile)):
             if note:
                 print(note.removeprefix("- "))
-        print(f"saved {paths['cached_profile']} (used by --budget auto) and {paths['profile']}", file=sys.stderr)
+        if paths["cached_profile"]:
+            print(f"saved {paths['cached_profile']} (used by --budget auto) and {paths['profile']}", file=sys.stderr)
+        else:
+            print(f"saved {paths['profile']} only (not used by --budget auto)", file=sys.stderr)
     return 0
