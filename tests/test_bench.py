@@ -334,11 +334,12 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
 
     rc = main(["generate", *pair, "--prompt", "def g(", "--budget", "auto", "--max-new-tokens", "6", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["budget"] == rec["budget"]
-    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt", "--budgets", "auto", "--limit", "1",
-               "--max-new-tokens", "6", "--out", str(out), "--no-progress", "--json"])
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt", "--limit", "1",
+               "--max-new-tokens", "6", "--out", str(out), "--no-progress", "--json"])  # no --budgets: the profile's
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["budget"] for r in rows if r["method"] == "opt"] == [rec["budget"]] * 2  # "all" and the category
+    assert json.loads((out / "results.json").read_text())["meta"]["settings"]["delta"] == rec["delta"]
 
 
 def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(model_dirs, tmp_path, monkeypatch,

@@ -24,9 +24,11 @@ def register(subparsers) -> None:
     bench.add_argument("--methods", default=BENCH_METHODS, help="comma-separated: ar, tree policies "
                        "(opt, chain, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every one "
                        "(default: all). ar always runs: it is the baseline")
-    bench.add_argument("--budgets", default=BENCH_BUDGETS, help="comma-separated draft-node budgets, each tree "
-                       "policy runs at every one; 'auto' = the calibrated budget and delta (default: 4,8,16)")
-    bench.add_argument("--delta", type=float, default=DEFAULT_DELTA)
+    bench.add_argument("--budgets", help="comma-separated draft-node budgets, each tree policy runs at every one; "
+                       f"'auto' = the calibrated budget and delta (default: auto with a calibration profile for the "
+                       f"pair, else {BENCH_BUDGETS})")
+    bench.add_argument("--delta", type=float, help="delta for the numeric --budgets (default: the calibration "
+                       f"profile's, else {DEFAULT_DELTA})")
     bench.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
     add_draft_temperature_arg(bench)
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
@@ -90,6 +92,18 @@ def parse_list(text: str, kind, flag: str) -> list:
         raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}, got {text!r}") from None
 
 
+def profile_defaults(args, target, draft) -> None:
+    """Unset --budgets / --delta from the pair's calibration profile (as generate and demo do), else
+    the fixed defaults."""
+    from .calibrate import auto_settings, find_profile
+
+    profiled = find_profile(target, draft) is not None
+    if args.budgets is None:
+        args.budgets = "auto" if profiled else BENCH_BUDGETS
+    if args.delta is None:
+        args.delta = auto_settings(target, draft)[1] if profiled else DEFAULT_DELTA
+
+
 def parse_budgets(text: str, delta: float, target, draft) -> list[tuple[int, float | None]]:
     """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated delta."""
     budgets = []
@@ -144,6 +158,7 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, categories, args.limit, args.per_category)
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
+    profile_defaults(args, target, draft)
     specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft))
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
