@@ -348,7 +348,7 @@ def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(
     monkeypatch.setattr(cal, "noise_problem", lambda before, after: "a busy spell (test)")
     target, draft, _ = model_dirs
     rc = main(["calibrate", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
-               "--limit", "1", "--context", "8", "--max-tokens", "4", "--budgets", "1,2", "--max-new-tokens", "4",
+               "--limit", "1", "--context", "8", "--max-tokens", "4", "--budgets", "1,2",
                "--out", str(tmp_path / "cal"), "--no-progress", "--json"])
     assert rc == 0
     captured = capsys.readouterr()
@@ -356,6 +356,7 @@ def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(
     assert rec["disturbed"] and "NOT used by --budget auto" in captured.err
     profile = json.loads((tmp_path / "cal" / "profile.json").read_text())
     assert profile["settings"]["prompts"] == 1 and profile["settings"]["repeats"] == 3  # --limit; --quick's repeats
+    assert profile["settings"]["max_new_tokens"] == 48  # --quick's
     assert [r["delta"] for r in profile["grid"]] == [0.3, 0.6, 0.3, 0.6]  # --quick's delta grid
     assert not list((tmp_path / "cache").glob(f"**/{profile['key']}.json"))  # not where --budget auto looks
 

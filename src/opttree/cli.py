@@ -130,7 +130,7 @@ def check_flags(args) -> None:
     budget = getattr(args, "budget", None)
     if budget not in (None, "auto") and (not budget.isdigit() or int(budget) < 1):
         raise ValueError(f"--budget must be an integer >= 1 or 'auto', got {budget!r}")
-    if getattr(args, "max_new_tokens", 0) < 0:
+    if (getattr(args, "max_new_tokens", 0) or 0) < 0:  # None: calibrate's default, set later
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if getattr(args, "temperature", 0.0) < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
