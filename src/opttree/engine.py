@@ -13,6 +13,7 @@ from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .certify import certify
 from .config import SpecConfig
+from .genconfig import check_generation_config
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .policies import TreePolicy, make_policy
@@ -172,6 +173,7 @@ def stream(
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
     certify(target, "target", max_len, config.budget + 1)
+    check_generation_config(target)
     drafter = None
     if policy.needs_drafter:
         if draft is None:
