@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
@@ -22,6 +23,9 @@ from .tree import DraftTree
 from .verify import accept, verify_tree
 
 
+_NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
+
+
 @dataclass
 class GenerationOutput:
     sequences: torch.Tensor  # (1, prompt + new) long
@@ -34,13 +38,23 @@ class GenerationOutput:
 
 
 class Stopper:
-    """Where an emitted chunk must end: EOS, a stop string, or max_new_tokens, at the exact token."""
+    """Where an emitted chunk must end: EOS, a stop string, or max_new_tokens, at the exact token.
 
-    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], stop: Sequence[str], tokenizer=None):
+    Stop strings are matched by transformers' own StopStringCriteria, as `target.generate(stop_strings=...)`
+    does: on the last tokens of the whole sequence (prompt included), a match must end in the newest
+    token, and byte-level vocabularies compare bytes (U+FFFD never matches half a character)."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], prompt: torch.Tensor, stop: Sequence[str] = (),
+                 tokenizer=None):
         self.remaining = max_new_tokens
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
-        self.stop, self.tokenizer = list(stop), tokenizer
-        self.generated: list[int] = []
+        self.stop = StopStringCriteria(tokenizer, list(stop)) if stop else None
+        if self.stop is not None:
+            # the W last tokens of the sequence, all transformers looks at; ids past the vocabulary (padding
+            # while the sequence is shorter) never match, as transformers clamps them to a blank entry
+            width = self.stop.maximum_token_len
+            padding = torch.full((width,), _NO_TOKEN, dtype=torch.long)
+            self.tail = torch.cat([padding, prompt.cpu()])[-width:]  # (W,)
 
     def cut(self, chunk: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends with it)."""
@@ -48,21 +62,19 @@ class Stopper:
         is_eos = torch.isin(chunk[:end], self.eos.to(chunk.device)).nonzero()
         if is_eos.numel():
             end, hit = int(is_eos[0]) + 1, True  # the EOS token itself is emitted, as transformers does
-        if self.stop:
-            stop_end = self._stop_string_end(chunk[:end].tolist())
+        if self.stop is not None:
+            stop_end = self._stop_string_end(chunk[:end].cpu())
             if stop_end is not None:
                 end, hit = stop_end, True
-            self.generated += chunk[:end].tolist()
+            self.tail = torch.cat([self.tail, chunk[:end].cpu()])[-self.tail.shape[0] :]
         self.remaining -= end
         return chunk[:end], hit or self.remaining == 0
 
-    def _stop_string_end(self, tokens: list[int]) -> int | None:
-        """How many of `tokens` to emit so that the last one completes a stop string; None if none does."""
-        for i in range(len(tokens)):
-            text = self.tokenizer.decode(self.generated + tokens[: i + 1])
-            if any(s in text for s in self.stop):
-                return i + 1
-        return None
+    def _stop_string_end(self, tokens: torch.Tensor) -> int | None:
+        """How many of the (C,) `tokens` to emit so that the last one completes a stop string; None if none does."""
+        windows = torch.cat([self.tail, tokens]).unfold(0, self.tail.shape[0], 1)[1:]  # (C, W): the tail after each token
+        hits = self.stop(windows, None).nonzero()
+        return int(hits[0]) + 1 if hits.numel() else None
 
 
 class Generation:
@@ -183,7 +195,7 @@ def stream(
             _check_fits(draft, "draft", max_len)
             check_model(draft, "draft", max_len)
             certify(draft, "draft", max_len, config.budget + 1)
-            draft = ModelDrafter(draft, config.draft_temperature)
+            draft = ModelDrafter(draft, config.draft_temperature, vocab=_vocab_size(target))
         else:
             if config.draft_temperature != 1:
                 raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
@@ -199,7 +211,7 @@ def stream(
     if eos_token_id is None:
         eos_token_id = getattr(target.generation_config, "eos_token_id", None)
     eos_ids = eos_list(eos_token_id)
-    stopper = Stopper(config.max_new_tokens, eos_ids, stop or [], tokenizer)
+    stopper = Stopper(config.max_new_tokens, eos_ids, ids, stop or [], tokenizer)
     return Generation(target, ids, drafter, policy, config, stopper)
 
 
@@ -239,11 +251,14 @@ def _vocab_size(model: PreTrainedModel) -> int:
 
 
 def _check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Sizes may differ by padding (Qwen2.5-7B / 0.5B: 152064 / 151936 rows over one tokenizer); the
+    drafter then works over the target's ids. Only the models are known here, not the tokenizer's real
+    size, so a difference up to 1/8 of the target's vocabulary is taken as padding."""
     vt, vd = _vocab_size(target), _vocab_size(draft)
-    if vt != vd:
+    if abs(vt - vd) > vt // 8:
         raise ValueError(
-            f"draft and target vocabularies differ: target has {vt} tokens, draft has {vd}; "
-            "the draft must share the target's tokenizer"
+            f"draft and target vocabularies differ by more than padding: target has {vt} tokens, draft has {vd} "
+            f"(up to {vt // 8} rows apart is taken as padding); the draft must share the target's tokenizer"
         )
 
 
