@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .drafters.model import on_target_vocab
 from .sampling import target_probs
 
 TEMPERATURE_RANGE = (0.05, 20.0)  # where fit_draft_temperature searches
@@ -34,7 +35,7 @@ def paired_logits(
     """Per prompt ((T,) or (1, T)): the target continues it by `new_tokens` tokens (greedy at
     temperature 0, sampled otherwise), then one forward of each model over prompt + continuation.
     Yields float32 (target logits (P, V), draft logits (P, V)) at the P positions that predict the
-    continuation's tokens, on the CPU."""
+    continuation's tokens, on the CPU; a padded (or shorter) draft's logits over the target's V ids."""
     from .engine import generate
 
     for i, prompt in enumerate(prompts_ids):
@@ -44,8 +45,10 @@ def paired_logits(
         ids = out.sequences  # (1, T + new)
         start = prompt.shape[0] - 1  # the position that predicts the first new token
         target_logits = target(input_ids=ids).logits[0, start:-1]
-        draft_logits = draft(input_ids=ids.to(draft.device)).logits[0, start:-1]
-        yield target_logits.float().cpu(), draft_logits.float().cpu()  # the fits run on the host
+        rows = draft.get_input_embeddings().weight.shape[0]  # a shorter draft sees the ids past it as its last row
+        draft_logits = draft(input_ids=ids.to(draft.device).clamp(max=rows - 1)).logits[0, start:-1]
+        draft_logits = on_target_vocab(draft_logits.float().cpu(), target_logits.shape[-1])  # padded vocabularies
+        yield target_logits.float().cpu(), draft_logits  # the fits run on the host
 
 
 def draft_cross_entropy(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_temperature: float,

@@ -20,13 +20,24 @@ from ..device import model_device
 from ..verify import masked_forward
 
 
+def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(..., Vd) draft logits -> (..., vocab) over the target's ids: a padded draft's extra columns are
+    dropped, the ids a shorter draft lacks get -inf."""
+    missing = vocab - logits.shape[-1]
+    return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
+
+
 class ModelDrafter:
-    def __init__(self, model: PreTrainedModel, temperature: float = 1.0):
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
+        """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
+        same tokenizer; log-probabilities cover exactly these ids (default: the draft's own)."""
         if not (0 < temperature < float("inf")):
             raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
         self.model = model
         self.device = model_device(model)  # inputs go here; log-probabilities come back from here
         self.temperature = temperature
+        self.vocab = vocab
+        self.rows = model.get_input_embeddings().weight.shape[0]  # ids the draft can embed
         self.cache = new_cache()
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
@@ -42,7 +53,9 @@ class ModelDrafter:
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.committed_len)  # drop the slots of the previous tree
-        new = committed[self.committed_len :].to(self.device)  # (R,) tokens the draft has not seen yet
+        # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
+        # goes in as the last row: only the draft's guesses depend on it, never the output
+        new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
         positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
         logits = self.model(
@@ -54,7 +67,7 @@ class ModelDrafter:
         return self._log_probs(logits)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
         k, s = tokens.shape[0], self.slot_depths.shape[0]
         has_parent = parent_slots >= 0
         depths = torch.where(has_parent, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(tokens)
@@ -73,8 +86,10 @@ class ModelDrafter:
         return self._log_probs(logits)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature."""
-        logits = logits.float()
+        """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
+        over the target's V ids: a padded draft's extra columns are dropped (the rest renormalised), the
+        ids a shorter draft lacks get -inf."""
+        logits = logits.float() if self.vocab is None else on_target_vocab(logits.float(), self.vocab)
         return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
     def accept(self, slots: torch.Tensor) -> None:
