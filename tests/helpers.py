@@ -131,11 +131,12 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, runs: int) -> float:
 
 def char_tokenizer(vocab: int = 96):
     """A tokenizer with one printable character per token (ids 0..vocab-1) and no separators."""
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = [chr(c) for c in range(33, 33 + vocab)]
     tok = Tokenizer(models.WordLevel({ch: i for i, ch in enumerate(alphabet)}, unk_token=alphabet[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # "abc" is 3 tokens, not unknown
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[2], pad_token=alphabet[0])
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from opttree import profiles
 from opttree.bench import calibrate as cal
 from opttree.bench import methods as bench_methods
 from opttree.bench import report
@@ -235,7 +236,7 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
     target, draft = pair
     with pytest.raises(ValueError, match="run `opttree calibrate`"):
-        cal.auto_settings(target, draft)
+        profiles.auto_settings(target, draft)
     profile = cal.run_calibration(target, draft, [c.ids for c in cases[:2]], budgets=[1, 3], deltas=[0.2, 0.5],
                             max_tokens=5, context=20, repeats=2, max_new_tokens=8, progress=False)
     assert len(profile["latency"]["target_s"]) == 5 and min(profile["latency"]["draft_s"]) > 0
@@ -244,29 +245,30 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert (rec["budget"], rec["delta"]) in {(r["budget"], r["delta"]) for r in profile["grid"]}
     assert rec["fraction_of_best_measured"] >= cal.CONFIRM
     paths = cal.write(profile, tmp_path / "out")
-    assert paths["cached_profile"] == cal.profile_path(target, draft)
+    assert paths["cached_profile"] == profiles.profile_path(target, draft)
     assert json.loads(paths["profile"].read_text())["recommended"] == json.loads(json.dumps(rec))
     assert paths["latency_plot"].read_bytes()[:4] == b"\x89PNG"
     assert "recommended: budget" in paths["markdown"].read_text()
     assert "Is the draft's p-hat calibrated" in paths["markdown"].read_text()
     assert profile["estimate_over_measured"] > 0
     assert len(profile["noise"]["probe_ms_before"]) == cal.NOISE_REPEATS and "problem" in profile["noise"]
-    assert cal.auto_settings(target, draft) == (rec["budget"], rec["delta"])
-    fitted = profile[cal.DRAFT_TEMPERATURE_FIELD]
+    assert profiles.auto_settings(target, draft) == (rec["budget"], rec["delta"])
+    fitted = profile[profiles.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
     assert rec["draft_temperature"] == fitted["greedy"]  # the grid ran at the calibration temperature, 0
-    assert cal.profile_options(target, draft, "opt", 0.0) == {"draft_temperature": fitted["greedy"]}
-    sequoia_options = cal.profile_options(target, draft, "sequoia", 1.0)
+    assert profiles.profile_options(target, draft, "opt", 0.0) == {"draft_temperature": fitted["greedy"]}
+    sequoia_options = profiles.profile_options(target, draft, "sequoia", 1.0)
     assert sequoia_options["draft_temperature"] == fitted["sampled"] and len(sequoia_options["acceptance"]) == 8
-    stale = dict(json.loads(paths["cached_profile"].read_text()), version=cal.PROFILE_VERSION - 1)
+    stale = dict(json.loads(paths["cached_profile"].read_text()), version=profiles.PROFILE_VERSION - 1)
     paths["cached_profile"].write_text(json.dumps(stale))  # written by an older opttree
     with pytest.warns(UserWarning, match="run `opttree calibrate` again"):
-        assert cal.find_profile(target, draft) is None
+        assert profiles.find_profile(target, draft) is None
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no calibration profile"):
-        cal.auto_settings(target, draft)
+        profiles.auto_settings(target, draft)
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
-        cal.auto_settings(target, other)  # another pair: its own profile
+        profiles.auto_settings(target, other)  # another pair: its own profile
+    assert cal.profile_options is profiles.profile_options  # the names calibrate re-exports still work
 
 
 def test_noise_check_flags_a_changed_load_or_unsteady_timings():

@@ -9,7 +9,7 @@ import torch
 
 import opttree
 from opttree import hardware
-from opttree.bench import calibrate
+from opttree import profiles
 
 
 def test_a_curve_where_bf16_loses_chooses_fp32():
@@ -30,12 +30,13 @@ def test_the_key_follows_restricted_kernels():
 
 def test_a_profile_from_other_hardware_is_not_applied(monkeypatch, capsys):
     target, draft, _ = opttree.demo_models(torch.bfloat16)
+    profiles._note_once.cache_clear()  # the note prints once per process: an earlier test may have printed it
     here = hardware.hardware_key()
-    shipped = json.loads((calibrate.SHIPPED_PROFILES / "bfloat16.json").read_text())["hardware"]
-    monkeypatch.setattr(calibrate, "hardware_key", lambda device="cpu": shipped)
+    shipped = json.loads((profiles.SHIPPED_PROFILES / "bfloat16.json").read_text())["hardware"]
+    monkeypatch.setattr(profiles, "hardware_key", lambda device="cpu": shipped)
     assert opttree.profile_options(target, draft)["budget"] == 8  # the reference machine's kind: applied
     other = {"device": "cpu", "cpu_capability": "AVX2", "bf16_hardware": False}
-    monkeypatch.setattr(calibrate, "hardware_key", lambda device="cpu": other)
+    monkeypatch.setattr(profiles, "hardware_key", lambda device="cpu": other)
     assert opttree.profile_options(target, draft) == {}
     assert "not applied" in capsys.readouterr().err
     assert here  # the real key is computed without error here
@@ -46,7 +47,7 @@ def test_cached_profiles_are_keyed_by_hardware(monkeypatch):
     keys = set()
     for key in ({"device": "cpu", "cpu_capability": "AVX2", "bf16_hardware": False},
                 {"device": "cpu", "cpu_capability": "AVX512", "bf16_hardware": True}):
-        monkeypatch.setattr(calibrate, "hardware_key", lambda device="cpu", key=key: key)
-        keys.add(calibrate.profile_key(target, draft))
-    keys.add(calibrate.profile_key(target.float(), draft.float()))
+        monkeypatch.setattr(profiles, "hardware_key", lambda device="cpu", key=key: key)
+        keys.add(profiles.profile_key(target, draft))
+    keys.add(profiles.profile_key(target.float(), draft.float()))
     assert len(keys) == 3

@@ -14,8 +14,8 @@ from opttree.alignment import paired_logits
 from opttree.config import SpecConfig
 from opttree.policies import make_policy, sequoia
 from opttree.policies.eagle2 import top_k as eagle2_top_k
-from opttree.policies.static import (DEFAULT_RANK_WEIGHTS, ChildPicker, Shape, kary_paths, ranked_paths,
-                                     register_static_tree)
+from opttree.policies.shapes import ChildPicker, Shape, kary_paths, ranked_paths
+from opttree.policies.static import DEFAULT_RANK_WEIGHTS, register_static_tree
 from opttree.sampling import sample_without_replacement
 from opttree.tree import ancestor_mask
 from opttree.verify import accept_rejection_sampling
@@ -270,7 +270,8 @@ def test_ranked_and_kary_paths():
 
 
 def test_custom_static_tree(pair, monkeypatch):
-    monkeypatch.setattr(opttree.policies, "_REGISTRY", dict(opttree.policies._REGISTRY))  # forget them afterwards
+    registry = opttree.policies.registry
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # forget them afterwards
     target, draft = pair
     register_static_tree("test-custom", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]])
     policy = make_policy(SpecConfig(tree="test-custom", budget=5, max_depth=8))

@@ -20,7 +20,7 @@ _EXPORTS = {
     "GenerationStats": "stats",
     "TextStream": "text",
     "DraftTree": "tree",
-    "profile_options": ("bench.calibrate", "calibrated_options"),
+    "profile_options": ("profiles", "calibrated_options"),
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Command line: `opttree demo | generate | train | bench | calibrate`."""
+"""Command line: `opttree demo | generate | train | bench | calibrate | serve`."""
 
 from __future__ import annotations
 
@@ -12,117 +12,13 @@ threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 import torch  # noqa: E402
 
-from . import config as defaults  # noqa: E402
-from .policies import available  # noqa: E402
+from .flags import add_decoding_args, add_tree_args, load_pair, tree_options  # noqa: E402  (shared by the commands)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that decodes (kebab-case versions of SpecConfig's fields)."""
-    parser.add_argument("--target", help="target model directory (default: the shipped pair)")
-    parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
-    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                        help="weights and activations; float32 is the exactness reference; 'auto' measures which of "
-                        "bfloat16 / float32 makes a tree step faster on this machine (cached) (default: auto)")
-    parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default=None,
-                        help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
-    parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
-                        "('auto' = cuda when available, else cpu) (default: auto)")
-    parser.add_argument("--draft-device", help="the draft's device, if not --device")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models' forwards: ~20%% "
-                        "faster steps on a CPU after ~1 minute of compilation (pays for long runs)")
-    parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa",
-                        help="attention kernels; eager for architectures without sdpa (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-
-
-def add_tree_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", default="opt", help=f"tree policy: {', '.join(available())} (default: opt)")
-    parser.add_argument("--budget", help="draft nodes per step, or 'auto' for the calibrated value (default: auto "
-                        f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
-    parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
-                        f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
-    parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH, help="(default: %(default)s)")
-    add_draft_temperature_arg(parser)
-
-
-def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-temperature", type=float, help="divide the draft's logits by this before the "
-                        "tree is built (p-hat calibration; lossless for any value > 0) (default: the pair's "
-                        "calibration profile, else 1)")
-
-
-def draft_temperature(args, target, draft) -> float:
-    """--draft-temperature, else the value fitted by `opttree calibrate` for this pair, else 1."""
-    from .bench.calibrate import profile_options
-
-    if args.draft_temperature is not None:
-        return args.draft_temperature
-    return profile_options(target, draft, "opt", args.temperature).get("draft_temperature", 1.0)
-
-
-def resolve_device(name: str) -> torch.device:
-    """--device -> a torch device that exists here; a clear error otherwise."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__})")
-    return device
-
-
-def auto_dtype(target_path, draft_path, device: torch.device, tokens: int = 9, draft_layers: int = 3) -> str:
-    """--dtype auto: the dtype in which one tree step (a target forward over `tokens` tokens and
-    `draft_layers` draft forwards) measures faster here; cached per model pair and hardware."""
-    import hashlib
-    from pathlib import Path
-
-    from .bench.calibrate import profile_dir
-    from .demo import load_model
-    from .hardware import choose_dtype, describe, forward_ms, hardware_key
-
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    key = json.dumps([str(Path(target_path).resolve()), str(draft_path and Path(draft_path).resolve()),
-                      hardware_key(device), tokens, draft_layers], sort_keys=True)
-    cache = profile_dir() / f"dtype-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())["dtype"]
-    step_ms = {}
-    for name in ("bfloat16", "float32"):
-        target = load_model(target_path, DTYPES[name]).to(device)
-        step_ms[name] = forward_ms(target, tokens)
-        if draft_path:
-            step_ms[name] += draft_layers * forward_ms(load_model(draft_path, DTYPES[name]).to(device), tokens - 1)
-    chosen = choose_dtype(step_ms)
-    print(f"opttree: --dtype auto chose {chosen}: a tree step (target over {tokens} tokens + {draft_layers} draft "
-          f"layers) measured {step_ms['bfloat16']:.1f} ms in bfloat16 and {step_ms['float32']:.1f} ms in float32 "
-          f"on this machine ({describe(hardware_key(device))}); cached in {cache}", file=sys.stderr)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"dtype": chosen, "step_ms": step_ms, "key": json.loads(key)}) + "\n")
-    return chosen
-
-
-def check_model_dir(path, flag: str) -> None:
-    """A clear error for a --target / --draft that is not a local model directory (before transformers
-    would read it as a Hub repo id)."""
-    from pathlib import Path
-
-    folder = Path(path)
-    if not folder.exists():
-        raise ValueError(f"{flag} {path}: no such directory")
-    if not folder.is_dir():
-        raise ValueError(f"{flag} {path}: is a file; pass the model's directory (with config.json and weights)")
-    if not (folder / "config.json").exists() or not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise ValueError(f"{flag} {path}: no model here (expected config.json and *.safetensors or *.bin weights)")
+DEMO_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+]
 
 
 def check_flags(args) -> None:
@@ -139,57 +35,6 @@ def check_flags(args) -> None:
     out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
     if out is not None and __import__("os").path.isfile(out):
         raise ValueError(f"--out {out}: is a file; pass a directory (created if missing)")
-
-
-def load_pair(args):
-    """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
-    from transformers import AutoTokenizer
-
-    from .demo import demo_paths, load_model
-
-    if args.target is None:
-        target_path, draft_path = demo_paths()
-        draft_path = args.draft or draft_path
-    else:
-        target_path, draft_path = args.target, args.draft
-    check_model_dir(target_path, "--target")
-    if draft_path:
-        check_model_dir(draft_path, "--draft")
-    device = resolve_device(args.device)
-    draft_device = resolve_device(args.draft_device or args.device)
-    if args.dtype == "auto":
-        args.dtype = auto_dtype(target_path, draft_path, device)
-    dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
-    attn = getattr(args, "attn_implementation", "sdpa")
-    target = load_model(target_path, dtype, attn).to(device)
-    draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
-    if args.compile:
-        from .device import compile_model
-
-        target, draft = compile_model(target), draft and compile_model(draft)
-    return target, draft, AutoTokenizer.from_pretrained(target_path)
-
-
-def tree_options(args, target, draft) -> dict:
-    """The SpecConfig fields of the tree flags. With a calibration profile for the pair (written by
-    `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
-    delta the profile recommends; its draft temperature and Sequoia vector apply too. Flags given win."""
-    from .bench.calibrate import auto_settings, find_profile, profile_options
-
-    budget = args.budget or ("auto" if find_profile(target, draft) is not None else str(defaults.DEFAULT_BUDGET))
-    options = dict(tree=args.tree, max_depth=args.max_depth, delta=defaults.DEFAULT_DELTA)
-    if budget == "auto":
-        options["budget"], options["delta"] = auto_settings(target, draft)
-    else:
-        try:
-            options["budget"] = int(budget)
-        except ValueError:
-            raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {budget!r}") from None
-    if args.delta is not None:
-        options["delta"] = args.delta
-    options.update(profile_options(target, draft, args.tree, args.temperature))
-    options["draft_temperature"] = draft_temperature(args, target, draft)
-    return options
 
 
 def read_prompt(args) -> str:
@@ -246,6 +91,107 @@ def cmd_generate(args) -> int:
     return 0
 
 
+DEMO_SHOWN_LINES = 12  # completion lines the demo prints per prompt
+
+
+def shown_completion(completion: str, max_lines: int = DEMO_SHOWN_LINES) -> str:
+    """A completion as the demo prints it: a run of 3 or more identical lines (a small model's runaway
+    output, e.g. 50 lines of `    #`) shown once with its count, at most `max_lines` lines, then how
+    many lines were left out. The text itself is never changed, only cut."""
+    lines = completion.split("\n")
+    shown, i = [], 0
+    while i < len(lines) and len(shown) < max_lines:
+        run = 1
+        while i + run < len(lines) and lines[i + run] == lines[i]:
+            run += 1
+        shown.append(lines[i])
+        if run >= 3:
+            shown.append(f"[... the same line {run - 1} more times]")
+            i += run
+        else:
+            i += 1
+    left = len(lines) - i
+    if left:
+        shown.append(f"[... {left} more line{'s' if left > 1 else ''}]")
+    return "\n".join(shown)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index of the first differing token of two (new,) id tensors (a shorter one differs where it
+    ends); None when equal."""
+    n = min(a.shape[0], b.shape[0])
+    unequal = (a[:n] != b[:n]).nonzero()
+    if unequal.numel():
+        return int(unequal[0, 0])
+    return None if a.shape[0] == b.shape[0] else n
+
+
+def cmd_demo(args) -> int:
+    """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
+    from .engine import generate
+
+    target, draft, tokenizer = load_pair(args)
+    tree = tree_options(args, target, draft)
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
+    methods = {"ar": dict(tree="ar"),
+               args.tree: tree}
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in DEMO_PROMPTS]
+    generate(target, prompts[0], draft, **methods[args.tree], **{**common, "max_new_tokens": 8})  # warm-up
+    totals = {name: {"tokens": 0, "steps": 0, "time": 0.0, "per_prompt": []} for name in methods}
+    differences = []  # {"prompt": 1-based number, "token": index of the first new token that differs}
+    for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), start=1):
+        outputs = {}
+        for name, method in methods.items():
+            out = generate(target, ids, draft, **method, **common)
+            outputs[name] = out
+            totals[name]["tokens"] += out.stats.new_tokens
+            totals[name]["steps"] += out.stats.steps
+            totals[name]["time"] += out.stats.time_s
+            totals[name]["per_prompt"].append(out.stats.mean_accepted_length)
+        ours, plain = outputs[args.tree].new_tokens, outputs["ar"].new_tokens
+        token = first_difference(ours, plain)
+        if token is None:
+            verdict = "identical to plain decoding"
+        else:
+            differences.append({"prompt": number, "token": token})
+            verdict = (f"differs from plain decoding from new token {token}: "
+                       f"{tokenizer.decode(ours[token:token + 3])!r} instead of {tokenizer.decode(plain[token:token + 3])!r}")
+        if not args.json:
+            print(f"--- prompt {number}, {args.tree}: mean accepted length "
+                  f"{outputs[args.tree].stats.mean_accepted_length:.2f}; {verdict} ---")
+            print(text + shown_completion(tokenizer.decode(ours)))
+    rows = []
+    ar_speed = totals["ar"]["tokens"] / totals["ar"]["time"]
+    for name, t in totals.items():
+        speed = t["tokens"] / t["time"]
+        rows.append({"method": name, "mean_accepted_length": t["tokens"] / t["steps"],
+                     "mean_accepted_length_per_prompt": sum(t["per_prompt"]) / len(t["per_prompt"]),
+                     "tokens_per_second": speed, "speedup": speed / ar_speed})
+    same = len(prompts) - len(differences)
+    if args.json:
+        print(json.dumps({"rows": rows, "identical_to_ar": same, "differences": differences, "prompts": len(prompts),
+                          "budget": tree["budget"]}))
+        return 0
+    print(f"\n{'method':<10}{'accepted/step':>15}{'prompt mean':>13}{'tokens/s':>12}{'speedup':>10}")
+    for r in rows:
+        print(f"{r['method']:<10}{r['mean_accepted_length']:>15.2f}{r['mean_accepted_length_per_prompt']:>13.2f}"
+              f"{r['tokens_per_second']:>12.1f}{r['speedup']:>9.2f}x")
+    print("(accepted/step: all new tokens over all steps, so a prompt weighs by its steps; prompt mean: the "
+          "mean of the per-prompt figures above)")
+    where = "; ".join(f"prompt {d['prompt']} from new token {d['token']}" for d in differences)
+    print(f"\n{same}/{len(prompts)} completions identical to plain decoding{' (' + where + ' differs)' if where else ''} "
+          f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']:g}, "
+          f"draft temperature {tree['draft_temperature']:.2g})")
+    if args.temperature > 0:
+        print("(sampling: the outputs follow the target's distribution exactly; the same tokens as plain "
+              "decoding are not guaranteed at temperature > 0)")
+    elif differences and args.dtype not in ("float32", "fp32"):
+        print(f"({args.dtype} rounds a forward over a tree differently from a one-token forward, so near-ties can "
+              "flip; --dtype float32 is the exact reference, token for token)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_args(demo)
     add_tree_args(demo)
     demo.add_argument("--json", action="store_true")
-    demo.set_defaults(func=lambda a: __import__("opttree.demo", fromlist=["run_demo"]).run_demo(a))
+    demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate text with speculative decoding")
     add_decoding_args(gen)

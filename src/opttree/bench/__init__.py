@@ -4,7 +4,8 @@
 `--budget auto`).
 """
 
-from .calibrate import auto_settings, run_calibration
+from ..profiles import auto_settings
+from .calibrate import run_calibration
 from .methods import MethodSpec, Settings, expand_methods, method_table
 from .prompts import Prompt, load_prompts
 from .report import summarize

@@ -14,7 +14,7 @@ BENCH_BUDGETS = "4,8,16"
 
 
 def register(subparsers) -> None:
-    from ..cli import add_decoding_args, add_draft_temperature_arg
+    from ..flags import add_decoding_args, add_draft_temperature_arg
 
     bench = subparsers.add_parser("bench", help="speed of opttree's tree policies and transformers' peers, "
                                   "side by side on your prompts (results.json, tables, plots)")
@@ -95,7 +95,7 @@ def parse_list(text: str, kind, flag: str) -> list:
 def profile_defaults(args, target, draft) -> None:
     """Unset --budgets / --delta from the pair's calibration profile (as generate and demo do), else
     the fixed defaults."""
-    from .calibrate import auto_settings, find_profile
+    from ..profiles import auto_settings, find_profile
 
     profiled = find_profile(target, draft) is not None
     if args.budgets is None:
@@ -109,7 +109,7 @@ def parse_budgets(text: str, delta: float, target, draft) -> list[tuple[int, flo
     budgets = []
     for item in parse_list(text, str, "--budgets"):
         if item == "auto":
-            from .calibrate import auto_settings
+            from ..profiles import auto_settings
 
             budget, auto_delta = auto_settings(target, draft)
             budgets.append((budget, auto_delta))
@@ -148,7 +148,7 @@ def as_command(name: str, args) -> str:
 
 
 def cmd_bench(args) -> int:
-    from ..cli import draft_temperature, load_pair
+    from ..flags import draft_temperature, load_pair
     from . import report
     from .methods import Settings, expand_methods
     from .prompts import encode, load_prompts
@@ -213,7 +213,7 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
 
 
 def cmd_calibrate(args) -> int:
-    from ..cli import load_pair
+    from ..flags import load_pair
     from . import calibrate
     from .prompts import encode, load_prompts, parse_text
 

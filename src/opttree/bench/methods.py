@@ -90,7 +90,7 @@ def seconds_since(start: float, model) -> float:
 
 
 def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
-    from .calibrate import profile_options  # calibrate measures through this module
+    from ..profiles import profile_options
 
     options = dict(
         tree=spec.name, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,

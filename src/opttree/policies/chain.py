@@ -7,7 +7,7 @@ import torch
 from ..config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
-from . import register_policy
+from .registry import register_policy
 
 
 @register_policy("chain")

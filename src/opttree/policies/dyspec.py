@@ -26,8 +26,8 @@ import torch
 from ..config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
-from . import register_policy
-from .static import ChildPicker
+from .registry import register_policy
+from .shapes import ChildPicker
 
 
 @register_policy("dyspec")

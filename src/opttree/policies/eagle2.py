@@ -20,7 +20,8 @@ import torch
 from ..config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
-from . import register_policy, select_best
+from .registry import register_policy
+from .shapes import select_best
 
 MAX_TOP_K = 10
 

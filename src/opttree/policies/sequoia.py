@@ -30,8 +30,8 @@ from ..config import SpecConfig, check_acceptance
 from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
 from ..tree import DraftTree
-from . import register_policy
-from .static import ChildPicker, Path, Shape, grow
+from .registry import register_policy
+from .shapes import ChildPicker, Path, Shape, grow
 
 DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
 

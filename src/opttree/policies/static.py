@@ -16,185 +16,24 @@ Your own: `register_static_tree("mine", [[0], [1], [0, 0], ...])`, then `tree="m
 A path list is in priority order: trimming keeps its first `budget` paths (of depth <= max_depth),
 so every path must come after its parent.
 
-`Shape` and `grow` are shared with `sequoia` (its shapes are static too), `ChildPicker` also with `dyspec`.
+The shape is grown by `opttree.policies.shapes` (`Shape`, `ChildPicker`, `grow`), shared with
+`sequoia` and `dyspec`.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from ..config import SpecConfig
 from ..drafters import Drafter
-from ..sampling import policy_generator, sample_without_replacement, warp_logits
 from ..tree import DraftTree
-from . import register_policy
+from .registry import register_policy
+from .shapes import ChildPicker, Path, Shape, grow, kary_paths, ranked_paths
 
 # Assumed acceptance of a child by rank, for the default tree: first-rank heavy, like EAGLE-1's.
 DEFAULT_RANK_WEIGHTS = (0.55, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01)
-
-Path = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A tree shape as flat tensors, parents before children and siblings in rank order."""
-
-    parents: torch.Tensor  # (N,) long: shape index of the parent, -1 for children of the root
-    ranks: torch.Tensor  # (N,) long: 0 = the parent's first-ranked (or first-drawn) child
-    depths: torch.Tensor  # (N,) long: 1 for children of the root
-
-    @staticmethod
-    def from_paths(paths: Sequence[Sequence[int]]) -> "Shape":
-        nodes = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
-        index = {p: i for i, p in enumerate(nodes)}
-        for p in nodes:
-            if not p or min(p) < 0:
-                raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)}")
-            if len(p) > 1 and p[:-1] not in index:
-                raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
-        return Shape(
-            parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in nodes], dtype=torch.long),
-            ranks=torch.tensor([p[-1] for p in nodes], dtype=torch.long),
-            depths=torch.tensor([len(p) for p in nodes], dtype=torch.long),
-        )
-
-    def __len__(self) -> int:
-        return self.parents.shape[0]
-
-    def to(self, device: torch.device) -> "Shape":
-        return Shape(self.parents.to(device), self.ranks.to(device), self.depths.to(device))
-
-    def cut(self, max_depth: int) -> "Shape":
-        """The nodes at most `max_depth` deep (a prefix, as nodes are sorted by depth)."""
-        n = int((self.depths <= max_depth).sum())
-        return Shape(self.parents[:n], self.ranks[:n], self.depths[:n])
-
-
-class ChildPicker:
-    """How a node's children are taken from its draft distribution.
-
-    Deterministic (temperature 0, or `sampled=False`): the draft's top-ranked tokens, in rank order.
-    Sampled: successive draws without replacement from q = the draft's distribution warped like
-    the target's (same temperature / top-k / top-p); the tree then carries q for recursive
-    rejection sampling, which needs exactly the distribution the children were drawn from.
-    """
-
-    def __init__(self, config: SpecConfig, sampled: bool):
-        self.sampled = sampled and config.temperature > 0
-        self.warp = (config.temperature, config.top_k, config.top_p)
-        self.seed = config.seed
-        self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
-
-    def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
-        """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
-        return warp_logits(logq, *self.warp).log_softmax(dim=-1) if self.sampled else logq
-
-    def pick(self, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, V) -> children tokens (R, k') in rank / draw order and valid (R, k'), k' = min(k, V)."""
-        if self.sampled:
-            if self.generator is None:
-                self.generator = policy_generator(self.seed, log_dist.device)
-            return sample_without_replacement(log_dist, k, self.generator)
-        tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
-        return tokens, torch.ones_like(tokens, dtype=torch.bool)
-
-
-def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
-    """Fill `shape` with tokens, one drafter forward per layer over the nodes that have children.
-
-    A node whose rank the draft cannot fill (fewer tokens in q's support) is dropped with its subtree.
-    """
-    n = len(shape)
-    if n == 0:
-        return DraftTree.empty(committed.device)
-    dists = picker.log_dist(drafter.root(committed)[None])  # (R, V) distributions of the last run layer
-    device = dists.device
-    shape = shape.to(device)
-    has_child = torch.zeros(n, dtype=torch.bool, device=device)
-    has_child[shape.parents[shape.parents >= 0]] = True
-    tokens = torch.zeros(n, dtype=torch.long, device=device)
-    scores = torch.zeros(n, device=device)
-    valid = torch.zeros(n, dtype=torch.bool, device=device)
-    slots = torch.full((n,), -1, dtype=torch.long, device=device)
-    dist_row = torch.full((n + 1,), -1, dtype=torch.long, device=device)  # [i + 1] = row of node i in `dists` (0 = root)
-    dist_row[0] = 0
-    run_probs = [dists.exp()]  # for draft_probs
-    run_nodes = [torch.full((1,), -1, dtype=torch.long, device=device)]
-    next_slot = 0
-    for depth in range(1, int(shape.depths.max()) + 1):
-        layer = (shape.depths == depth).nonzero().squeeze(1)  # (L,) contiguous node indices
-        parents = shape.parents[layer]
-        parent_ok = torch.where(parents >= 0, valid[parents.clamp(min=0)], True)
-        rows = dist_row[parents + 1]  # (L,)
-        chosen, ok = picker.pick(dists, int(shape.ranks[layer].max()) + 1)  # (R, k)
-        in_range = shape.ranks[layer] < chosen.shape[1]
-        rank = shape.ranks[layer].clamp(max=chosen.shape[1] - 1)
-        tokens[layer] = chosen[rows, rank]
-        valid[layer] = parent_ok & in_range & ok[rows, rank]
-        parent_score = torch.where(parents >= 0, scores[parents.clamp(min=0)], 0.0)
-        scores[layer] = parent_score + dists[rows, tokens[layer]]
-        run = layer[valid[layer] & has_child[layer]]  # (K,) nodes whose children come next
-        if run.numel() == 0:
-            break
-        parent_slots = torch.where(shape.parents[run] >= 0, slots[shape.parents[run].clamp(min=0)], -1)
-        dists = picker.log_dist(drafter.expand(tokens[run], parent_slots))  # (K, V)
-        slots[run] = torch.arange(next_slot, next_slot + run.numel(), device=device)
-        next_slot += run.numel()
-        dist_row[run + 1] = torch.arange(run.numel(), device=device)
-        run_probs.append(dists.exp())
-        run_nodes.append(run)
-    keep = valid.nonzero().squeeze(1)  # (M,) a connected subtree: a kept node's parent is valid
-    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=device)
-    new_index[keep + 1] = torch.arange(keep.numel(), device=device)
-    draft_probs = None
-    if picker.sampled:
-        probs = torch.cat(run_probs)  # (runs + 1, V)
-        draft_probs = torch.zeros(keep.numel() + 1, probs.shape[1], device=device)  # (M + 1, V), zero rows for leaves
-        draft_probs[new_index[torch.cat(run_nodes) + 1] + 1] = probs
-    return DraftTree(
-        tokens=tokens[keep],
-        parents=new_index[shape.parents[keep] + 1],
-        depths=shape.depths[keep],
-        scores=scores[keep],
-        draft_slots=slots[keep],
-        draft_probs=draft_probs,
-    )
-
-
-def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
-    """The n paths with the largest product of `weights[rank]` along them (at most max_depth deep),
-    best first, ties to the shallower path. `weights` must be non-increasing and below 1, so a
-    path always comes after its parent and after its lower-ranked sibling."""
-    weights = [float(w) for w in weights]
-    assert all(0 < w < 1 for w in weights) and weights == sorted(weights, reverse=True)
-    heap = [(-weights[0], 1, (0,))]  # (-value, depth, path): candidates whose parent is taken
-    paths: list[Path] = []
-    while heap and len(paths) < n:
-        neg_value, depth, path = heapq.heappop(heap)
-        paths.append(path)
-        if path[-1] + 1 < len(weights):  # the next sibling
-            sibling = path[:-1] + (path[-1] + 1,)
-            heapq.heappush(heap, (neg_value / weights[path[-1]] * weights[path[-1] + 1], depth, sibling))
-        if depth < max_depth:  # the first child
-            heapq.heappush(heap, (neg_value * weights[0], depth + 1, path + (0,)))
-    return paths
-
-
-def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
-    """The first n paths of the complete k-ary tree of depth max_depth, breadth first."""
-    paths: list[Path] = []
-    layer: list[Path] = [()]
-    for _ in range(max_depth):
-        layer = [p + (r,) for p in layer for r in range(k)]
-        paths += layer[: n - len(paths)]
-        if len(paths) >= n:
-            break
-    return paths
-
 
 PathSource = Callable[[int, int], Sequence[Sequence[int]]]  # (budget, max_depth) -> paths, best first
 

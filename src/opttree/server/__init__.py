@@ -7,7 +7,7 @@ from __future__ import annotations
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..cli import load_pair, tree_options
+    from ..flags import load_pair, tree_options
     from .app import Server, create_app
 
     target, draft, tokenizer = load_pair(args)
@@ -18,7 +18,7 @@ def cmd_serve(args) -> int:
 
 
 def register(subparsers) -> None:
-    from ..cli import add_decoding_args, add_tree_args
+    from ..flags import add_decoding_args, add_tree_args
 
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                               "/v1/chat/completions, /v1/models, /health, /metrics)")

@@ -1,0 +1,146 @@
+"""Calibration profiles (DESIGN.md section 9): where `opttree calibrate` saves what it measured for a
+target/draft pair on this machine, and what the commands, the benchmark and `opttree.profile_options`
+read back (budget, delta, draft temperature, Sequoia's acceptance vector).
+
+A profile is keyed by both models' names, configurations and dtypes and by the hardware
+(`profile_key`), and lives in the user cache (`profile_dir`). The shipped pair comes with the profile
+of the reference machine (`SHIPPED_PROFILES`), used on hardware of the same kind until
+`opttree calibrate` writes one for this machine. The measuring is in `opttree.bench.calibrate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+from .demo import MODELS_DIR
+from .hardware import describe, hardware_key
+from .policies import sequoia
+
+PROFILE_VERSION = 2  # 2: draft temperature
+SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json
+DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
+
+
+def profile_draft_temperature(profile: dict, temperature: float) -> float:
+    """The draft temperature a profile holds for greedy decoding (temperature 0) or for sampling."""
+    return float(profile[DRAFT_TEMPERATURE_FIELD]["greedy" if temperature == 0 else "sampled"])
+
+
+def profile_key(target, draft) -> str:
+    """A stable hash of both models' names, configurations and dtypes, and of the hardware
+    (`opttree.hardware.hardware_key`): a profile from another machine kind is never found."""
+    parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype)}
+             for m in (target, draft)] + [hardware_key(target.device)]
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def profile_dir() -> Path:
+    """$OPTTREE_CACHE_DIR, else $XDG_CACHE_HOME/opttree, else ~/.cache/opttree; profiles/ inside."""
+    root = os.environ.get("OPTTREE_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "opttree"
+    return Path(root) / "profiles"
+
+
+def profile_path(target, draft) -> Path:
+    return profile_dir() / f"{profile_key(target, draft)}.json"
+
+
+def save_profile(profile: dict, out_dir: Path | None = None) -> list[Path]:
+    """Write the profile to the user cache (where `auto_settings` looks) and to out_dir/profile.json."""
+    paths = [profile_dir() / f"{profile['key']}.json"]
+    if out_dir is not None:
+        paths.append(Path(out_dir) / "profile.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile, indent=1) + "\n")
+    return paths
+
+
+def shipped_profile_path(target, draft) -> Path | None:
+    """The reference machine's profile, if these are the shipped models at a dtype it was measured in."""
+    def is_shipped(model, name):
+        return Path(model.config._name_or_path).resolve() == (MODELS_DIR / name).resolve()
+
+    path = SHIPPED_PROFILES / f"{str(target.dtype).removeprefix('torch.')}.json"
+    if not (is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists()):
+        return None
+    measured_on, here = json.loads(path.read_text()).get("hardware"), hardware_key(target.device)
+    if measured_on != here:
+        _note_once(f"opttree: the shipped calibration profile was measured on {describe(measured_on or {})}; "
+                   f"this machine is {describe(here)}: not applied (run `opttree calibrate` for this one)")
+        return None
+    return path
+
+
+@lru_cache(maxsize=None)
+def _note_once(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def find_profile(target, draft) -> Path | None:
+    """This machine's profile for the pair, else the shipped one (shipped pair only), else None.
+    A profile written by an older opttree is ignored, with a warning."""
+    if draft is None:
+        return None
+    path = profile_path(target, draft)
+    if path.exists():
+        version = json.loads(path.read_text()).get("version")
+        if version == PROFILE_VERSION:
+            return path
+        warnings.warn(f"ignoring calibration profile {path}: version {version}, this opttree needs version "
+                      f"{PROFILE_VERSION}; run `opttree calibrate` again", stacklevel=2)
+    return shipped_profile_path(target, draft)
+
+
+def load_profile(target, draft) -> dict:
+    if draft is None:
+        raise ValueError("--budget auto needs a draft model: calibration profiles belong to a target/draft pair")
+    path = find_profile(target, draft)
+    if path is None:
+        path = profile_path(target, draft)
+        raise ValueError(
+            f"no calibration profile for this target/draft pair ({target.dtype}) at {path}; "
+            "run `opttree calibrate` with the same --target, --draft and --dtype first, or give --budget N"
+        )
+    profile = json.loads(path.read_text())
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"calibration profile {path} has version {profile.get('version')}, expected "
+                         f"{PROFILE_VERSION}; run `opttree calibrate` again")
+    return profile
+
+
+def profile_options(target, draft, tree: str, temperature: float) -> dict:
+    """The SpecConfig fields this pair's profile (`find_profile`) sets for a tree policy: the draft
+    temperature, and Sequoia's acceptance vector. {} without a profile (the defaults apply)."""
+    if draft is None or find_profile(target, draft) is None:
+        return {}
+    profile = load_profile(target, draft)
+    options = {"draft_temperature": profile_draft_temperature(profile, temperature)}
+    vector = sequoia.profile_vector(profile, greedy=temperature == 0)
+    if tree == "sequoia" and vector:
+        options["acceptance"] = vector
+    return options
+
+
+def auto_settings(target, draft) -> tuple[int, float]:
+    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`)."""
+    chosen = load_profile(target, draft)["recommended"]
+    return int(chosen["budget"]), float(chosen["delta"])
+
+
+def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
+    """Every setting this pair's calibration profile holds for `tree` at `temperature`, ready for
+    `opttree.generate(**...)`: budget, delta, draft temperature (and Sequoia's acceptance vector).
+    {} without a profile (the defaults apply). Exported as `opttree.profile_options`."""
+    options = profile_options(target, draft, tree, temperature)
+    if options:
+        options["budget"], options["delta"] = auto_settings(target, draft)
+    return options
