@@ -2,11 +2,23 @@
 
 import json
 
+import pytest
 import torch
 from helpers import hf_greedy
 
 import opttree
 from opttree.cli import main
+
+
+@pytest.fixture
+def reference_hardware(monkeypatch):
+    """This machine seen as the one the shipped profile was measured on: the profile tests then hold on any
+    CPU (on another kind of CPU the shipped profile is, rightly, not applied; see test_hardware)."""
+    import opttree.profiles
+    from opttree.profiles import SHIPPED_PROFILES
+
+    measured_on = json.loads((SHIPPED_PROFILES / "bfloat16.json").read_text())["hardware"]
+    monkeypatch.setattr(opttree.profiles, "hardware_key", lambda device="cpu": dict(measured_on))
 
 
 def test_shipped_pair_is_exact_in_float32():
@@ -23,13 +35,52 @@ def test_demo_runs_and_reports_a_table(capsys):
     assert main(["demo", "--max-new-tokens", "12", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
     assert "accepted/step" in printed and "speedup" in printed and "3/3 completions identical" in printed
+    assert "prompt mean" in printed and "weighs by its steps" in printed  # the summary says how it averages
+    assert printed.count("identical to plain decoding ---") == 3  # each prompt's verdict
 
 
-def test_shipped_pair_defaults_come_from_its_calibration_profile():
+def test_demo_says_which_prompt_differs_and_where(capsys, monkeypatch):
+    """A drafted output that differs from plain decoding (forced here) is named: prompt and token."""
+    import opttree.engine
+    from opttree.cli import DEMO_PROMPTS
+
+    real = opttree.engine.generate
+    second = opttree.demo_models()[2](DEMO_PROMPTS[1], return_tensors="pt").input_ids
+
+    def altered(target, ids, draft, **kwargs):
+        out = real(target, ids, draft, **kwargs)
+        if kwargs.get("tree") != "ar" and torch.equal(ids, second):  # the second demo prompt only
+            out.sequences = out.sequences.clone()  # an inference tensor: changed on a copy
+            out.sequences[0, ids.shape[1] + 2] += 1  # new token 2 changes
+        return out
+
+    monkeypatch.setattr(opttree.engine, "generate", altered)
+    assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_to_ar"] == 2 and report["differences"] == [{"prompt": 2, "token": 2}]
+
+
+def test_demo_cuts_runaway_completions():
+    from opttree.cli import first_difference, shown_completion
+
+    runaway = "def f():\n    \"\"\"Doc.\"\"\"\n" + "    #\n" * 50 + "    return 1"
+    shown = shown_completion(runaway)
+    assert shown.count("    #") == 1 and "[... the same line 49 more times]" in shown and shown.endswith("    return 1")
+    long = "\n".join(f"line {i}" for i in range(30))
+    shown = shown_completion(long, max_lines=12)
+    assert shown.splitlines()[-1] == "[... 18 more lines]" and "line 11" in shown and "line 12" not in shown
+    assert shown_completion("a\nb") == "a\nb"  # short ones are printed whole
+    t = torch.tensor
+    assert first_difference(t([1, 2, 3]), t([1, 2, 3])) is None
+    assert first_difference(t([1, 2, 3]), t([1, 5, 3])) == 1
+    assert first_difference(t([1, 2]), t([1, 2, 3])) == 2  # a shorter output differs where it ends
+
+
+def test_shipped_pair_defaults_come_from_its_calibration_profile(reference_hardware):
     """No profile of this machine (conftest empties the cache): the reference machine's shipped profile
     sets budget, delta and draft temperature; flags given win; float32 has no profile (defaults)."""
     from opttree import config
-    from opttree.bench.calibrate import SHIPPED_PROFILES, find_profile
+    from opttree.profiles import SHIPPED_PROFILES, find_profile
     from opttree.cli import build_parser, tree_options
 
     target, draft, _ = opttree.demo_models(dtype=torch.bfloat16)
@@ -49,7 +100,7 @@ def test_shipped_pair_defaults_come_from_its_calibration_profile():
         config.DEFAULT_BUDGET, config.DEFAULT_DELTA, 1.0)
 
 
-def test_profile_options_at_the_top_level():
+def test_profile_options_at_the_top_level(reference_hardware):
     """`opttree.profile_options` gives every calibrated setting of the shipped pair (its profile is
     for bfloat16), ready for generate()."""
     target, draft, tok = opttree.demo_models(torch.bfloat16)
