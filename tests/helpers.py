@@ -78,7 +78,7 @@ class ScriptedDrafter:
             rows.append(self.logq(path))
         return torch.stack(rows)
 
-    def accept(self, slots):
+    def observe(self, result):
         pass
 
 

@@ -8,7 +8,7 @@ from test_tree import depths_of, random_parents
 from opttree.cache import compact, new_cache
 from opttree.drafters import ModelDrafter
 from opttree.tree import DraftTree, leaf_paths
-from opttree.verify import accept_matching, verify_tree
+from opttree.verify import Verification, accept_matching, verify_tree
 
 
 def brute_force_accept(tree, choice):
@@ -79,7 +79,9 @@ def test_drafter_cache_after_accept_matches_recomputation():
         drafter.root(prompt)
         first = drafter.expand(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, -1]))  # slots 0-2
         drafter.expand(torch.tensor([6, 7]), torch.tensor([1, 0]))  # slots 3 (under 4), 4 (under 3)
-        drafter.accept(torch.tensor([1, 3, -1]))  # accepted 4 -> 6 -> (an unexpanded leaf)
+        path = DraftTree(torch.tensor([4, 6, 9]), torch.tensor([-1, 0, 1]), torch.tensor([1, 2, 3]), torch.zeros(3),
+                         draft_slots=torch.tensor([1, 3, -1]))  # accepted 4 -> 6 -> (an unexpanded leaf)
+        drafter.observe(Verification(prompt[-1], path, torch.zeros(4, 96), torch.arange(3), torch.tensor(11)))
         committed = torch.cat([prompt, torch.tensor([4, 6, 9, 11])])  # + the leaf token and the bonus
         got = drafter.root(committed)
         expected = torch.log_softmax(model(input_ids=committed[None]).logits[0, -1], -1)

@@ -30,10 +30,10 @@ def new_cache() -> DynamicCache:
     return DynamicCache()
 
 
-def last_logits_only(model: PreTrainedModel) -> dict:
-    """Forward kwargs that compute logits for the last position only, where the model supports it
-    (a prompt's prefill needs at most one row of the vocabulary projection, not one per token)."""
-    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+def last_logits_only(model: PreTrainedModel, rows: int = 1) -> dict:
+    """Forward kwargs that compute logits for the last `rows` positions only, where the model supports
+    it (a prompt's prefill needs few rows of the vocabulary projection, not one per token)."""
+    return {"logits_to_keep": rows} if _takes_logits_to_keep(type(model)) else {}
 
 
 @lru_cache(maxsize=None)

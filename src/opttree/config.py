@@ -23,6 +23,7 @@ def check_acceptance(acc) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class SpecConfig:
     tree: str = "opt"  # tree policy name (see opttree.policies.available())
+    drafter: str | None = None  # draft sources joined by "+" (None: "model" with a draft, else "recycling+lookup")
     budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
     delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
     max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
@@ -54,6 +55,8 @@ class SpecConfig:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
+        if self.drafter is not None and not (isinstance(self.drafter, str) and self.drafter.strip()):
+            raise ValueError(f"drafter must name draft sources joined by '+' (e.g. 'model+lookup'), got {self.drafter!r}")
         if self.acceptance is not None:
             object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
 

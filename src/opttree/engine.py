@@ -17,10 +17,11 @@ from .config import SpecConfig
 from .genconfig import check_generation_config
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
+from .drafters.sources import SourceContext, default_drafter, make_sources
 from .policies import TreePolicy, make_policy
 from .stats import GenerationStats
 from .tree import DraftTree
-from .verify import accept, verify_tree
+from .verify import Verification, accept, verify_tree
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
@@ -119,13 +120,17 @@ class Generation:
     def _prefill(self) -> DynamicCache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
         cache = new_cache()
+        if self.drafter is not None:
+            self.drafter.start(self.committed)
+        seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
         if self.prompt_len > 1:
             prefix = self.committed[:-1]
             positions = torch.arange(prefix.shape[0], device=self.device)
-            self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
-                        **last_logits_only(self.target))  # the logits are not used: one row is the least we can ask
-        if self.drafter is not None:
-            self.drafter.start(self.committed)
+            rows = min(max(seed_rows, 1), prefix.shape[0])  # otherwise unused: one row is the least we can ask
+            logits = self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
+                                 **last_logits_only(self.target, rows)).logits[0, -rows:]  # (rows, V)
+            if seed_rows:
+                self.drafter.seed(prefix[-rows:], logits)
         return cache
 
     def _step(self, cache: DynamicCache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
@@ -145,8 +150,8 @@ class Generation:
         accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
         # 4. compact both caches to the root + accepted path
         compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
-        if drafter is not None:
-            drafter.accept(tree.draft_slots[accepted])
+        if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
+            drafter.observe(Verification(self.committed[-1], tree, logits, accepted, bonus))
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
         chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
         self.committed = torch.cat([self.committed, chunk])
@@ -173,8 +178,9 @@ def stream(
     **options,
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
-    fields (tree, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
-    draft_temperature, acceptance); draft_temperature applies when `draft` is a model. transformers'
+    fields (tree, drafter, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
+    draft_temperature, acceptance); draft_temperature applies when `draft` is a model. Without a
+    draft, the train-free sources draft (`drafter="recycling+lookup"`); see `opttree.drafters.sources`. transformers'
     spellings `do_sample`, `max_length` and an all-ones `attention_mask` are understood; `input_ids` may
     be a BatchEncoding."""
     input_ids, mask = prompt_and_mask(input_ids)
@@ -188,20 +194,9 @@ def stream(
     check_generation_config(target)
     drafter = None
     if policy.needs_drafter:
-        if draft is None:
-            raise ValueError(f"tree={config.tree!r} needs a draft model (draft=...); use tree='ar' for plain decoding")
-        if isinstance(draft, PreTrainedModel):
-            _check_vocab(target, draft)
-            _check_fits(draft, "draft", max_len)
-            check_model(draft, "draft", max_len)
-            certify(draft, "draft", max_len, config.budget + 1)
-            draft = ModelDrafter(draft, config.draft_temperature, vocab=_vocab_size(target))
-        else:
-            if config.draft_temperature != 1:
-                raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
-                                 "log-probabilities (scale them there)")
-            draft = CheckedDrafter(draft, _vocab_size(target))
-        drafter = draft
+        drafter, policy = _sources(target, draft, policy, config, max_len)
+    elif config.drafter is not None:
+        raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} does not apply")
     if isinstance(stop, str):
         stop = [stop]
     if stop and any(not isinstance(s, str) or not s for s in stop):
@@ -213,6 +208,25 @@ def stream(
     eos_ids = eos_list(eos_token_id)
     stopper = Stopper(config.max_new_tokens, eos_ids, ids, stop or [], tokenizer)
     return Generation(target, ids, drafter, policy, config, stopper)
+
+
+def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):
+    """(drafter, policy) for the drafter spec (`config.drafter`, default `model` with a draft, else
+    `recycling+lookup`): the draft model checked and wrapped, the sources combined (drafters.sources)."""
+    vocab = _vocab_size(target)
+    if isinstance(draft, PreTrainedModel):
+        _check_vocab(target, draft)
+        _check_fits(draft, "draft", max_len)
+        check_model(draft, "draft", max_len)
+        certify(draft, "draft", max_len, config.budget + 1)
+        draft = ModelDrafter(draft, config.draft_temperature, vocab=vocab)
+    elif draft is not None:
+        if config.draft_temperature != 1:
+            raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
+                             "log-probabilities (scale them there)")
+        draft = CheckedDrafter(draft, vocab)
+    spec = config.drafter or default_drafter(draft is not None)
+    return make_sources(spec, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
 
 
 def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> GenerationOutput:

@@ -94,3 +94,72 @@ def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     paths = torch.full((leaves.shape[0], int(depths.max())), -1, dtype=torch.long, device=parents.device)
     paths[leaf_idx, depths[node_idx] - 1] = node_idx
     return paths  # (L, D)
+
+
+# --- tries: trees from several sources (DESIGN.md section 13.2) ---
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """The token path from the root to each node (the node's own token last), in node order."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
+    """The index in `tree` of the node at each token path, -1 where the tree has none."""
+    index = {path: i for i, path in enumerate(node_paths(tree))}
+    return [index.get(tuple(path), -1) for path in paths]
+
+
+def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
+    """The union of two tries: a node of `extra` whose token path `base` already has becomes that node
+    (its score the larger of the two, its drafter slot base's); the others hang under their path's
+    deepest node, with slot -1. No node gets two children with one token. Sorted by depth again."""
+    if base.draft_probs is not None or extra.draft_probs is not None:
+        raise ValueError("sampled candidates (with draft_probs) cannot be merged with another source's: their "
+                         "verification needs exactly the distribution they were drawn from")
+    index = {path: i for i, path in enumerate(node_paths(base))}
+    tokens, parents, depths = base.tokens.tolist(), base.parents.tolist(), base.depths.tolist()
+    scores, slots = base.scores.tolist(), base.draft_slots.tolist()
+    for path, score in zip(node_paths(extra), extra.scores.tolist()):
+        if path in index:
+            scores[index[path]] = max(scores[index[path]], score)
+            continue
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]] if len(path) > 1 else -1)  # extra is parents-first: the parent is in
+        depths.append(len(path))
+        scores.append(score)
+        slots.append(-1)
+    device = base.tokens.device
+    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
+                       torch.tensor(scores, dtype=torch.float32, device=device),
+                       torch.tensor(slots, dtype=torch.long, device=device))
+    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+
+
+def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """The nodes `keep` (K,) (in this order, parents before children, every kept node's parent kept),
+    re-indexed. Draft distributions are kept for the root and the kept nodes."""
+    n = len(tree)
+    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=tree.tokens.device)  # [i + 1] = new index of i
+    new_index[keep + 1] = torch.arange(keep.shape[0], device=keep.device)
+    parents = new_index[tree.parents[keep] + 1]
+    assert bool((parents >= 0).eq(tree.parents[keep] >= 0).all()), "the kept nodes are not a tree"
+    probs = None
+    if tree.draft_probs is not None:
+        probs = tree.draft_probs[torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), keep + 1])]
+    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep], tree.draft_slots[keep], probs)
+
+
+def top_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """The best tree of at most n nodes by score, where a node counts at the lowest score on its path
+    (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
+    path_min = tree.scores.clone()  # (N,)
+    for i, parent in enumerate(tree.parents.tolist()):  # parents come first
+        if parent >= 0:
+            path_min[i] = torch.minimum(path_min[i], path_min[parent])
+    order = torch.sort(path_min, descending=True, stable=True).indices
+    order = order[path_min[order] > float("-inf")][:n]
+    return subtree(tree, order.sort().values)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -11,6 +13,33 @@ from transformers import Cache, PreTrainedModel
 from .config import SpecConfig
 from .sampling import target_probs
 from .tree import DraftTree, leaf_paths, position_ids, tree_attention_mask
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One step's verification, as the drafter sees it (`Drafter.observe`): what was verified, what the
+    target computed there, and what it accepted. Handed over after both caches are compacted."""
+
+    root: torch.Tensor  # () long: the last committed token before the step
+    tree: DraftTree  # the N verified nodes (tokens, parents, depths, scores, draft slots)
+    logits: torch.Tensor  # (N + 1, V) the target's logits at [root] + nodes
+    accepted: torch.Tensor  # (A,) accepted node indices, root to leaf
+    bonus: torch.Tensor  # () the target's token after the accepted path
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(N + 1,) the verified tokens: [root] + nodes."""
+        return torch.cat([self.root.view(1), self.tree.tokens])
+
+    @cached_property
+    def choice(self) -> torch.Tensor:
+        """(N + 1,) the target's most likely next token at [root] + nodes (float32 argmax)."""
+        return self.logits.float().argmax(dim=-1)
+
+    @property
+    def accepted_slots(self) -> torch.Tensor:
+        """(A,) the drafter's slots of the accepted nodes (-1 = never run by the drafter)."""
+        return self.tree.draft_slots[self.accepted]
 
 
 def masked_forward(

@@ -152,8 +152,8 @@ class CountingDrafter:
         self.layer_tokens += tokens.shape[0]
         return self.inner.expand(tokens, parent_slots)
 
-    def accept(self, slots):
-        self.inner.accept(slots)
+    def observe(self, result):
+        self.inner.observe(result)
 
 
 @dataclass

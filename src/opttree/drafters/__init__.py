@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from ..verify import Verification
+
 
 class Drafter(Protocol):
     def start(self, input_ids: torch.Tensor) -> None:
@@ -19,8 +21,10 @@ class Drafter(Protocol):
         """Run tree nodes (K,) whose parents are earlier slots of this step (-1 = root); they take the
         next K slots. Returns log-probabilities (K, V) of each node's children."""
 
-    def accept(self, slots: torch.Tensor) -> None:
-        """The target accepted the nodes with these slots, root to leaf (-1 = never run by the drafter)."""
+    def observe(self, result: Verification) -> None:
+        """The step's verification (after compaction): `result.accepted_slots` are the drafter's slots of
+        the accepted nodes, root to leaf (-1 = never run by it); logits, tokens and bonus are there for
+        drafters that learn from the target."""
 
 
 class CheckedDrafter:
@@ -39,8 +43,11 @@ class CheckedDrafter:
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         return self._checked(self.inner.expand(tokens, parent_slots), "expand")
 
-    def accept(self, slots: torch.Tensor) -> None:
-        self.inner.accept(slots)
+    def observe(self, result: Verification) -> None:
+        if hasattr(self.inner, "observe"):
+            self.inner.observe(result)
+        else:  # a drafter written for opttree < 0.2, with `accept(slots)`
+            self.inner.accept(result.accepted_slots)
 
     def _checked(self, logq: torch.Tensor, method: str) -> torch.Tensor:
         name = f"{type(self.inner).__name__}.{method}()"

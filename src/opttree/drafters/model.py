@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ..cache import compact, last_logits_only, new_cache, truncate
 from ..device import model_device
-from ..verify import masked_forward
+from ..verify import Verification, masked_forward
 
 
 def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -92,8 +92,8 @@ class ModelDrafter:
         logits = logits.float() if self.vocab is None else on_target_vocab(logits.float(), self.vocab)
         return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
-    def accept(self, slots: torch.Tensor) -> None:
-        slots = slots.to(self.device)
+    def observe(self, result: Verification) -> None:
+        slots = result.accepted_slots.to(self.device)
         run = slots >= 0  # the drafted nodes of an accepted path form a prefix of it
         kept = slots[: int(run.long().cumprod(0).sum())]
         compact(self.cache, self.base, kept)

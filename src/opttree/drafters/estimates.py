@@ -1,0 +1,50 @@
+"""What train-free sources learn online: hit-rate estimates, and state kept per target model.
+
+`HitRates` holds Beta posteriors of hit probabilities on a small grid (e.g. depth x rank): a source
+scores its candidates with them, so its scores are calibrated estimates of acceptance (DESIGN.md
+section 13.2) and compare with other sources'. `per_model` keeps such state, and Token Recycling's
+matrix, across generations with the same target ("hot start"); `forget(target)` drops it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+_STORE: "weakref.WeakKeyDictionary[object, dict[str, object]]" = weakref.WeakKeyDictionary()
+
+
+def per_model(model, key: str, make: Callable[[], T]) -> T:
+    """The state `key` kept for `model` (made by `make()` the first time); freed with the model."""
+    states = _STORE.setdefault(model, {})
+    if key not in states:
+        states[key] = make()
+    return states[key]  # type: ignore[return-value]
+
+
+def forget(model) -> None:
+    """Drop what the train-free sources learned about `model` (the next generation starts cold)."""
+    _STORE.pop(model, None)
+
+
+class HitRates:
+    """Beta posteriors of hit probabilities on a grid of `shape`: each cell starts at `prior` (a tensor
+    broadcastable to `shape`) worth `strength` observations, and counts hits among trials."""
+
+    def __init__(self, shape: tuple[int, ...], prior: torch.Tensor | float, strength: float = 4.0):
+        self.trials = torch.full(shape, float(strength))
+        self.hits = torch.as_tensor(prior, dtype=torch.float32).expand(shape) * strength
+
+    def update(self, index: tuple[torch.Tensor, ...], hit: torch.Tensor) -> None:
+        """One trial per row of `index` (cell coordinates, each (B,)); `hit` (B,) bool says which hit."""
+        index = tuple(i.cpu() for i in index)
+        self.trials.index_put_(index, torch.ones(hit.shape[0]), accumulate=True)
+        self.hits.index_put_(index, hit.float().cpu(), accumulate=True)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The posterior mean of every cell (float32, on the CPU)."""
+        return self.hits / self.trials

@@ -1,0 +1,111 @@
+"""Retrieval from the text so far (prompt lookup, REST-style; DESIGN.md section 14).
+
+`NgramIndex` remembers where every 1..m-gram of the committed tokens (prompt and output) ended. At a
+step, the longest suffix of the committed tokens that occurred before gives up to `MATCHES` earlier
+places (the latest ones); what followed each forms a trie of continuations (`continuation_trie`).
+A node's score is log(its share of the matches) + the cumulative log of the online hit rate at its
+depth for matches of that length: a calibrated estimate of its acceptance, so a policy can weigh it
+against another source's nodes. `LookupSource` is the candidate source; it needs no model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..tree import DraftTree, locate, node_paths, top_nodes
+from .estimates import HitRates, per_model
+
+MAX_NGRAM = 4  # suffixes of 1..MAX_NGRAM tokens are looked up, the longest first
+MATCHES = 8  # the latest matches of the longest suffix found make the trie
+DEPTHS = 16  # hit rates per depth up to this one
+
+
+class NgramIndex:
+    """Where each n-gram (n <= max_n) of a growing token sequence ended; extended incrementally."""
+
+    def __init__(self, max_n: int = MAX_NGRAM):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> positions just after it
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in range(1, min(self.max_n, end) + 1):
+                self.ends[tuple(self.tokens[end - n : end])].append(end)
+
+    def matches(self, limit: int = MATCHES) -> tuple[int, list[int]]:
+        """(n, starts): the longest suffix of n tokens seen before, and the positions that followed its
+        latest `limit` earlier occurrences (oldest first). (0, []) when even the last token is new."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), 0, -1):
+            starts = self.ends.get(tuple(self.tokens[end - n :]), [])
+            earlier = [s for s in starts[-limit - 1 :] if s < end][-limit:]
+            if earlier:
+                return n, earlier
+        return 0, []
+
+
+def continuation_trie(tokens: list[int], starts: list[int], depth: int, log_rates: torch.Tensor) -> DraftTree:
+    """The trie of the continuations tokens[s : s + depth] for s in `starts`, scored
+    log(share of the matches through the node) + log_rates[:d].sum() for a node at depth d."""
+    counts: dict[tuple[int, ...], int] = defaultdict(int)
+    for s in starts:
+        continuation = tuple(tokens[s : s + depth])
+        for d in range(1, len(continuation) + 1):
+            counts[continuation[:d]] += 1
+    paths = sorted(counts, key=lambda p: (len(p), -counts[p], p))  # parents first
+    if not paths:
+        return DraftTree.empty()
+    index = {p: i for i, p in enumerate(paths)}
+    cumulative = torch.cumsum(log_rates, 0)
+    share = torch.tensor([counts[p] / len(starts) for p in paths])
+    return DraftTree(
+        tokens=torch.tensor([p[-1] for p in paths]),
+        parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]),
+        depths=torch.tensor([len(p) for p in paths]),
+        scores=share.log() + cumulative[torch.tensor([len(p) - 1 for p in paths])],
+        draft_slots=torch.full((len(paths),), -1, dtype=torch.long),
+    )
+
+
+class LookupSource:
+    """Candidates copied from what followed the longest earlier match of the committed suffix."""
+
+    def __init__(self, target):
+        prior = 0.6 * torch.ones(MAX_NGRAM, DEPTHS)  # P(hit | match length, depth), before any step
+        self.rates = per_model(target, "lookup-rates", lambda: HitRates((MAX_NGRAM, DEPTHS), prior))
+        self.index = NgramIndex()
+        self.proposed: tuple[int, list[tuple[int, ...]]] | None = None  # (match length, node paths)
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.index = NgramIndex()
+        self.index.extend(input_ids.tolist())
+
+    def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
+        self.index.extend(committed[len(self.index.tokens) :].tolist())
+        n, starts = self.index.matches()
+        self.proposed = None
+        if n == 0:
+            return DraftTree.empty(committed.device)
+        log_rates = self.rates.mean[n - 1, :max_depth].log()
+        trie = top_nodes(continuation_trie(self.index.tokens, starts, max_depth, log_rates), max_nodes)
+        self.proposed = (n, node_paths(trie))
+        return trie.to(committed.device)
+
+    def observe(self, result) -> None:
+        """Per (match length, depth): was a proposed node the target's choice after its parent? Counted
+        for every proposed node that was verified (kept in the tree), accepted path or not."""
+        if self.proposed is None:
+            return
+        n, paths = self.proposed
+        found = torch.tensor(locate(result.tree, paths), dtype=torch.long)  # (P,) -1 = not verified
+        nodes = found[found >= 0].to(result.tree.tokens.device)
+        if nodes.numel() == 0:
+            return
+        hit = result.choice[result.tree.parents[nodes] + 1] == result.tree.tokens[nodes]
+        depth = (result.tree.depths[nodes] - 1).clamp(max=DEPTHS - 1)
+        self.rates.update((torch.full_like(depth, n - 1), depth), hit)

@@ -1,0 +1,235 @@
+"""Several draft sources, one tree (DESIGN.md section 13.2).
+
+A source is either a `Drafter` (answers distribution queries for tree nodes: the draft model, Token
+Recycling) or a `CandidateSource` (proposes a ready trie of continuations with scores: lookup). A
+drafter spec names sources joined by "+" (`model+lookup`); `make_sources` turns it into the drafter
+the engine drives and the policy that builds each step's tree:
+
+    the first distribution source  --(tree policy)-->  its tree
+    every other source             --(propose)------>  a trie, pruned by the draft (RASD)
+    merge (identical paths become one node)  ->  the `budget` best nodes by score  ->  verify
+
+Scores are log estimates of acceptance, so sources compare: a draft model's path log-probability,
+Token Recycling's and lookup's online hit rates. The candidates are deterministic, so verification
+(`verify.accept`) is exact at any temperature. Sampled-children policies (dyspec and sequoia at
+temperature > 0) need exactly the draft distribution they sampled from and take one source only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from ..config import SpecConfig
+from ..tree import DraftTree, merge, node_paths, top_nodes
+from ..verify import Verification
+from . import Drafter
+from .lookup import LookupSource
+from .recycling import RecyclingDrafter
+
+PRUNE_RANK = 16  # RASD: a retrieved branch survives if its first token is among the draft's 16 best
+
+
+class CandidateSource(Protocol):
+    def start(self, input_ids: torch.Tensor) -> None:
+        """A new generation begins with the prompt (T,)."""
+
+    def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
+        """A trie of at most `max_nodes` continuations of `committed` (T,), at most `max_depth` deep,
+        scored with log estimates of acceptance; `draft_slots` all -1; no two siblings share a token."""
+
+    def observe(self, result: Verification) -> None:
+        """The step's verification (see `Drafter.observe`)."""
+
+
+class SourceContext:
+    """What a source factory may use: the target, the draft as a Drafter (None without one), the config."""
+
+    def __init__(self, target, draft: Drafter | None, config, vocab: int, device: torch.device):
+        self.target, self.draft, self.config, self.vocab, self.device = target, draft, config, vocab, device
+
+
+SourceFactory = Callable[[SourceContext], "Drafter | CandidateSource"]
+_SOURCES: dict[str, tuple[SourceFactory, bool]] = {}  # name -> (factory, answers distribution queries)
+
+
+def register_source(name: str, distribution: bool) -> Callable[[SourceFactory], SourceFactory]:
+    """Make a draft source selectable by name (`drafter="a+b"`, `--drafter`, `opt:a+b`). `distribution`:
+    it is a Drafter (root/expand/observe), else a CandidateSource (start/propose/observe)."""
+
+    def add(factory: SourceFactory) -> SourceFactory:
+        _SOURCES[name] = (factory, distribution)
+        return factory
+
+    return add
+
+
+def available_sources() -> list[str]:
+    return sorted(_SOURCES)
+
+
+def source_names(spec: str) -> list[str]:
+    """'model+lookup' -> ['model', 'lookup'], checked: known names, no repeats; distribution sources
+    first (the first one drives the tree policy), otherwise in the order given."""
+    names = [n.strip() for n in spec.split("+")]
+    unknown = [n for n in names if n not in _SOURCES]
+    if unknown or not spec.strip():
+        raise ValueError(f"unknown draft source {unknown[0] if unknown else spec!r} in drafter {spec!r}; "
+                         f"available: {', '.join(available_sources())} (join several with '+')")
+    if len(set(names)) != len(names):
+        raise ValueError(f"drafter {spec!r} names a source twice")
+    return sorted(names, key=lambda n: not _SOURCES[n][1])
+
+
+def _model(context: SourceContext) -> Drafter:
+    if context.draft is None:
+        raise ValueError("drafter 'model' needs a draft model (draft=... / --draft); without one use a "
+                         "train-free drafter: recycling, lookup or recycling+lookup")
+    return context.draft
+
+
+register_source("model", distribution=True)(_model)
+register_source("recycling", distribution=True)(lambda c: RecyclingDrafter(c.target, c.vocab, c.device))
+register_source("lookup", distribution=False)(lambda c: LookupSource(c.target))
+
+
+class TrieDrafter:
+    """A candidate source as the step's only distribution source: a node's children get
+    log(child score) - log(node score) for the trie's continuations, -inf for every other token."""
+
+    def __init__(self, source: CandidateSource, vocab: int, max_nodes: int, max_depth: int):
+        self.source, self.vocab, self.max_nodes, self.max_depth = source, vocab, max_nodes, max_depth
+        self.children: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+        self.slot_paths: list[tuple[int, ...]] = []
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.source.start(input_ids)
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        trie = self.source.propose(committed, self.max_nodes, self.max_depth)
+        scores = dict(zip(node_paths(trie), trie.scores.tolist()))
+        self.children = {}
+        for path, score in scores.items():
+            self.children.setdefault(path[:-1], []).append((path[-1], score - scores.get(path[:-1], 0.0)))
+        self.slot_paths, self.device = [], committed.device
+        return self._rows([()])[0]
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        paths = [(self.slot_paths[p] if p >= 0 else ()) + (t,) for t, p in zip(tokens.tolist(), parent_slots.tolist())]
+        self.slot_paths += paths
+        return self._rows(paths)
+
+    def _rows(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        rows = torch.full((len(paths), self.vocab), float("-inf"))  # (R, V)
+        for i, path in enumerate(paths):
+            for token, log_p in self.children.get(path, []):
+                rows[i, token] = log_p
+        return rows.to(self.device)
+
+    def observe(self, result: Verification) -> None:
+        self.source.observe(result)
+
+
+class DrafterCandidates:
+    """A distribution source as a candidate source: its own OPT-Tree (delta 0) under the same budget."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.start, self.observe = drafter.start, drafter.observe
+        self.prompt_rows = getattr(drafter, "prompt_rows", 0)
+        if self.prompt_rows:
+            self.seed = drafter.seed
+
+    def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
+        from ..policies.opt import OptTree  # policies import drafters: imported when first used
+
+        tree = OptTree(SpecConfig(budget=max_nodes, delta=0.0, max_depth=max_depth)).build(self.drafter, committed, max_depth)
+        return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, torch.full_like(tree.tokens, -1))
+
+
+class Sources:
+    """The step's drafter when sources are combined: the first answers the policy's queries (its root
+    distribution is kept for RASD's pruning), every source hears `start`, `seed` and `observe`."""
+
+    def __init__(self, first: Drafter, candidates: list[CandidateSource]):
+        self.first, self.candidates = first, candidates
+        self.prompt_rows = max([getattr(s, "prompt_rows", 0) for s in [first, *candidates]])
+        self.root_logq: torch.Tensor | None = None
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        for source in [self.first, *self.candidates]:
+            source.start(input_ids)
+
+    def seed(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        for source in [self.first, *self.candidates]:
+            if getattr(source, "prompt_rows", 0):
+                source.seed(tokens[-source.prompt_rows :], logits[-source.prompt_rows :])
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        self.root_logq = self.first.root(committed)  # (V,)
+        return self.root_logq
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        return self.first.expand(tokens, parent_slots)
+
+    def observe(self, result: Verification) -> None:
+        for source in [self.first, *self.candidates]:
+            source.observe(result)
+
+
+class MergedPolicy:
+    """A tree policy over the first source, the other sources' tries merged in, the best `budget` kept."""
+
+    needs_drafter = True
+
+    def __init__(self, policy, budget: int, max_depth: int, prune: bool):
+        self.policy, self.budget, self.max_depth, self.prune = policy, budget, max_depth, prune
+
+    def build(self, sources: Sources, committed: torch.Tensor, depth_limit: int) -> DraftTree:
+        tree = self.policy.build(sources, committed, depth_limit)
+        for source in sources.candidates:
+            proposal = source.propose(committed, self.budget, min(self.max_depth, depth_limit))
+            if self.prune and len(proposal) and sources.root_logq is not None:
+                proposal = prune_first_tokens(proposal, sources.root_logq, PRUNE_RANK)
+            tree = merge(tree, proposal.to(tree.tokens.device))
+        return top_nodes(tree, self.budget)
+
+
+def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> DraftTree:
+    """RASD's pruning: drop the branches whose first token is not among the draft's `rank` best."""
+    best = root_logq.topk(min(rank, root_logq.shape[0])).indices.to(trie.tokens.device)
+    first_ok = torch.isin(trie.tokens, best) | (trie.parents >= 0)
+    keep = torch.zeros(len(trie), dtype=torch.bool, device=trie.tokens.device)
+    for i, parent in enumerate(trie.parents.tolist()):  # a node survives if its branch's first token does
+        keep[i] = bool(first_ok[i]) if parent < 0 else bool(keep[parent])
+    return top_nodes(DraftTree(trie.tokens, trie.parents, trie.depths, trie.scores.masked_fill(~keep, float("-inf")),
+                               trie.draft_slots), len(trie))
+
+
+def default_drafter(has_draft: bool) -> str:
+    """`model` with a draft model, else the train-free `recycling+lookup` (DESIGN.md section 13)."""
+    return "model" if has_draft else "recycling+lookup"
+
+
+def make_sources(spec: str, policy, config, context: SourceContext):
+    """(drafter, policy) for the engine: the drafter spec's sources, combined as described above."""
+    names = source_names(spec)
+    if context.draft is not None and "model" not in names:
+        raise ValueError(f"a draft model was given but drafter {spec!r} does not use it: add 'model' "
+                         f"(e.g. 'model+{spec}') or leave the draft out")
+    if config.draft_temperature != 1 and "model" not in names:
+        raise ValueError(f"draft_temperature applies to a draft model; drafter {spec!r} has none")
+    made = [(_SOURCES[n][0](context), _SOURCES[n][1]) for n in names]
+    if names == ["model"]:
+        return made[0][0], policy
+    if len(names) > 1 and getattr(getattr(policy, "picker", None), "sampled", False):
+        raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
+                         f"needs exactly the draft distribution it sampled from: it takes one draft source, "
+                         f"not {spec!r} (use tree='opt', or one source)")
+    first, distribution = made[0]
+    if not distribution:  # candidate sources only: the first one answers the policy's queries
+        first = TrieDrafter(first, context.vocab, config.budget, config.max_depth)
+    candidates = [DrafterCandidates(s) if d else s for s, d in made[1:]]
+    sources = Sources(first, candidates)
+    return sources, MergedPolicy(policy, config.budget, config.max_depth, prune=names[0] == "model")
