@@ -30,8 +30,18 @@ def check_flags(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if getattr(args, "temperature", 0.0) < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if getattr(args, "target", None) and not getattr(args, "draft", None) and getattr(args, "tree", "ar") != "ar":
-        raise ValueError("--target without --draft: pass --draft PATH, or --tree ar for plain decoding")
+    if args.command == "calibrate" and getattr(args, "target", None) and not getattr(args, "draft", None):
+        raise ValueError("calibrate measures a target/draft pair: --target needs --draft")
+    drafter = getattr(args, "drafter", None)
+    if drafter is not None:
+        from .drafters.sources import source_names
+
+        names = source_names(drafter)  # unknown names: a clear error now, not after loading the models
+        if getattr(args, "draft", None) and "model" not in names:
+            raise ValueError(f"--draft is given but --drafter {drafter} does not use it: add 'model' "
+                             f"(--drafter model+{drafter}) or leave --draft out")
+        if getattr(args, "tree", None) == "ar":
+            raise ValueError(f"--tree ar drafts nothing: --drafter {drafter} does not apply")
     out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
     if out is not None and __import__("os").path.isfile(out):
         raise ValueError(f"--out {out}: is a file; pass a directory (created if missing)")
@@ -81,7 +91,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({
             "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
-            "time_s": s.time_s, "tree": args.tree, "budget": tree["budget"], "delta": tree["delta"],
+            "time_s": s.time_s, "tree": args.tree, "drafter": run.config.drafter, "budget": tree["budget"],
+            "delta": tree["delta"],
             "draft_temperature": tree["draft_temperature"],
             "stats": s.to_dict(),
         }))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -194,6 +194,7 @@ def stream(
     check_generation_config(target)
     drafter = None
     if policy.needs_drafter:
+        config = replace(config, drafter=config.drafter or default_drafter(draft is not None))
         drafter, policy = _sources(target, draft, policy, config, max_len)
     elif config.drafter is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} does not apply")
@@ -211,8 +212,8 @@ def stream(
 
 
 def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):
-    """(drafter, policy) for the drafter spec (`config.drafter`, default `model` with a draft, else
-    `recycling+lookup`): the draft model checked and wrapped, the sources combined (drafters.sources)."""
+    """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked and wrapped, the
+    sources combined (`opttree.drafters.sources`)."""
     vocab = _vocab_size(target)
     if isinstance(draft, PreTrainedModel):
         _check_vocab(target, draft)
@@ -225,8 +226,7 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
             raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
                              "log-probabilities (scale them there)")
         draft = CheckedDrafter(draft, vocab)
-    spec = config.drafter or default_drafter(draft is not None)
-    return make_sources(spec, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
+    return make_sources(config.drafter, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
 
 
 def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> GenerationOutput:

@@ -19,6 +19,7 @@ from . import config as defaults
 from .demo import demo_paths, load_model
 from .device import compile_model
 from .hardware import choose_dtype, describe, forward_ms, hardware_key
+from .drafters.sources import available_sources, source_names
 from .policies import available
 from .profiles import auto_settings, find_profile, profile_dir, profile_options
 
@@ -55,7 +56,20 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
     parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH, help="(default: %(default)s)")
+    add_drafter_arg(parser)
     add_draft_temperature_arg(parser)
+
+
+def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", help=f"draft sources joined by '+': {', '.join(available_sources())} "
+                        "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
+                        "without 'model' the shipped draft is not loaded)")
+
+
+def uses_draft_model(args) -> bool:
+    """Whether the --drafter spec drafts with a draft model (the default does when one is at hand)."""
+    drafter = getattr(args, "drafter", None)
+    return drafter is None or "model" in source_names(drafter)
 
 
 def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +141,7 @@ def load_pair(args):
 
     if args.target is None:
         target_path, draft_path = demo_paths()
-        draft_path = args.draft or draft_path
+        draft_path = args.draft or (draft_path if uses_draft_model(args) else None)
     else:
         target_path, draft_path = args.target, args.draft
     check_model_dir(target_path, "--target")
@@ -151,7 +165,8 @@ def tree_options(args, target, draft) -> dict:
     `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
     delta the profile recommends; its draft temperature and Sequoia vector apply too. Flags given win."""
     budget = args.budget or ("auto" if find_profile(target, draft) is not None else str(defaults.DEFAULT_BUDGET))
-    options = dict(tree=args.tree, max_depth=args.max_depth, delta=defaults.DEFAULT_DELTA)
+    options = dict(tree=args.tree, drafter=getattr(args, "drafter", None), max_depth=args.max_depth,
+                   delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft)
     else:

@@ -22,8 +22,9 @@ def register(subparsers) -> None:
     bench.add_argument("--prompts", required=True, help="Spec-Bench (.jsonl: turns, category), HumanEval "
                        "(.jsonl: prompt) or plain text (one prompt per line)")
     bench.add_argument("--methods", default=BENCH_METHODS, help="comma-separated: ar, tree policies "
-                       "(opt, chain, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every one "
-                       "(default: all). ar always runs: it is the baseline")
+                       "(opt, chain, ...), POLICY:DRAFTER for a policy over named draft sources (opt:recycling+lookup, "
+                       "opt:model+lookup, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every "
+                       "built-in one (default: all). ar always runs: it is the baseline")
     bench.add_argument("--budgets", help="comma-separated draft-node budgets, each tree policy runs at every one; "
                        f"'auto' = the calibrated budget and delta (default: auto with a calibration profile for the "
                        f"pair, else {BENCH_BUDGETS})")
@@ -192,7 +193,7 @@ def cmd_bench(args) -> int:
 def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
     from . import report
-    from .methods import method_table
+    from .methods import find_method
 
     return {
         "command": as_command("bench", args),
@@ -208,7 +209,7 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
         "prompts": prompts,
         "repeats": args.repeats,
         "settings": vars(settings),
-        "methods": {name: method_table()[name].about for name in dict.fromkeys(s.name for s in specs)},
+        "methods": {name: find_method(name).about for name in dict.fromkeys(s.name for s in specs)},
     }
 
 

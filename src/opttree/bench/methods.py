@@ -1,6 +1,7 @@
 """Benchmark methods: a registry of small factories, each returning `run(prompt_ids) -> Run`.
 
-- `ar` and every tree policy of `opttree.policies.available()` run through `opttree.generate`.
+- `ar` and every tree policy of `opttree.policies.available()` run through `opttree.generate`;
+  `POLICY:DRAFTER` runs a policy over named draft sources (`opt:recycling+lookup`, `opt:model+lookup`).
 - Peers run through transformers' own `generate`: `hf-assisted` (assisted generation with the same
   draft, the assistant's default schedule), `hf-assisted-heuristic` (schedule 'heuristic'),
   `hf-lookup` (prompt lookup decoding, 10 tokens) and `hf-ar` (transformers' plain decoding).
@@ -21,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, SpecConfig
+from ..drafters.sources import source_names
 from ..engine import generate
 from ..policies import available, make_policy
 
@@ -90,18 +92,23 @@ def seconds_since(start: float, model) -> float:
 
 
 def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
+    """A tree policy through `opttree.generate`; `POLICY:DRAFTER` names its draft sources (the draft model
+    is passed only when they include `model`)."""
     from ..profiles import profile_options
 
+    policy, _, drafter = spec.name.partition(":")
+    if drafter and "model" not in source_names(drafter):
+        draft = None  # a train-free drafter: no draft model, no draft temperature
     options = dict(
-        tree=spec.name, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
+        tree=policy, drafter=drafter or None, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta,
     )
     if spec.budget is not None:
         options["budget"] = spec.budget
-    options.update(profile_options(target, draft, spec.name, settings.temperature))
-    options["draft_temperature"] = settings.draft_temperature
+    options.update(profile_options(target, draft, policy, settings.temperature))
+    options["draft_temperature"] = settings.draft_temperature if draft is not None else 1.0
 
     def run(prompt_ids: torch.Tensor) -> Run:
         start = time.perf_counter()
@@ -227,23 +234,34 @@ def method_table() -> dict[str, Method]:
     return table | PEERS
 
 
-def check_names(names: list[str]) -> None:
+def find_method(name: str) -> Method:
+    """A method of `method_table()`, or `POLICY:DRAFTER`: a tree policy with named draft sources
+    (`opt:recycling+lookup`, `opt:model+lookup`); a clear error for anything else."""
     table = method_table()
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; available: {', '.join(table)} (or 'all')")
+    if name in table:
+        return table[name]
+    policy, _, drafter = name.partition(":")
+    if drafter and policy in table and table[policy].budgeted and table[policy].make is tree_method:
+        needs_draft = "model" in source_names(drafter)  # unknown sources: a clear error here
+        return Method(tree_method, True, needs_draft, f"opttree tree policy {policy!r} over draft sources {drafter!r}")
+    raise ValueError(f"unknown method {name!r}; available: {', '.join(table)} (or 'all'), and POLICY:DRAFTER for "
+                     f"a tree policy over named draft sources, e.g. opt:recycling+lookup")
+
+
+def check_names(names: list[str]) -> None:
+    for name in names:
+        find_method(name)
 
 
 def expand_methods(names: list[str], budgets: list[tuple[int, float | None]]) -> list[MethodSpec]:
     """Method names -> specs: budgeted methods once per (budget, delta); `ar` first, always (the baseline)."""
     check_names(names)
-    table = method_table()
-    if not budgets and any(table[n].budgeted for n in names):
+    if not budgets and any(find_method(n).budgeted for n in names):
         raise ValueError("tree policies need at least one budget (--budgets)")
     ordered = ["ar"] + [n for n in dict.fromkeys(names) if n != "ar"]
     specs = []
     for name in ordered:
-        if table[name].budgeted:
+        if find_method(name).budgeted:
             specs += [MethodSpec(name, budget, delta) for budget, delta in budgets]
         else:
             specs.append(MethodSpec(name))

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import context_window
-from .methods import MethodSpec, Run, RunFn, Settings, method_table
+from .methods import MethodSpec, Run, RunFn, Settings, find_method
 from .prompts import Prompt
 
 WARMUP_TOKENS = 16
@@ -44,11 +44,10 @@ def prepare(prompts: list[Prompt], encode: Callable[[Prompt], torch.Tensor], tar
 
 
 def build_runners(target, draft, specs: list[MethodSpec], settings: Settings) -> dict[str, RunFn]:
-    table = method_table()
-    missing = [s.name for s in specs if table[s.name].needs_draft and draft is None]
+    missing = [s.name for s in specs if find_method(s.name).needs_draft and draft is None]
     if missing:
         raise ValueError(f"method(s) {sorted(set(missing))} need a draft model (--draft)")
-    return {s.label: table[s.name].make(target, draft, settings, s) for s in specs}
+    return {s.label: find_method(s.name).make(target, draft, settings, s) for s in specs}
 
 
 def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int = 1,

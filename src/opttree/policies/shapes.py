@@ -4,6 +4,7 @@ A shape is a list of paths of child ranks: (0, 2) is "the 3rd-ranked child of th
 of the root". `Shape` holds one as flat tensors, `ChildPicker` decides how a node's children come
 from its draft distribution (top-ranked, or drawn without replacement), and `grow` fills a shape
 with tokens, one drafter forward per layer. `ranked_paths` and `kary_paths` make path lists.
+`layered_paths` too.
 Used by `static` (fixed shapes), `sequoia` (its optimal shapes are static too) and `dyspec`
 (`ChildPicker`).
 
@@ -169,6 +170,21 @@ def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]
         if depth < max_depth:  # the first child
             heapq.heappush(heap, (neg_value * weights[0], depth + 1, path + (0,)))
     return paths
+
+
+def layered_paths(widths: Sequence[int], weights: Sequence[float]) -> list[Path]:
+    """A tree with `widths[d]` nodes at depth d + 1: each layer takes the best children of the layer
+    above, a path valued by the product of `weights[rank]` along it. Returned best first (so every
+    prefix of the list is a tree), ties to the shallower path."""
+    values: dict[Path, float] = {(): 1.0}
+    layer: list[Path] = [()]
+    for width in widths:
+        children = [(values[p] * w, p + (r,)) for p in layer for r, w in enumerate(weights)]
+        children.sort(key=lambda c: (-c[0], c[1]))
+        layer = [p for _, p in children[:width]]
+        values.update({p: v for v, p in children[:width]})
+    del values[()]
+    return sorted(values, key=lambda p: (-values[p], len(p), p))
 
 
 def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:

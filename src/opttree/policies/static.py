@@ -11,6 +11,9 @@ Built-in shapes, registered by name:
   (how EAGLE-1 and Medusa built their trees from measured per-rank acceptance), at most
   `max_depth` deep.
 - `static-k2`, `static-k3`: the k-ary tree of depth `max_depth`, breadth first, cut to `budget`.
+- `recycling-template`: Token Recycling's tree (Luo et al. 2024): 80 nodes over 6 levels of widths
+  8/21/25/15/8/3, here filled with the best children by `DEFAULT_RANK_WEIGHTS`; `budget=80` for the
+  whole of it, a smaller budget keeps its best paths. Meant for `drafter="recycling"`.
 Your own: `register_static_tree("mine", [[0], [1], [0, 0], ...])`, then `tree="mine"`.
 
 A path list is in priority order: trimming keeps its first `budget` paths (of depth <= max_depth),
@@ -30,10 +33,11 @@ from ..config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, Shape, grow, kary_paths, ranked_paths
+from .shapes import ChildPicker, Path, Shape, grow, kary_paths, layered_paths, ranked_paths
 
 # Assumed acceptance of a child by rank, for the default tree: first-rank heavy, like EAGLE-1's.
 DEFAULT_RANK_WEIGHTS = (0.55, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01)
+RECYCLING_TEMPLATE_WIDTHS = (8, 21, 25, 15, 8, 3)  # Token Recycling's tree: 80 nodes, 6 levels
 
 PathSource = Callable[[int, int], Sequence[Sequence[int]]]  # (budget, max_depth) -> paths, best first
 
@@ -68,3 +72,4 @@ def register_static_tree(name: str, paths: Sequence[Sequence[int]] | PathSource)
 register_static_tree("static", lambda budget, max_depth: ranked_paths(DEFAULT_RANK_WEIGHTS, budget, max_depth))
 register_static_tree("static-k2", lambda budget, max_depth: kary_paths(2, budget, max_depth))
 register_static_tree("static-k3", lambda budget, max_depth: kary_paths(3, budget, max_depth))
+register_static_tree("recycling-template", layered_paths(RECYCLING_TEMPLATE_WIDTHS, DEFAULT_RANK_WEIGHTS))
