@@ -43,6 +43,13 @@ def test_generate_streams_text(model_dirs, capsys):
     assert captured.out.startswith("xyz") and "mean accepted length" in captured.err
 
 
+def test_generate_without_a_draft_uses_the_train_free_sources(model_dirs, capsys):
+    target, _ = model_dirs
+    assert main(["generate", "--target", str(target), "--prompt", "xyz", "--max-new-tokens", "6", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["drafter"] == "recycling+lookup" and report["new_tokens"] == 6
+
+
 def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
     target, draft = model_dirs
     rc = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abc", "--temperature", "-1"])
@@ -57,7 +64,9 @@ def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
     (["--target", "{tmp}/file.txt", "--draft", "{draft}"], "is a file; pass the model's directory"),
     (["--target", "{tmp}", "--draft", "{draft}"], "no model here (expected config.json"),
     (["--target", "{target}", "--draft", "{tmp}/nope"], "--draft {tmp}/nope: no such directory"),
-    (["--target", "{target}"], "--target without --draft: pass --draft PATH, or --tree ar for plain decoding"),
+    (["--drafter", "model+lookahead"], "unknown draft source 'lookahead'"),
+    (["--drafter", "lookup"], "--draft is given but --drafter lookup does not use it"),
+    (["--drafter", "lookup", "--tree", "ar", "--target", "{target}"], "--tree ar drafts nothing"),
     (["--prompt-file", "{tmp}/bad.txt"], "not valid UTF-8"),
 ])
 def test_cli_errors_are_one_line_before_models_load(model_dirs, tmp_path, capsys, flags, message):

@@ -63,7 +63,7 @@ def test_mismatched_vocabularies(pair):
     with pytest.raises(ValueError, match="vocabularies differ .*: target has 96 tokens, draft has 200"):
         opttree.generate(target, PROMPT, other, max_new_tokens=8)
     with pytest.raises(ValueError, match="needs a draft model"):
-        opttree.generate(target, PROMPT, None, tree="opt", max_new_tokens=8)
+        opttree.generate(target, PROMPT, None, tree="opt", drafter="model", max_new_tokens=8)
 
 
 def test_attention_that_cannot_take_a_tree_mask(pair):

@@ -1,0 +1,261 @@
+"""Draft sources (DESIGN.md sections 13-14): tries merged and cut, lookup and Token Recycling against
+brute force, exact output with every source and combination, clear errors."""
+
+import random
+
+import pytest
+import torch
+from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
+
+import opttree
+from opttree.drafters.estimates import forget, per_model
+from opttree.drafters.lookup import NgramIndex, continuation_trie
+from opttree.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
+from opttree.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens, source_names
+from opttree.tree import DraftTree, locate, merge, node_paths, top_nodes
+
+
+def random_trie(rng: random.Random, vocab: int = 4, nodes: int = 12, slot_base: int | None = 0) -> DraftTree:
+    """A random trie (distinct sibling tokens), parents first, decreasing scores down every path."""
+    paths: list[tuple[int, ...]] = []
+    while len(paths) < nodes:
+        parent = rng.choice([()] + paths) if paths else ()
+        path = parent + (rng.randrange(vocab),)
+        if path not in paths and len(path) <= 4:
+            paths.append(path)
+    paths.sort(key=len)
+    index = {p: i for i, p in enumerate(paths)}
+    scores: list[float] = []
+    for p in paths:
+        scores.append((scores[index[p[:-1]]] if len(p) > 1 else 0.0) - rng.random())
+    slots = list(range(len(paths))) if slot_base is not None else [-1] * len(paths)
+    return DraftTree(torch.tensor([p[-1] for p in paths]), torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]),
+                     torch.tensor([len(p) for p in paths]), torch.tensor(scores), torch.tensor(slots))
+
+
+def check_trie(tree: DraftTree) -> None:
+    """Parents first, depths consistent, no two siblings with one token."""
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    for i, parent in enumerate(parents):
+        assert parent < i and depths[i] == (depths[parent] + 1 if parent >= 0 else 1)
+    assert len(set(node_paths(tree))) == len(tree)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_is_the_union_of_the_paths(seed):
+    rng = random.Random(seed)
+    a, b = random_trie(rng), random_trie(rng, slot_base=None)
+    merged = merge(a, b)
+    check_trie(merged)
+    score = {p: s for p, s in zip(node_paths(merged), merged.scores.tolist())}
+    slot = dict(zip(node_paths(merged), merged.draft_slots.tolist()))
+    pa, pb = dict(zip(node_paths(a), a.scores.tolist())), dict(zip(node_paths(b), b.scores.tolist()))
+    assert set(score) == set(pa) | set(pb)
+    for p in score:
+        assert score[p] == pytest.approx(max(pa.get(p, -1e9), pb.get(p, -1e9)))
+        assert slot[p] == (dict(zip(node_paths(a), a.draft_slots.tolist()))[p] if p in pa else -1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_nodes_keeps_the_best_connected_nodes(seed):
+    rng = random.Random(seed)
+    tree = merge(random_trie(rng), random_trie(rng, slot_base=None))  # scores no longer fall along every path
+    n = rng.randrange(1, len(tree) + 2)
+    kept = top_nodes(tree, n)
+    check_trie(kept)
+    paths, scores = node_paths(tree), dict(zip(node_paths(tree), tree.scores.tolist()))
+    path_min = {p: min(scores[p[:d]] for d in range(1, len(p) + 1)) for p in paths}
+    chosen = set(node_paths(kept))
+    assert len(chosen) == min(n, len(tree))
+    worst_kept = min(path_min[p] for p in chosen)
+    assert all(path_min[p] <= worst_kept for p in paths if p not in chosen)  # brute force: no better node left out
+    assert locate(kept, sorted(chosen)) == [node_paths(kept).index(p) for p in sorted(chosen)]
+
+
+def test_top_nodes_drops_impossible_nodes():
+    tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]),
+                     torch.tensor([-0.1, float("-inf"), -0.5]), torch.tensor([-1, -1, -1]))
+    assert node_paths(top_nodes(tree, 5)) == [(1,), (1, 3)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ngram_matches_agree_with_a_scan(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+    index = NgramIndex(max_n=3)
+    cut = rng.randrange(len(tokens) + 1)
+    index.extend(tokens[:cut])
+    index.extend(tokens[cut:])  # incremental = at once
+    n, starts = index.matches(limit=4)
+    end = len(tokens)
+    for length in range(min(3, end), 0, -1):  # brute force: the longest suffix seen earlier
+        suffix = tokens[end - length:]
+        found = [s + length for s in range(end - length) if tokens[s:s + length] == suffix]
+        if found:
+            assert (n, starts) == (length, found[-4:])
+            break
+    else:
+        assert (n, starts) == (0, [])
+
+
+def test_continuation_trie_counts_shares():
+    tokens = [5, 1, 2, 9, 1, 2, 9, 1, 3]
+    trie = continuation_trie(tokens, [1, 4, 7], 3, torch.log(torch.tensor([0.5, 0.5, 0.5])))
+    check_trie(trie)
+    score = dict(zip(node_paths(trie), trie.scores.exp().tolist()))
+    # continuations (1, 2, 9), (1, 2, 9), (1, 3): shares 3/3, 2/3, 1/3, 2/3 times 0.5 per level
+    assert score == pytest.approx({(1,): 0.5, (1, 2): 0.25 * 2 / 3, (1, 3): 0.25 / 3, (1, 2, 9): 0.125 * 2 / 3})
+
+
+def test_recycling_matrix_rows_and_hit_rates():
+    matrix = RecyclingMatrix(vocab=20, width=4)
+    logits = torch.randn(2, 20)
+    matrix.record(torch.tensor([3, 7]), logits)
+    assert torch.equal(matrix.next[3].long(), logits[0].topk(4).indices)
+    dist = matrix.log_dist(torch.tensor([3, 5]), torch.tensor([0, 1])).exp()  # (2, V)
+    assert torch.allclose(dist.sum(1), torch.ones(2))
+    assert torch.allclose(dist[1], torch.full((20,), 1 / 20))  # row 5 was never written: uniform
+    listed = dist[0, logits[0].topk(4).indices]
+    assert float(listed.sum()) <= MAX_LISTED_MASS + 4 / 20 and bool((listed[:-1] >= listed[1:]).all())
+    before = matrix.rates.mean[0].clone()
+    choice = logits[0].topk(4).indices[1]  # the target chose M[3]'s rank 1
+    matrix.observe_hits(torch.tensor([3, 5]), torch.tensor([0, 0]), choice.view(1).expand(2))
+    after = matrix.rates.mean[0]
+    assert after[1] > before[1] and after[0] < before[0] and after[2] < before[2]  # row 5 (unset) is not scored
+
+
+def test_trie_drafter_answers_from_the_trie():
+    class Fixed:
+        def __init__(self, trie):
+            self.trie = trie
+
+        def start(self, ids):
+            pass
+
+        def propose(self, committed, max_nodes, max_depth):
+            return self.trie
+
+    trie = continuation_trie([4, 1, 2, 4, 1, 3], [1, 4], 2, torch.zeros(2))
+    drafter = TrieDrafter(Fixed(trie), vocab=6, max_nodes=8, max_depth=2)
+    root = drafter.root(torch.tensor([4]))
+    assert root[1].exp() == pytest.approx(1.0) and torch.isinf(root[torch.arange(6) != 1]).all()
+    rows = drafter.expand(torch.tensor([1]), torch.tensor([-1])).exp()
+    assert rows[0, 2] == pytest.approx(0.5) and rows[0, 3] == pytest.approx(0.5) and rows[0].sum() == pytest.approx(1.0)
+
+
+def test_rasd_pruning_keeps_branches_whose_first_token_the_draft_ranks_high():
+    trie = continuation_trie([7, 1, 2, 7, 3, 4], [1, 4], 2, torch.zeros(2))
+    logq = torch.log_softmax(torch.tensor([0.0, 5.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0]), 0)  # 3 ranks last
+    assert set(node_paths(prune_first_tokens(trie, logq, rank=4))) == {(1,), (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def looping_pair():
+    """A tiny target that repeats itself (as small models do) and a draft that half agrees with it."""
+    target = tiny_model("llama", vocab=48, hidden=32, layers=2, seed=3, init=0.5)
+    draft = tiny_model("llama", vocab=48, hidden=32, layers=1, seed=4, init=0.5)
+    return target, draft
+
+
+CASES = [  # (tree, drafter, uses the draft model)
+    ("opt", "recycling", False), ("opt", "lookup", False), ("opt", "recycling+lookup", False),
+    ("opt", "model+lookup", True), ("opt", "model+recycling", True), ("opt", "model+recycling+lookup", True),
+    ("static", "recycling+lookup", False), ("chain", "lookup", False), ("eagle2", "recycling", False),
+    ("dyspec", "recycling+lookup", False), ("sequoia", "model+lookup", True), ("recycling-template", "recycling", False),
+]
+
+
+@pytest.mark.parametrize("tree,drafter,with_model", CASES)
+def test_greedy_output_is_exact_with_every_source(looping_pair, tree, drafter, with_model):
+    target, draft = looping_pair
+    forget(target)  # cold, then hot: the second prompt reuses what the first taught
+    for seed in range(2):
+        prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(seed))
+        expected = hf_greedy(target, prompt, 40, eos_token_id=None)
+        out = opttree.generate(target, prompt, draft if with_model else None, tree=tree, drafter=drafter, budget=12,
+                               max_new_tokens=40, eos_token_id=[])
+        assert torch.equal(out.sequences, expected), (tree, drafter, seed)
+
+
+def test_without_a_draft_model_the_default_is_train_free_and_drafts(looping_pair):
+    target, _ = looping_pair
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(7))
+    run = opttree.stream(target, prompt, max_new_tokens=48, eos_token_id=[])
+    for _ in run:
+        pass
+    assert run.config.drafter == "recycling+lookup"
+    assert torch.equal(run.sequences, hf_greedy(target, prompt, 48))
+    assert run.stats.mean_accepted_length > 1.5  # a looping target: recycled and looked-up tokens are accepted
+
+
+def test_recycling_is_kept_per_target_and_forgotten_on_request(looping_pair):
+    target, _ = looping_pair
+    forget(target)
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(1))
+    opttree.generate(target, prompt, drafter="recycling", max_new_tokens=16, eos_token_id=[])
+    matrix = per_model(target, "recycling-48", lambda: None)
+    assert matrix is not None and int(matrix.filled.sum()) > 0
+    forget(target)
+    assert per_model(target, "recycling-48", lambda: "cold") == "cold"
+
+
+VOCAB, STEPS, RUNS = 5, 3, 1500
+
+
+@pytest.mark.parametrize("drafter,tree,warp", [
+    ("recycling+lookup", "opt", {"temperature": 1.0}),
+    ("model+lookup", "opt", {"temperature": 0.8, "top_k": 3}),
+    ("recycling", "dyspec", {"temperature": 1.0}),  # sampled children, from the recycled distribution
+])
+def test_sampled_tokens_follow_the_target_distribution(drafter, tree, warp):
+    target = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=11, init=0.6)
+    draft = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=12, init=0.6)
+    prompt = torch.tensor([[1, 3, 0, 4, 1, 3]])
+    counts = sample_counts(target, draft if drafter.startswith("model") else None, prompt, STEPS, RUNS, tree=tree,
+                           drafter=drafter, budget=6, max_depth=3, **warp)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, STEPS, **warp), RUNS) > 1e-3
+
+
+def test_source_errors_are_clear(looping_pair):
+    target, draft = looping_pair
+    ids = torch.tensor([[3, 4, 5]])
+    cases = [
+        (dict(drafter="lookup+magic"), None, "unknown draft source 'magic'"),
+        (dict(drafter="lookup+lookup"), None, "names a source twice"),
+        (dict(drafter="recycling"), draft, "does not use it"),
+        (dict(drafter="model"), None, "needs a draft model"),
+        (dict(drafter="lookup", draft_temperature=0.5), None, "draft_temperature applies to a draft model"),
+        (dict(drafter="model+lookup", tree="dyspec", temperature=1.0), draft, "takes one draft source"),
+        (dict(drafter="recycling", tree="ar"), None, "drafts nothing"),
+        (dict(drafter=""), None, "drafter must name draft sources"),
+    ]
+    for options, d, message in cases:
+        with pytest.raises(ValueError, match=message):
+            opttree.generate(target, ids, d, max_new_tokens=4, **options)
+
+
+def test_source_names_put_distribution_sources_first():
+    assert source_names("lookup+model") == ["model", "lookup"]
+    assert source_names("lookup+recycling") == ["recycling", "lookup"]
+    assert source_names(" lookup ") == ["lookup"]
+
+
+def test_recycling_template_is_the_papers_80_nodes():
+    from opttree.policies import make_policy
+    from opttree.config import SpecConfig
+
+    policy = make_policy(SpecConfig(tree="recycling-template", budget=80))
+    depths = policy.shape.depths.tolist()
+    assert [depths.count(d) for d in range(1, 7)] == [8, 21, 25, 15, 8, 3]
+    assert len(make_policy(SpecConfig(tree="recycling-template", budget=16)).shape) == 16
+
+
+def test_lookup_rates_learn_from_verification(looping_pair):
+    target, _ = looping_pair
+    forget(target)
+    source = LookupSource(target)
+    before = source.rates.mean.clone()
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(2))
+    opttree.generate(target, prompt, drafter="lookup", max_new_tokens=40, eos_token_id=[])
+    assert not torch.equal(per_model(target, "lookup-rates", lambda: None).mean, before)
+
