@@ -9,7 +9,7 @@ import opttree
 import opttree.engine
 from opttree.sampling import target_probs
 
-VOCAB, STEPS, RUNS = 5, 3, 2500
+VOCAB, STEPS, RUNS = 5, 3, 1500
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_greedy_identity_with_the_target_as_its_own_draft(pair, tree):
 
 # ---------------------------------------------------------------- temperature > 0: the exact distribution
 
-VOCAB, STEPS, RUNS = 5, 3, 2000
+VOCAB, STEPS, RUNS = 5, 3, 1500
 
 
 @pytest.fixture(scope="module")
