@@ -116,8 +116,14 @@ def test_chat_turns_use_the_chat_template_when_there_is_one():
 def test_method_expansion_and_errors():
     specs = expand_methods(["opt", "hf-lookup", "chain"], [(4, None), (8, 0.3)])
     assert [s.label for s in specs] == ["ar", "opt@4", "opt@8/d0.3", "hf-lookup", "chain@4", "chain@8/d0.3"]
-    with pytest.raises(ValueError, match=r"unknown method\(s\) \['eagle9'\]; available: .*opt.*hf-assisted"):
+    with pytest.raises(ValueError, match=r"unknown method 'eagle9'; available: .*opt.*hf-assisted.*POLICY:DRAFTER"):
         expand_methods(["eagle9"], [(4, None)])
+    with pytest.raises(ValueError, match="unknown draft source 'magic'"):
+        expand_methods(["opt:magic"], [(4, None)])
+    with pytest.raises(ValueError, match="unknown method 'hf-lookup:recycling'"):
+        expand_methods(["hf-lookup:recycling"], [(4, None)])
+    sourced = expand_methods(["opt:recycling+lookup"], [(4, None)])
+    assert [s.label for s in sourced] == ["ar", "opt:recycling+lookup@4"]
     with pytest.raises(ValueError, match="need at least one budget"):
         expand_methods(["opt"], [])
     for bad in ("4,x", "0", "4,-2", ""):
@@ -369,7 +375,7 @@ def test_bench_errors_are_clear(model_dirs, tmp_path, monkeypatch, capsys):
     common = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--no-progress",
               "--out", str(tmp_path / "o")]
     assert main([*common, "--methods", "opt,warp-drive"]) == 2
-    assert "unknown method(s) ['warp-drive']; available: ar" in capsys.readouterr().err
+    assert "unknown method 'warp-drive'; available: ar" in capsys.readouterr().err
     assert main([*common, "--budgets", "auto"]) == 2
     assert "run `opttree calibrate`" in capsys.readouterr().err
     assert main([*common, "--prompts", str(tmp_path / "nope.jsonl")]) == 2

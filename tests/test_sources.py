@@ -99,11 +99,10 @@ def test_ngram_matches_agree_with_a_scan(seed):
 
 
 def test_continuation_trie_counts_shares():
-    tokens = [5, 1, 2, 9, 1, 2, 9, 1, 3]
-    trie = continuation_trie(tokens, [1, 4, 7], 3, torch.log(torch.tensor([0.5, 0.5, 0.5])))
+    trie = continuation_trie([[1, 2, 9], [1, 2, 9], [1, 3]], torch.log(torch.tensor([0.5, 0.5, 0.5])))
     check_trie(trie)
     score = dict(zip(node_paths(trie), trie.scores.exp().tolist()))
-    # continuations (1, 2, 9), (1, 2, 9), (1, 3): shares 3/3, 2/3, 1/3, 2/3 times 0.5 per level
+    # shares 3/3, 2/3, 1/3, 2/3 times 0.5 per level
     assert score == pytest.approx({(1,): 0.5, (1, 2): 0.25 * 2 / 3, (1, 3): 0.25 / 3, (1, 2, 9): 0.125 * 2 / 3})
 
 
@@ -135,7 +134,7 @@ def test_trie_drafter_answers_from_the_trie():
         def propose(self, committed, max_nodes, max_depth):
             return self.trie
 
-    trie = continuation_trie([4, 1, 2, 4, 1, 3], [1, 4], 2, torch.zeros(2))
+    trie = continuation_trie([[1, 2], [1, 3]], torch.zeros(2))
     drafter = TrieDrafter(Fixed(trie), vocab=6, max_nodes=8, max_depth=2)
     root = drafter.root(torch.tensor([4]))
     assert root[1].exp() == pytest.approx(1.0) and torch.isinf(root[torch.arange(6) != 1]).all()
@@ -144,7 +143,7 @@ def test_trie_drafter_answers_from_the_trie():
 
 
 def test_rasd_pruning_keeps_branches_whose_first_token_the_draft_ranks_high():
-    trie = continuation_trie([7, 1, 2, 7, 3, 4], [1, 4], 2, torch.zeros(2))
+    trie = continuation_trie([[1, 2], [3, 4]], torch.zeros(2))
     logq = torch.log_softmax(torch.tensor([0.0, 5.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0]), 0)  # 3 ranks last
     assert set(node_paths(prune_first_tokens(trie, logq, rank=4))) == {(1,), (1, 2)}
 
@@ -259,3 +258,77 @@ def test_lookup_rates_learn_from_verification(looping_pair):
     opttree.generate(target, prompt, drafter="lookup", max_new_tokens=40, eos_token_id=[])
     assert not torch.equal(per_model(target, "lookup-rates", lambda: None).mean, before)
 
+
+
+# ---- the datastore (REST-style retrieval from files) ----
+
+
+@pytest.fixture(scope="module")
+def shipped_store(tmp_path_factory):
+    """A datastore from two files: one holds the shipped target's own greedy continuation of PROMPT."""
+    from opttree.drafters.datastore import build_datastore
+
+    target, _, tok = opttree.demo_models(dtype=torch.float32)
+    ids = tok(STORE_PROMPT, return_tensors="pt").input_ids
+    continuation = hf_greedy(target, ids, 40, eos_token_id=None)
+    folder = tmp_path_factory.mktemp("store")
+    (folder / "a.txt").write_text("def unrelated():\n    return 42\n")
+    (folder / "b.txt").write_text(tok.decode(continuation[0]))
+    meta = build_datastore([folder / "a.txt", folder / "b.txt"], tok, folder / "store", progress=False)
+    return target, tok, ids, continuation, folder / "store", meta
+
+
+STORE_PROMPT = "def is_palindrome(text):\n"
+
+
+def test_datastore_matches_agree_with_a_scan(shipped_store):
+    from opttree.drafters.datastore import open_datastore
+
+    *_, folder, meta = shipped_store
+    store = open_datastore(folder)
+    tokens = [int(t) for t in store.tokens]
+    assert meta["tokens"] == len(tokens) and meta["max_n"] == 4  # 13-bit ids: 4 fit in one exact key
+    rng = random.Random(0)
+    for _ in range(30):
+        start = rng.randrange(len(tokens) - 3)
+        suffix = [rng.randrange(8192)] + tokens[start : start + rng.randrange(1, 4)]  # a known tail, a random head
+        n, starts = store.matches(suffix, limit=3)
+        for length in range(min(4, len(suffix)), 0, -1):  # brute force: the longest suffix present
+            tail = suffix[-length:]
+            found = [s + length for s in range(len(tokens) - length) if tokens[s : s + length] == tail]
+            if found:
+                assert (n, starts) == (length, found[-3:])
+                break
+
+
+def test_generation_with_a_datastore_is_exact_and_retrieves(shipped_store):
+    target, tok, ids, continuation, folder, _ = shipped_store
+    out = opttree.generate(target, ids, drafter="datastore", datastore=str(folder), max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(out.sequences, continuation)
+    assert out.stats.mean_accepted_length > 4  # the store holds this very text
+    out = opttree.generate(target, ids, datastore=str(folder), max_new_tokens=40, eos_token_id=[])  # default + datastore
+    assert torch.equal(out.sequences, continuation)
+
+
+def test_datastore_errors(shipped_store, tmp_path):
+    target, tok, ids, _, folder, _ = shipped_store
+    with pytest.raises(ValueError, match="does not use it: add 'datastore'"):
+        opttree.generate(target, ids, drafter="lookup", datastore=str(folder), max_new_tokens=4)
+    with pytest.raises(ValueError, match="needs a datastore folder"):
+        opttree.generate(target, ids, drafter="datastore", max_new_tokens=4)
+    with pytest.raises(ValueError, match="not a datastore"):
+        opttree.generate(target, ids, drafter="datastore", datastore=str(tmp_path), max_new_tokens=4)
+
+
+def test_datastore_command(shipped_store, tmp_path, capsys):
+    from opttree.cli import main
+
+    *_, folder, _ = shipped_store
+    text = tmp_path / "doc.txt"
+    text.write_text("print('hello')\n" * 3)
+    assert main(["datastore", "build", str(text), "--out", str(tmp_path / "s")]) == 0
+    assert "--datastore" in capsys.readouterr().out and (tmp_path / "s" / "datastore.json").exists()
+    assert main(["generate", "--prompt", "print(", "--max-new-tokens", "6", "--datastore", str(tmp_path / "s"),
+                 "--drafter", "lookup+datastore", "--dtype", "float32", "--json"]) == 0
+    assert '"drafter": "lookup+datastore"' in capsys.readouterr().out
+    assert main(["datastore", "build", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t")]) == 2

@@ -1,9 +1,10 @@
-"""Command line: `opttree demo | generate | train | bench | calibrate | serve`."""
+"""Command line: `opttree demo | generate | datastore | train | bench | calibrate | serve`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import threads
@@ -12,7 +13,7 @@ threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 import torch  # noqa: E402
 
-from .flags import add_decoding_args, add_tree_args, load_pair, tree_options  # noqa: E402  (shared by the commands)
+from .flags import add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options  # noqa: E402  (shared by the commands)
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -203,6 +204,23 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_datastore_build(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .demo import demo_paths
+    from .drafters.datastore import build_datastore
+
+    target_path = args.target or demo_paths()[0]
+    check_model_dir(target_path, "--target")
+    missing = [f for f in args.files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"no such file: {missing[0]}")
+    meta = build_datastore(args.files, AutoTokenizer.from_pretrained(target_path), args.out)
+    print(f"datastore {args.out}: {meta['tokens']} tokens from {len(args.files)} file(s), n-grams up to "
+          f"{meta['max_n']} (use: --datastore {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=cmd_generate)
+
+    store = sub.add_parser("datastore", help="build a retrieval datastore from text files (for --datastore)")
+    store_sub = store.add_subparsers(dest="datastore_command", required=True)
+    build = store_sub.add_parser("build", help="tokenize FILES with the target's tokenizer and index their n-grams")
+    build.add_argument("files", nargs="+", help="text files (each one a document)")
+    build.add_argument("--out", required=True, help="the datastore folder (created)")
+    build.add_argument("--target", help="the model whose tokenizer to use (default: the shipped pair)")
+    build.set_defaults(func=cmd_datastore_build)
 
     for module in ("opttree.train.cli", "opttree.bench.cli", "opttree.server"):
         try:

@@ -194,7 +194,7 @@ def stream(
     check_generation_config(target)
     drafter = None
     if policy.needs_drafter:
-        config = replace(config, drafter=config.drafter or default_drafter(draft is not None))
+        config = replace(config, drafter=config.drafter or default_drafter(draft is not None, config.datastore is not None))
         drafter, policy = _sources(target, draft, policy, config, max_len)
     elif config.drafter is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} does not apply")

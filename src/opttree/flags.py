@@ -63,7 +63,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
 def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help=f"draft sources joined by '+': {', '.join(available_sources())} "
                         "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
-                        "without 'model' the shipped draft is not loaded)")
+                        "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
+    parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
 
 
 def uses_draft_model(args) -> bool:
@@ -165,8 +166,8 @@ def tree_options(args, target, draft) -> dict:
     `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
     delta the profile recommends; its draft temperature and Sequoia vector apply too. Flags given win."""
     budget = args.budget or ("auto" if find_profile(target, draft) is not None else str(defaults.DEFAULT_BUDGET))
-    options = dict(tree=args.tree, drafter=getattr(args, "drafter", None), max_depth=args.max_depth,
-                   delta=defaults.DEFAULT_DELTA)
+    options = dict(tree=args.tree, drafter=getattr(args, "drafter", None), datastore=getattr(args, "datastore", None),
+                   max_depth=args.max_depth, delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft)
     else:

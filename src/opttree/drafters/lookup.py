@@ -6,6 +6,7 @@ places (the latest ones); what followed each forms a trie of continuations (`con
 A node's score is log(its share of the matches) + the cumulative log of the online hit rate at its
 depth for matches of that length: a calibrated estimate of its acceptance, so a policy can weigh it
 against another source's nodes. `LookupSource` is the candidate source; it needs no model.
+`DatastoreSource` retrieves the same way from a datastore built from files (`drafters.datastore`).
 """
 
 from __future__ import annotations
@@ -49,20 +50,19 @@ class NgramIndex:
         return 0, []
 
 
-def continuation_trie(tokens: list[int], starts: list[int], depth: int, log_rates: torch.Tensor) -> DraftTree:
-    """The trie of the continuations tokens[s : s + depth] for s in `starts`, scored
-    log(share of the matches through the node) + log_rates[:d].sum() for a node at depth d."""
+def continuation_trie(continuations: list[list[int]], log_rates: torch.Tensor) -> DraftTree:
+    """The trie of `continuations` (token lists, one per match), scored log(share of the matches
+    through the node) + log_rates[:d].sum() for a node at depth d."""
     counts: dict[tuple[int, ...], int] = defaultdict(int)
-    for s in starts:
-        continuation = tuple(tokens[s : s + depth])
+    for continuation in continuations:
         for d in range(1, len(continuation) + 1):
-            counts[continuation[:d]] += 1
+            counts[tuple(continuation[:d])] += 1
     paths = sorted(counts, key=lambda p: (len(p), -counts[p], p))  # parents first
     if not paths:
         return DraftTree.empty()
     index = {p: i for i, p in enumerate(paths)}
     cumulative = torch.cumsum(log_rates, 0)
-    share = torch.tensor([counts[p] / len(starts) for p in paths])
+    share = torch.tensor([counts[p] / len(continuations) for p in paths])
     return DraftTree(
         tokens=torch.tensor([p[-1] for p in paths]),
         parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]),
@@ -72,40 +72,85 @@ def continuation_trie(tokens: list[int], starts: list[int], depth: int, log_rate
     )
 
 
-class LookupSource:
-    """Candidates copied from what followed the longest earlier match of the committed suffix."""
+class RetrievalSource:
+    """Candidates copied from what followed earlier occurrences of the committed text's longest
+    matching suffix; subclasses say where they look (`retrieve`). Hit rates per (match length, depth)
+    are learned from every verification and kept per target under `rates_key`."""
+
+    rates_key = "retrieval-rates"
 
     def __init__(self, target):
         prior = 0.6 * torch.ones(MAX_NGRAM, DEPTHS)  # P(hit | match length, depth), before any step
-        self.rates = per_model(target, "lookup-rates", lambda: HitRates((MAX_NGRAM, DEPTHS), prior))
-        self.index = NgramIndex()
+        self.rates = per_model(target, self.rates_key, lambda: HitRates((MAX_NGRAM, DEPTHS), prior))
         self.proposed: tuple[int, list[tuple[int, ...]]] | None = None  # (match length, node paths)
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        pass
+
+    def retrieve(self, committed: torch.Tensor, depth: int) -> tuple[int, list[list[int]]]:
+        """(n, continuations up to `depth` tokens) for the longest suffix of n tokens found; (0, []) if none."""
+        raise NotImplementedError
+
+    def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
+        n, continuations = self.retrieve(committed, max_depth)
+        self.proposed = None
+        if n == 0:
+            return DraftTree.empty(committed.device)
+        log_rates = self.rates.mean[n - 1, :max_depth].log()
+        trie = top_nodes(continuation_trie(continuations, log_rates), max_nodes)
+        self.proposed = (n, node_paths(trie))
+        return trie.to(committed.device)
+
+    def observe(self, result) -> None:
+        """Per (match length, depth): was a proposed node the target's choice after its parent? Known for
+        every proposed node that was verified (the target's choice at its parent), and for the others
+        whose parent is on the accepted path (the accepted tokens + bonus are the target's choices), so
+        a source whose nodes lost the budget still learns."""
+        if self.proposed is None:
+            return
+        n, paths = self.proposed
+        tree, choice = result.tree, result.choice.tolist()
+        emitted = tree.tokens[result.accepted].tolist() + [int(result.bonus)]
+        found, parents, tokens = locate(tree, paths), tree.parents.tolist(), tree.tokens.tolist()
+        depths, hits = [], []
+        for path, node in zip(paths, found):
+            d = len(path)
+            if node >= 0:
+                hit = choice[parents[node] + 1] == tokens[node]
+            elif list(path[:-1]) == emitted[: d - 1] and d <= len(emitted):
+                hit = path[-1] == emitted[d - 1]
+            else:
+                continue
+            depths.append(min(d, DEPTHS) - 1)
+            hits.append(hit)
+        if hits:
+            self.rates.update((torch.full((len(hits),), n - 1), torch.tensor(depths)), torch.tensor(hits))
+
+
+class LookupSource(RetrievalSource):
+    """Retrieval from the prompt and the output so far (prompt lookup decoding, several matches)."""
+
+    rates_key = "lookup-rates"
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.index = NgramIndex()
         self.index.extend(input_ids.tolist())
 
-    def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
+    def retrieve(self, committed: torch.Tensor, depth: int) -> tuple[int, list[list[int]]]:
         self.index.extend(committed[len(self.index.tokens) :].tolist())
         n, starts = self.index.matches()
-        self.proposed = None
-        if n == 0:
-            return DraftTree.empty(committed.device)
-        log_rates = self.rates.mean[n - 1, :max_depth].log()
-        trie = top_nodes(continuation_trie(self.index.tokens, starts, max_depth, log_rates), max_nodes)
-        self.proposed = (n, node_paths(trie))
-        return trie.to(committed.device)
+        return n, [self.index.tokens[s : s + depth] for s in starts]
 
-    def observe(self, result) -> None:
-        """Per (match length, depth): was a proposed node the target's choice after its parent? Counted
-        for every proposed node that was verified (kept in the tree), accepted path or not."""
-        if self.proposed is None:
-            return
-        n, paths = self.proposed
-        found = torch.tensor(locate(result.tree, paths), dtype=torch.long)  # (P,) -1 = not verified
-        nodes = found[found >= 0].to(result.tree.tokens.device)
-        if nodes.numel() == 0:
-            return
-        hit = result.choice[result.tree.parents[nodes] + 1] == result.tree.tokens[nodes]
-        depth = (result.tree.depths[nodes] - 1).clamp(max=DEPTHS - 1)
-        self.rates.update((torch.full_like(depth, n - 1), depth), hit)
+
+class DatastoreSource(RetrievalSource):
+    """Retrieval from a datastore built once from files (`opttree datastore build`), REST-style."""
+
+    rates_key = "datastore-rates"
+
+    def __init__(self, target, datastore):
+        super().__init__(target)
+        self.store = datastore
+
+    def retrieve(self, committed: torch.Tensor, depth: int) -> tuple[int, list[list[int]]]:
+        n, starts = self.store.matches(committed[-MAX_NGRAM:].tolist(), MATCHES)
+        return n, [self.store.continuation(s, depth) for s in starts]

@@ -25,7 +25,8 @@ from ..config import SpecConfig
 from ..tree import DraftTree, merge, node_paths, top_nodes
 from ..verify import Verification
 from . import Drafter
-from .lookup import LookupSource
+from .datastore import open_datastore
+from .lookup import DatastoreSource, LookupSource
 from .recycling import RecyclingDrafter
 
 PRUNE_RANK = 16  # RASD: a retrieved branch survives if its first token is among the draft's 16 best
@@ -92,6 +93,18 @@ def _model(context: SourceContext) -> Drafter:
 register_source("model", distribution=True)(_model)
 register_source("recycling", distribution=True)(lambda c: RecyclingDrafter(c.target, c.vocab, c.device))
 register_source("lookup", distribution=False)(lambda c: LookupSource(c.target))
+
+
+def _datastore(context: SourceContext) -> DatastoreSource:
+    if context.config.datastore is None:
+        raise ValueError("drafter 'datastore' needs a datastore folder (datastore=DIR / --datastore DIR), built "
+                         "with `opttree datastore build FILES --out DIR`")
+    store = open_datastore(context.config.datastore)
+    store.check_vocab(context.vocab)
+    return DatastoreSource(context.target, store)
+
+
+register_source("datastore", distribution=False)(_datastore)
 
 
 class TrieDrafter:
@@ -207,9 +220,10 @@ def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> D
                                trie.draft_slots), len(trie))
 
 
-def default_drafter(has_draft: bool) -> str:
-    """`model` with a draft model, else the train-free `recycling+lookup` (DESIGN.md section 13)."""
-    return "model" if has_draft else "recycling+lookup"
+def default_drafter(has_draft: bool, has_datastore: bool = False) -> str:
+    """`model` with a draft model, else the train-free `recycling+lookup` (DESIGN.md section 13); with a
+    datastore, `+datastore`."""
+    return ("model" if has_draft else "recycling+lookup") + ("+datastore" if has_datastore else "")
 
 
 def make_sources(spec: str, policy, config, context: SourceContext):
@@ -218,6 +232,9 @@ def make_sources(spec: str, policy, config, context: SourceContext):
     if context.draft is not None and "model" not in names:
         raise ValueError(f"a draft model was given but drafter {spec!r} does not use it: add 'model' "
                          f"(e.g. 'model+{spec}') or leave the draft out")
+    if config.datastore is not None and "datastore" not in names:
+        raise ValueError(f"a datastore was given but drafter {spec!r} does not use it: add 'datastore' "
+                         f"(e.g. '{spec}+datastore')")
     if config.draft_temperature != 1 and "model" not in names:
         raise ValueError(f"draft_temperature applies to a draft model; drafter {spec!r} has none")
     made = [(_SOURCES[n][0](context), _SOURCES[n][1]) for n in names]
