@@ -179,9 +179,9 @@ def stream(
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
     fields (tree, drafter, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
-    draft_temperature, acceptance); draft_temperature applies when `draft` is a model. Without a
-    draft, the train-free sources draft (`drafter="recycling+lookup"`); see `opttree.drafters.sources`. transformers'
-    spellings `do_sample`, `max_length` and an all-ones `attention_mask` are understood; `input_ids` may
+    draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model.
+    Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
+    `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones `attention_mask` are understood; `input_ids` may
     be a BatchEncoding."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
@@ -194,10 +194,12 @@ def stream(
     check_generation_config(target)
     drafter = None
     if policy.needs_drafter:
-        config = replace(config, drafter=config.drafter or default_drafter(draft is not None, config.datastore is not None))
+        spec = config.drafter or default_drafter(draft is not None, config.datastore is not None)
+        config = replace(config, drafter=spec)
         drafter, policy = _sources(target, draft, policy, config, max_len)
-    elif config.drafter is not None:
-        raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} does not apply")
+    elif config.drafter is not None or config.datastore is not None:
+        raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
+                         f"{config.datastore!r} do not apply")
     if isinstance(stop, str):
         stop = [stop]
     if stop and any(not isinstance(s, str) or not s for s in stop):

@@ -1,4 +1,9 @@
-"""Drafters: who proposes tokens. A tree policy drives a drafter through this protocol."""
+"""Drafters: who proposes tokens. A tree policy drives a drafter through this protocol.
+
+Optional: a drafter with `prompt_rows = R > 0` also gets `seed(tokens (R,), logits (R, V))`, the
+target's logits at the prompt's last R positions, from the prefill (Token Recycling's cold start).
+Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
+"""
 
 from __future__ import annotations
 
