@@ -150,12 +150,15 @@ class Generation:
         accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
         # 4. compact both caches to the root + accepted path
         compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
+        t3 = phases.mark()
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
             drafter.observe(Verification(self.committed[-1], tree, logits, accepted, bonus))
+        t4 = phases.mark()
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
         chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
         self.committed = torch.cat([self.committed, chunk])
-        self.stats.draft_s += phases.seconds(t0, t1)  # the step has synchronised: reading marks stalls nothing
+        # the step has synchronised: reading marks stalls nothing; drafting = building the tree + observing
+        self.stats.draft_s += phases.seconds(t0, t1) + phases.seconds(t3, t4)
         self.stats.verify_s += phases.seconds(t1, t2)
         self.stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
         return chunk, finished

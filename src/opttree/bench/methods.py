@@ -67,6 +67,8 @@ class Run:
     steps: int | None  # target forwards after which tokens were emitted; None if not observable
     accepted_histogram: list[int] | None  # [a] = steps that accepted a draft tokens (bonus excluded)
     time_s: float  # wall time of the generate call, prefill included
+    draft_s: float | None = None  # opttree: time spent drafting (all sources) and verifying; None for peers
+    verify_s: float | None = None
 
 
 RunFn = Callable[[torch.Tensor], Run]  # prompt ids (1, T) -> Run
@@ -114,7 +116,8 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         start = time.perf_counter()
         out = generate(target, prompt_ids, draft, **options)
         elapsed = seconds_since(start, target)
-        return Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed)
+        return Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed,
+                   out.stats.draft_s, out.stats.verify_s)
 
     return run
 

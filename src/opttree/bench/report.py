@@ -65,7 +65,16 @@ def summary_row(runs: list[dict], baseline: list[dict], category: str) -> dict:
         "speedup_min": min(per_prompt) if per_prompt else None,
         "speedup_median": statistics.median(per_prompt) if per_prompt else None,
         "speedup_max": max(per_prompt) if per_prompt else None,
+        "draft_ms_per_step": per_step_ms(runs, "draft_s"),
+        "verify_ms_per_step": per_step_ms(runs, "verify_s"),
     }
+
+
+def per_step_ms(runs: list[dict], key: str) -> float | None:
+    """Milliseconds of `key` (draft_s, verify_s) per target step; None where not measured (peers)."""
+    if any(r.get(key) is None or not r["steps"] for r in runs):
+        return None
+    return 1000 * sum(r[key] for r in runs) / sum(r["steps"] for r in runs)
 
 
 def rate(runs: list[dict]) -> float:
@@ -190,15 +199,16 @@ def markdown(results: dict) -> str:
 def table(rows: list[dict], default_delta: float | None = None) -> str:
     """Markdown rows; a budget shows its delta when it is not `default_delta`."""
     out = ["| method | budget | prompts | mean accepted length | tokens/s | speedup | per-prompt speedup "
-           "(min / median / max) | mismatches |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "(min / median / max) | draft / verify ms per step | mismatches |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         budget = "" if r["budget"] is None else str(r["budget"])
         if r["delta"] is not None and r["delta"] != default_delta:
             budget += f" (δ {r['delta']:g})"
         spread = " / ".join(fmt(r[k], ".2f") for k in ("speedup_min", "speedup_median", "speedup_max"))
+        step_ms = f"{fmt(r.get('draft_ms_per_step'), '.1f')} / {fmt(r.get('verify_ms_per_step'), '.1f')}"
         out.append(f"| {r['method']} | {budget} | {r['prompts']} | {fmt(r['mean_accepted_length'], '.2f')} | "
-                   f"{fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {spread} | "
+                   f"{fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {spread} | {step_ms} | "
                    f"{fmt(r['mismatches'], 'd')} |")
     return "\n".join(out)
 

@@ -102,6 +102,8 @@ def record(case: Case, spec: MethodSpec, settings: Settings, repeat: int, run: R
         "mean_accepted_length": n / run.steps if run.steps else None,
         "accepted_histogram": run.accepted_histogram,
         "time_s": run.time_s,
+        "draft_s": run.draft_s,  # opttree methods: drafting (every source) and verification time
+        "verify_s": run.verify_s,
         "tokens_per_second": n / run.time_s if run.time_s > 0 else None,
         "mismatch": None if reference is None else diff is not None,  # None: not checked (temperature > 0)
         "first_mismatch": diff,  # index of the first new token that differs from ar's
