@@ -8,3 +8,4 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)  # tiny models: threads only add contention
 os.environ["OMP_NUM_THREADS"] = "1"  # and so do the CLI commands the tests run in-process
 os.environ["OPTTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttree-test-cache-")  # never the user's profiles
+os.environ["OPTTREE_AUTO_CALIBRATE"] = "0"  # no first-use calibration in every CLI test (test_bench tests it)

@@ -259,6 +259,9 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert profile["estimate_over_measured"] > 0
     assert len(profile["noise"]["probe_ms_before"]) == cal.NOISE_REPEATS and "problem" in profile["noise"]
     assert profiles.auto_settings(target, draft) == (rec["budget"], rec["delta"])
+    assert [r["drafter"] for r in profile["drafters"]] == list(cal.DRAFTERS)
+    assert rec["tree"] == "ar" or rec["drafter"] == max(profile["drafters"], key=lambda r: r["measured_speedup"])["drafter"]
+    assert "## Draft sources at the recommended budget" in paths["markdown"].read_text()
     fitted = profile[profiles.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
     assert rec["draft_temperature"] == fitted["greedy"]  # the grid ran at the calibration temperature, 0
@@ -288,6 +291,15 @@ def test_noise_check_flags_a_changed_load_or_unsteady_timings():
 def test_disagreement_between_latency_model_and_measurement_is_reported():
     assert cal.consistency_note({"estimate_over_measured": 1.2}) == ""
     assert "run `opttree calibrate` again on an idle machine" in cal.consistency_note({"estimate_over_measured": 0.03})
+
+
+def test_draft_sources_are_chosen_by_measurement_and_never_slower_than_plain_decoding():
+    rows = [{"drafter": "model", "measured_tokens_per_second": 90.0, "measured_speedup": 0.9},
+            {"drafter": "recycling+lookup", "measured_tokens_per_second": 120.0, "measured_speedup": 1.2}]
+    assert cal.recommend_drafter(rows)["drafter"] == "recycling+lookup"
+    rows[1].update(measured_tokens_per_second=95.0, measured_speedup=0.95)
+    slower = cal.recommend_drafter(rows)
+    assert slower["tree"] == "ar" and slower["drafter"] is None and "no draft source beat plain decoding" in slower["why"]
 
 
 def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():
@@ -341,7 +353,23 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
     assert (tmp_path / "cal" / "profile.json").exists()
 
     rc = main(["generate", *pair, "--prompt", "def g(", "--budget", "auto", "--max-new-tokens", "6", "--json"])
-    assert rc == 0 and json.loads(capsys.readouterr().out)["budget"] == rec["budget"]
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["budget"] == rec["budget"] and report["tree"] == rec["tree"]
+    assert rec["tree"] == "ar" or report["drafter"] == rec["drafter"]  # the sources calibrate measured fastest
+
+    cached = [p for p in (tmp_path / "cache" / "profiles").glob("*.json") if "recommended" in p.read_text()][0]
+    profile = json.loads(cached.read_text())
+    for tree, drafter in (("opt", "recycling+lookup"), ("ar", None)):  # as calibrate would write them
+        profile["recommended"].update(tree=tree, drafter=drafter, why="measured")
+        cached.write_text(json.dumps(profile))
+        assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+        captured = capsys.readouterr()
+        report = json.loads(captured.out)
+        assert (report["tree"], report["drafter"]) == (tree, drafter)  # a train-free drafter: the draft goes unused
+        assert (tree == "ar") == ("plain decoding (--tree ar)" in captured.err)
+        assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json", "--tree", "opt",
+                     "--drafter", "model"]) == 0  # flags given win
+        assert json.loads(capsys.readouterr().out)["drafter"] == "model"
     rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt", "--limit", "1",
                "--max-new-tokens", "6", "--out", str(out), "--no-progress", "--json"])  # no --budgets: the profile's
     assert rc == 0
@@ -392,3 +420,25 @@ def test_list_of_methods_includes_every_policy():
     assert set(available()) <= set(names)
     assert {"hf-assisted", "hf-assisted-heuristic", "hf-lookup"} <= set(names)
     assert torch.get_num_threads() == 1  # conftest: tiny models run single-threaded
+
+
+def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch, capsys):
+    """generate with default settings and no profile here: a quick calibration first, saved, said once."""
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(cal.AUTO_ENV, "1")
+    monkeypatch.setattr(cal, "FIRST_USE", dict(prompts=1, max_tokens=4, repeats=2, max_new_tokens=6, budgets=(1, 2),
+                                               deltas=(0.2,)))
+    monkeypatch.setattr(cal, "noise_problem", lambda before, after: "")  # sub-ms timings of tiny models
+    target, draft, _ = model_dirs
+    pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json", "--budget", "2"]) == 0
+    assert "calibrat" not in capsys.readouterr().err  # settings given: nothing to calibrate
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "a quick one first" in captured.err and "opttree: calibrated in" in captured.err
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "profiles").glob("*.json")]
+    profile = [p for p in saved if "recommended" in p][0]
+    report = json.loads(captured.out)
+    assert report["budget"] == profile["recommended"]["budget"] and report["tree"] == profile["recommended"]["tree"]
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "a quick one first" not in capsys.readouterr().err  # once per pair and machine

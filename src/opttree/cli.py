@@ -13,7 +13,9 @@ threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 import torch  # noqa: E402
 
-from .flags import add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options  # noqa: E402  (shared by the commands)
+from .flags import (  # noqa: E402  (shared by the commands)
+    add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options, used_draft,
+)
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -67,15 +69,17 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
+    from .bench.calibrate import calibrate_first
     from .engine import stream
     from .text import TextStream
 
     prompt = read_prompt(args)
     target, draft, tokenizer = load_pair(args)
+    calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = stream(
-        target, prompt_ids, draft, tokenizer=tokenizer, stop=args.stop, **tree, max_new_tokens=args.max_new_tokens,
+        target, prompt_ids, used_draft(tree, draft), tokenizer=tokenizer, stop=args.stop, **tree, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
     if not args.json:
@@ -140,10 +144,13 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def cmd_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
+    from .bench.calibrate import calibrate_first
     from .engine import generate
 
     target, draft, tokenizer = load_pair(args)
+    calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
+    draft = used_draft(tree, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
     methods = {"ar": dict(tree="ar"),

@@ -21,7 +21,7 @@ from .device import compile_model
 from .hardware import choose_dtype, describe, forward_ms, hardware_key
 from .drafters.sources import available_sources, source_names
 from .policies import available
-from .profiles import auto_settings, find_profile, profile_dir, profile_options
+from .profiles import auto_settings, find_profile, profile_dir, profile_options, profile_sources
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -50,7 +50,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", default="opt", help=f"tree policy: {', '.join(available())} (default: opt)")
+    parser.add_argument("--tree", help=f"tree policy: {', '.join(available())} (default: opt; ar where `opttree "
+                        "calibrate` measured that no draft source beats plain decoding on this machine)")
     parser.add_argument("--budget", help="draft nodes per step, or 'auto' for the calibrated value (default: auto "
                         f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
     parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
@@ -164,10 +165,20 @@ def load_pair(args):
 def tree_options(args, target, draft) -> dict:
     """The SpecConfig fields of the tree flags. With a calibration profile for the pair (written by
     `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
-    delta the profile recommends; its draft temperature and Sequoia vector apply too. Flags given win."""
-    budget = args.budget or ("auto" if find_profile(target, draft) is not None else str(defaults.DEFAULT_BUDGET))
-    options = dict(tree=args.tree, drafter=getattr(args, "drafter", None), datastore=getattr(args, "datastore", None),
-                   max_depth=args.max_depth, delta=defaults.DEFAULT_DELTA)
+    delta the profile recommends; its draft temperature and Sequoia vector apply too, and so do the draft
+    sources it measured fastest (or plain decoding, when none paid). Flags given win."""
+    profiled = find_profile(target, draft) is not None
+    budget = args.budget or ("auto" if profiled else str(defaults.DEFAULT_BUDGET))
+    chosen = profile_sources(target, draft) if profiled and args.tree is None and args.drafter is None else {}
+    args.tree = args.tree or chosen.get("tree", "opt")
+    if chosen.get("tree") == "ar":
+        print(f"opttree: plain decoding (--tree ar): the calibration profile of this pair on this machine says "
+              f"{chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
+    drafter = args.drafter or chosen.get("drafter")
+    if drafter and args.datastore and "datastore" not in source_names(drafter):
+        drafter += "+datastore"
+    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore, max_depth=args.max_depth,
+                   delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft)
     else:
@@ -179,4 +190,12 @@ def tree_options(args, target, draft) -> dict:
         options["delta"] = args.delta
     options.update(profile_options(target, draft, args.tree, args.temperature))
     options["draft_temperature"] = draft_temperature(args, target, draft)
+    if drafter and "model" not in source_names(drafter):
+        options["draft_temperature"] = 1.0  # no draft model drafts
     return options
+
+
+def used_draft(options: dict, draft):
+    """The draft model if the chosen draft sources use it (the default does), else None."""
+    drafter = options.get("drafter")
+    return draft if options.get("tree") != "ar" and (drafter is None or "model" in source_names(drafter)) else None

@@ -136,11 +136,21 @@ def auto_settings(target, draft) -> tuple[int, float]:
     return int(chosen["budget"]), float(chosen["delta"])
 
 
+def profile_sources(target, draft) -> dict:
+    """The draft sources `opttree calibrate` measured fastest for this pair here: {"tree": "opt" | "ar",
+    "drafter": spec or None, "why": ...}; {} for a profile without that measurement (the shipped one)."""
+    recommended = load_profile(target, draft)["recommended"]
+    return {k: recommended[k] for k in ("tree", "drafter", "why")} if "tree" in recommended else {}
+
+
 def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
     """Every setting this pair's calibration profile holds for `tree` at `temperature`, ready for
-    `opttree.generate(**...)`: budget, delta, draft temperature (and Sequoia's acceptance vector).
+    `opttree.generate(**...)`: budget, delta, draft temperature (and Sequoia's acceptance vector; for
+    tree 'opt', the draft sources measured fastest, when the profile measured them).
     {} without a profile (the defaults apply). Exported as `opttree.profile_options`."""
     options = profile_options(target, draft, tree, temperature)
     if options:
         options["budget"], options["delta"] = auto_settings(target, draft)
+        if tree == "opt" and profile_sources(target, draft).get("drafter"):
+            options["drafter"] = profile_sources(target, draft)["drafter"]
     return options

@@ -13,6 +13,9 @@
    Python) is one constant per step, fitted as the median over the grid of measured minus modelled.
 4. Recommend the grid point with the best estimate, confirmed by measurement: if its measured
    tokens/s falls below CONFIRM of the best measured one, the measured best is recommended.
+5. Draft sources: at the recommended budget and delta, each of DRAFTERS (the draft model alone, with
+   lookup, and the train-free recycling+lookup) interleaved with plain decoding; the fastest measured
+   is recommended, and plain decoding (`tree: ar`) when none beats it: never slower by default.
 
 The profile is saved as DIR/profile.json and in the user cache; `opttree.profiles` keys, finds and
 reads it back (`auto_settings`, `profile_options`), and holds the shipped pair's profile.
@@ -21,7 +24,9 @@ reads it back (`auto_settings`, `profile_options`), and holds the shipped pair's
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +56,7 @@ NOISE_REPEATS = 9  # 1-token target forwards timed before and after the calibrat
 NOISE_SHIFT = 1.5  # medians before / after differ by more than this factor: the load changed
 NOISE_SPREAD = 0.5  # interquartile range / median of one batch above this: the timings are unsteady
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
+DRAFTERS = ("model", "model+lookup", "recycling+lookup")  # the draft sources step 5 compares
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
@@ -203,6 +209,45 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
     return plain, grid
 
 
+def drafter_run(target, draft, prompts: list[torch.Tensor], budget: int, delta: float, options: dict,
+                progress: bool = True, draft_temperature: float = 1.0) -> list[dict]:
+    """Plain decoding and OPT-Tree over each of DRAFTERS at (budget, delta), interleaved per prompt.
+    Returns one row per drafter: mean accepted length, measured tokens/s and speedup over plain decoding."""
+    names = [None, *DRAFTERS]
+    tallies = {name: Tally(None if name is None else budget, None if name is None else delta) for name in names}
+    bar = tqdm(total=len(prompts) * len(names), desc="draft sources", unit="run", disable=not progress)
+    for i, ids in enumerate(prompts):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name is None:
+                run = dict(tree="ar")
+            else:
+                with_model = "model" in name
+                run = dict(tree="opt", drafter=name, budget=budget, delta=delta,
+                           draft_temperature=draft_temperature if with_model else 1.0)
+            start = time.perf_counter()
+            out = generate(target, ids, draft if name is not None and "model" in name else None, **run, **options)
+            tally = tallies[name]
+            tally.time_s += seconds_since(start, target)
+            tally.new_tokens += out.stats.new_tokens
+            tally.steps += out.stats.steps
+            bar.update()
+    bar.close()
+    plain = tallies[None].measured_tps
+    return [{"drafter": name, "mean_accepted_length": t.new_tokens / t.steps, "measured_tokens_per_second":
+             t.measured_tps, "measured_speedup": t.measured_tps / plain} for name, t in tallies.items() if name]
+
+
+def recommend_drafter(rows: list[dict]) -> dict:
+    """The fastest measured draft sources, or plain decoding (tree 'ar') when none beats it."""
+    best = max(rows, key=lambda r: r["measured_tokens_per_second"])
+    if best["measured_speedup"] < 1:
+        return {"tree": "ar", "drafter": None, "measured_speedup": 1.0,
+                "why": f"no draft source beat plain decoding (best: {best['drafter']} at {best['measured_speedup']:.2f}x)"}
+    return {"tree": "opt", "drafter": best["drafter"], "measured_speedup": best["measured_speedup"],
+            "why": f"the fastest measured ({best['measured_speedup']:.2f}x plain decoding)"}
+
+
 def probe_ms(model, context: torch.Tensor, repeats: int = NOISE_REPEATS) -> list[float]:
     """ms of `repeats` one-token forwards after `context` (C,) is cached: the noise probe's samples."""
     cache = new_cache()
@@ -322,9 +367,12 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     options = dict(max_new_tokens=max_new_tokens, max_depth=max_depth, temperature=temperature, seed=seed,
                    eos_token_id=eos_token_id)
     plain, grid = calibration_run(target, draft, prompts, budgets, deltas, options, progress, draft_temperature)
-    probe_after = probe_ms(target, cached)
     overhead = fitted_overhead(grid, t_target, t_draft)
     rows = grid_rows(plain, grid, t_target, t_draft, overhead)
+    chosen = recommend(rows)
+    sources = drafter_run(target, draft, prompts, chosen["budget"], chosen["delta"], options, progress,
+                          draft_temperature)
+    probe_after = probe_ms(target, cached)
     return {
         "version": PROFILE_VERSION,
         "key": profile_key(target, draft),
@@ -343,7 +391,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "noise": {"probe_ms_before": probe_before, "probe_ms_after": probe_after,
                   "problem": noise_problem(probe_before, probe_after)},
         "grid": rows,
-        "recommended": dict(recommend(rows), draft_temperature=draft_temperature),
+        "drafters": sources,
+        "recommended": dict(chosen, draft_temperature=draft_temperature, **recommend_drafter(sources)),
         **alignment,
     }
 
@@ -385,6 +434,14 @@ def grid_table(profile: dict) -> str:
     return "\n".join(lines)
 
 
+def drafter_table(profile: dict) -> str:
+    lines = ["| drafter | mean accepted length | measured tokens/s | measured speedup |", "|---|---:|---:|---:|"]
+    for r in profile.get("drafters", []):
+        lines.append(f"| {r['drafter']} | {r['mean_accepted_length']:.2f} | {r['measured_tokens_per_second']:.1f} | "
+                     f"{r['measured_speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
 def markdown(profile: dict) -> str:
     rec, s = profile["recommended"], profile["settings"]
     best = rec["best_measured"]
@@ -402,7 +459,13 @@ def markdown(profile: dict) -> str:
         f"{rec['estimated_tokens_per_second']:.1f} tokens/s, measured {rec['measured_tokens_per_second']:.1f}; "
         f"best measured: budget {best['budget']}, delta {best['delta']:g}, {best['measured_tokens_per_second']:.1f} "
         f"tokens/s ({rec['fraction_of_best_measured']:.0%} of it reached)",
+        f"- **recommended draft sources: {rec.get('drafter') or 'none (plain decoding, --tree ar)'}** "
+        f"({rec.get('why', 'not measured')})",
         *[note for note in (consistency_note(profile), no_gain_note(profile)) if note],
+        "",
+        "## Draft sources at the recommended budget and delta",
+        "",
+        drafter_table(profile),
         "",
         "## Is the draft's p-hat calibrated? (greedy, the draft's first choice)",
         "",
@@ -471,3 +534,45 @@ def write(profile: dict, out_dir: Path, cache: bool = True) -> dict[str, Path]:
     (out_dir / "calibration.md").write_text(markdown(profile))
     return {"profile": local, "cached_profile": cached, "markdown": out_dir / "calibration.md",
             "latency_plot": plot_latency(profile, out_dir / "latency.png")}
+
+
+# ---- first use -----------------------------------------------------------------------------------
+
+AUTO_ENV = "OPTTREE_AUTO_CALIBRATE"  # "0": never calibrate on first use
+FIRST_USE = dict(prompts=3, max_tokens=17, repeats=3, max_new_tokens=48, budgets=(2, 4, 8, 12, 16),
+                 deltas=(0.3, 0.6))  # the same as `opttree calibrate --quick`
+
+
+def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> dict | None:
+    """A quick calibration (FIRST_USE) of a pair that has no profile on this machine, saved to the user
+    cache, with one message saying what it chose and why. None if `$OPTTREE_AUTO_CALIBRATE` is 0, the
+    pair already has a profile, there is no draft (the train-free sources need no calibration), or the
+    machine looked disturbed during the measurement (then nothing is saved)."""
+    if draft is None or os.environ.get(AUTO_ENV, "1") == "0" or find_profile(target, draft) is not None:
+        return None
+    print(f"opttree: no calibration profile for this pair on this machine: a quick one first (about a minute "
+          f"at most; {AUTO_ENV}=0 skips it, `opttree calibrate` runs the full one)", file=sys.stderr)
+    prompts = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids
+               for p in CALIBRATION_PROMPTS[: FIRST_USE["prompts"]]]
+    profile = run_calibration(target, draft, prompts, budgets=FIRST_USE["budgets"], deltas=FIRST_USE["deltas"],
+                              max_tokens=FIRST_USE["max_tokens"], repeats=FIRST_USE["repeats"],
+                              max_new_tokens=FIRST_USE["max_new_tokens"], eos_token_id=tokenizer.eos_token_id,
+                              progress=progress)
+    rec, problem = profile["recommended"], profile["noise"]["problem"]
+    if problem:  # measured on a busy machine: not kept, the defaults apply
+        print(f"opttree: the machine looked disturbed ({problem}): calibration not saved, the defaults apply; "
+              "run `opttree calibrate` on a quieter machine", file=sys.stderr)
+        return None
+    save_profile(profile)
+    print(f"opttree: calibrated in {profile_dir()}: draft sources {rec['drafter'] or 'none: plain decoding'} "
+          f"({rec['why']}), budget {rec['budget']}, delta {rec['delta']:g}, draft temperature "
+          f"{rec['draft_temperature']:.3g}; plain decoding measured {profile['ar_tokens_per_second']:.1f} tokens/s",
+          file=sys.stderr)
+    return profile
+
+
+def calibrate_first(args, target, draft, tokenizer) -> None:
+    """For generate, demo and serve: a pair run with the default settings (no --budget, --tree or
+    --drafter) and no profile on this machine is calibrated first (`calibrate_on_first_use`)."""
+    if args.budget is None and args.tree is None and args.drafter is None:
+        calibrate_on_first_use(target, draft, tokenizer, progress=sys.stderr.isatty())

@@ -254,6 +254,9 @@ def cmd_calibrate(args) -> int:
               f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
               f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
               f"{profile['ar_tokens_per_second']:.1f} tokens/s")
+        print(calibrate.drafter_table(profile))
+        print(f"recommended draft sources: {rec['drafter'] or 'none: plain decoding (--tree ar)'} ({rec['why']}); "
+              "generate, demo and serve use them when --drafter and --tree are not given")
         for note in (calibrate.consistency_note(profile), calibrate.no_gain_note(profile)):
             if note:
                 print(note.removeprefix("- "))

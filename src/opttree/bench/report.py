@@ -217,7 +217,8 @@ def table(rows: list[dict], default_delta: float | None = None) -> str:
 
 
 def plot(results: dict, out_dir: Path) -> list[Path]:
-    """mal_vs_budget.png, speedup_vs_budget.png, accepted_histogram.png (category 'all')."""
+    """mal_vs_budget.png, speedup_vs_budget.png, accepted_histogram.png (category 'all'), and
+    speedup_by_method.png: every method's speedup and MAL, overall and per category."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +245,31 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         paths.append(save(plt, fig, out_dir / filename))
     paths.append(save(plt, fig_histograms(plt, rows), out_dir / "accepted_histogram.png"))
+    paths.append(save(plt, fig_by_method(plt, results["summary"]), out_dir / "speedup_by_method.png"))
     return paths
+
+
+def fig_by_method(plt, summary: list[dict]):
+    """Two panels of grouped bars: speedup and mean accepted length, one group per category ('all'
+    first), one bar per method label (budget included)."""
+    categories = list(dict.fromkeys(r["category"] for r in summary))
+    categories = categories if len(categories) > 2 else [ALL]  # one category: the same figures as 'all'
+    labels = [r["label"] for r in summary if r["category"] == ALL and r["label"] != "ar"]
+    value = {(r["category"], r["label"]): r for r in summary}
+    fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(6.4, 1.1 * len(categories) + 3)), 6.4), sharex=True)
+    width = 0.8 / max(len(labels), 1)
+    for ax, key, ylabel in ((axes[0], "speedup", "speedup over ar"), (axes[1], "mean_accepted_length", "MAL")):
+        for i, label in enumerate(labels):
+            heights = [(value.get((c, label)) or {}).get(key) or 0 for c in categories]
+            ax.bar([c + (i - (len(labels) - 1) / 2) * width for c in range(len(categories))], heights, width,
+                   label=label, color=f"C{i % 10}")
+        if key == "speedup":
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=min(len(labels), 4), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    axes[1].set_xticks(range(len(categories)), categories, rotation=30, ha="right", fontsize=8)
+    return fig
 
 
 def fig_histograms(plt, rows: list[dict]):

@@ -50,10 +50,9 @@ class RecyclingMatrix:
         rates = self.rates.mean[depths.cpu().clamp(max=DEPTHS - 1)].to(self.next.device)  # (R, k)
         rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
         rates = rates * self.filled[tokens, None]  # an unset row lists nothing
-        rest = 1 - rates.sum(dim=1, keepdim=True)  # (R, 1)
-        probs = (rest / self.vocab).expand(-1, self.vocab).clone()  # (R, V)
-        probs.scatter_add_(1, self.next[tokens].long(), rates)
-        return probs.log()
+        spread = (1 - rates.sum(dim=1, keepdim=True)) / self.vocab  # (R, 1) each token's share of the rest
+        log_probs = spread.log().expand(-1, self.vocab).clone()  # (R, V)
+        return log_probs.scatter_(1, self.next[tokens].long(), (rates + spread).log())  # a row's k tokens differ
 
     def nbytes(self) -> int:
         return self.next.numel() * self.next.element_size()

@@ -240,11 +240,11 @@ def make_sources(spec: str, policy, config, context: SourceContext):
     made = [(_SOURCES[n][0](context), _SOURCES[n][1]) for n in names]
     if names == ["model"]:
         return made[0][0], policy
-    if len(names) > 1 and getattr(getattr(policy, "picker", None), "sampled", False):
-        raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
-                         f"needs exactly the draft distribution it sampled from: it takes one draft source, "
-                         f"not {spec!r} (use tree='opt', or one source)")
     first, distribution = made[0]
+    if (len(names) > 1 or not distribution) and getattr(getattr(policy, "picker", None), "sampled", False):
+        raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
+                         f"needs exactly the draft distribution it sampled from: it takes one distribution source "
+                         f"(model or recycling), not {spec!r} (or use tree='opt')")
     if not distribution:  # candidate sources only: the first one answers the policy's queries
         first = TrieDrafter(first, context.vocab, config.budget, config.max_depth)
     candidates = [DrafterCandidates(s) if d else s for s, d in made[1:]]

@@ -7,11 +7,14 @@ from __future__ import annotations
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..flags import load_pair, tree_options
+    from ..bench.calibrate import calibrate_first
+    from ..flags import load_pair, tree_options, used_draft
     from .app import Server, create_app
 
     target, draft, tokenizer = load_pair(args)
-    server = Server(target, draft, tokenizer, tree_options(args, target, draft),
+    calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
+    options = tree_options(args, target, draft)
+    server = Server(target, used_draft(options, draft), tokenizer, options,
                     model_name=args.model_name or (args.target or "opttree-demo"), max_queue=args.max_queue)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="info")
     return 0
