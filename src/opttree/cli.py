@@ -79,8 +79,8 @@ def cmd_generate(args) -> int:
     tree = tree_options(args, target, draft)
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = stream(
-        target, prompt_ids, used_draft(tree, draft), tokenizer=tokenizer, stop=args.stop, **tree, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        target, prompt_ids, used_draft(tree, draft), tokenizer=tokenizer, stop=args.stop, **tree,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )
     if not args.json:
         print(prompt, end="", flush=True)

@@ -184,8 +184,8 @@ def stream(
     fields (tree, drafter, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
     draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model.
     Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
-    `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones `attention_mask` are understood; `input_ids` may
-    be a BatchEncoding."""
+    `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
+    `attention_mask` are understood; `input_ids` may be a BatchEncoding."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
     config = SpecConfig(**spec_options(options, ids.shape[0], mask))

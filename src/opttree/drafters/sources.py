@@ -157,7 +157,8 @@ class DrafterCandidates:
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
         from ..policies.opt import OptTree  # policies import drafters: imported when first used
 
-        tree = OptTree(SpecConfig(budget=max_nodes, delta=0.0, max_depth=max_depth)).build(self.drafter, committed, max_depth)
+        policy = OptTree(SpecConfig(budget=max_nodes, delta=0.0, max_depth=max_depth))
+        tree = policy.build(self.drafter, committed, max_depth)
         return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, torch.full_like(tree.tokens, -1))
 
 
