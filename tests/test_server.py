@@ -1,5 +1,7 @@
 """`opttree serve` end to end: a real uvicorn server on a local port, the official `openai` client."""
 
+import json
+import signal
 import socket
 import threading
 import time
@@ -11,7 +13,8 @@ import torch
 import uvicorn
 
 import opttree
-from opttree.server.app import Server, create_app
+from opttree.server.app import GracefulServer, Server, Turns, create_app
+from opttree.server.load import Outcome, _check_metrics, _check_texts, run_load
 from opttree.text import TextStream
 
 TREE = dict(tree="opt", budget=4, delta=0.1)
@@ -19,15 +22,23 @@ PROMPT = "def fibonacci(n):\n"
 CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}def {% endif %}"
 
 
-def start(server: Server) -> str:
+def start(server: Server, grace: float = 30.0) -> str:
+    return start_server(server, grace)[0]
+
+
+def start_server(server: Server, grace: float = 30.0) -> tuple[str, GracefulServer, threading.Thread]:
+    """A real uvicorn server on a free local port, in a thread, as `opttree serve` runs it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=uv.run, daemon=True).start()
+    config = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=grace + 5)
+    uv = GracefulServer(config, server, grace)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
     for _ in range(200):
         if uv.started:
-            return f"http://127.0.0.1:{port}"
+            return f"http://127.0.0.1:{port}", uv, thread
         time.sleep(0.05)
     raise RuntimeError("the server did not start")
 
@@ -174,3 +185,99 @@ def test_a_client_that_disconnects_cancels_its_request(pair):
     assert metric("opttree:num_requests_waiting") == 0
     out = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
     assert out["usage"]["completion_tokens"] == 4
+
+
+def test_requests_decode_one_at_a_time_in_arrival_order():
+    turns, order, gone = Turns(), [], threading.Event()
+    tickets = [turns.join() for _ in range(4)]  # taken in arrival order, as the server does
+
+    def decode(i: int, give_up=lambda: False) -> None:
+        if turns.wait(tickets[i], give_up):
+            order.append(i)
+            time.sleep(0.02)
+            turns.leave(tickets[i])
+
+    threads = [threading.Thread(target=decode, args=(i,) if i != 2 else (i, gone.is_set)) for i in (3, 2, 1)]
+    for t in threads:  # started in reverse order: the line, not the threads, decides
+        t.start()
+    gone.set()  # request 2's client leaves while it waits
+    decode(0)
+    for t in threads:
+        t.join(timeout=5)
+    assert order == [0, 1, 3]
+
+
+def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(pair):
+    target, draft, tok = pair
+    url = start(Server(target, draft, tok, TREE, model_name="demo"))
+    references: dict[str, list[int]] = {}
+
+    def expected(prompt: str, n: int) -> str:
+        if prompt not in references:
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            references[prompt] = reference(pair, ids, 8)  # greedy: shorter answers are its prefixes
+        return tok.decode(references[prompt][:n], skip_special_tokens=True)
+
+    report = run_load(url, clients=8, requests=20, max_tokens=6, expected=expected)
+    summary = report.summary()
+    print(report.table())
+    assert report.ok, report.problems
+    assert summary["requests"] == 160 and summary["by_kind"] == {"cancel": 32, "malformed": 32, "plain": 64,
+                                                                 "stream": 32}
+    assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"] and summary["tokens_per_s"] > 0
+    assert summary["completion_tokens"] == sum(6 + (r % 3) for c in range(8) for r in range(20)
+                                               if (c + r) % 5 in (0, 1, 2))
+
+
+def test_the_load_checks_catch_mixed_answers_and_miscounts():
+    answers = [Outcome("plain", "a", 4, text="x"), Outcome("stream", "a", 4, text="y"), Outcome("cancel", "b", 4)]
+    assert any("2 different answers" in p for p in _check_texts(answers, None))
+    assert any("expected 'x'" in p for p in _check_texts(answers, lambda prompt, n: "x"))
+    assert _check_metrics(answers, {}, {"200": 2, "499": 1}) == []
+    assert _check_metrics(answers, {}, {"200": 3}) != []
+
+
+def _stream_events(url: str, body: dict, first: threading.Event, events: list) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+
+
+def test_shutdown_lets_requests_in_flight_finish(pair):
+    target, draft, tok = pair
+    url, uv, thread = start_server(Server(target, draft, tok, TREE, model_name="demo"), grace=30)
+    first, events = threading.Event(), []
+    client = threading.Thread(target=_stream_events, args=(url, {"prompt": PROMPT, "max_tokens": 24, "temperature": 0},
+                                                           first, events))
+    client.start()
+    assert first.wait(30)
+    uv.handle_exit(signal.SIGTERM, None)  # what Ctrl-C / SIGTERM does
+    client.join(30)
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not stop"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == tok.decode(reference(pair, tok(PROMPT, return_tensors="pt").input_ids, 24), skip_special_tokens=True)
+
+
+def test_shutdown_ends_what_outlasts_the_grace_with_an_error(pair):
+    target, draft, tok = pair
+    url, uv, thread = start_server(Server(target, draft, tok, TREE, model_name="demo"), grace=0.5)
+    first, events, queued = threading.Event(), [], {}
+    long = {"prompt": PROMPT, "max_tokens": 1500, "temperature": 0}
+    client = threading.Thread(target=_stream_events, args=(url, long, first, events))
+    client.start()
+    assert first.wait(30)
+    waiter = threading.Thread(target=lambda: queued.update(r=httpx.post(url + "/v1/completions", json=long, timeout=60)))
+    waiter.start()  # waits its turn behind the stream
+    time.sleep(0.3)
+    began = time.perf_counter()
+    uv.handle_exit(signal.SIGTERM, None)
+    for t in (client, waiter, thread):
+        t.join(30)
+    assert not thread.is_alive(), "the server did not stop"
+    assert time.perf_counter() - began < 10
+    assert "shut down" in json.loads(events[-1])["error"]["message"]
+    assert queued["r"].status_code == 503 and "shut down" in queued["r"].json()["error"]["message"]

@@ -9,15 +9,23 @@ def cmd_serve(args) -> int:
 
     from ..bench.calibrate import calibrate_first
     from ..flags import load_pair, tree_options, used_draft
-    from .app import Server, create_app
+    from .app import GracefulServer, Server, create_app
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     options = tree_options(args, target, draft)
     server = Server(target, used_draft(options, draft), tokenizer, options,
                     model_name=args.model_name or (args.target or "opttree-demo"), max_queue=args.max_queue)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="info")
+    config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    GracefulServer(config, server, args.shutdown_grace).run()
     return 0
+
+
+def cmd_load_test(args) -> int:
+    from .load import cmd_load_test as run
+
+    return run(args)
 
 
 def register(subparsers) -> None:
@@ -31,4 +39,18 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     p.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: --target)")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429 (default: 16)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
+                        "with an error (default: 30)")
     p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("load-test", help="a bounded load test of a running server: concurrent clients "
+                              "mixing plain, streamed, cancelled and malformed requests; every answer checked")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's root (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default: 8)")
+    p.add_argument("--requests", type=int, default=20, help="requests per client (default: 20)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer: this, +1 or +2 (default: 8)")
+    p.add_argument("--cancel-tokens", type=int, default=64,
+                   help="max_tokens of the streams abandoned after their first event (default: 64)")
+    p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
+    p.set_defaults(func=cmd_load_test)

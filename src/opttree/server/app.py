@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (DESIGN.md section 17).
 
-One request decodes at a time (batch 1); the others wait in a bounded queue (429 when it is full).
-Decoding runs in a worker thread so the event loop keeps answering; a streaming client that
-disconnects cancels its request at the next step. Request fields are OpenAI's, each honoured or
+One request decodes at a time (batch 1); the others wait their turn in arrival order in a bounded
+queue (429 when it is full). Decoding runs in a worker thread so the event loop keeps answering; a
+streaming client that disconnects cancels its request at the next step. On shutdown, requests in
+flight or queued get `grace` seconds to finish; then each ends with an error (an error event when
+streaming, a 503 otherwise) and new requests get 503. Request fields are OpenAI's, each honoured or
 refused with a 400 naming it; tree settings (`tree`, `budget`, `delta`, `max_depth`,
 `draft_temperature`) may be given per request as extra fields.
 """
@@ -14,10 +16,13 @@ import json
 import secrets
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import prometheus_client as prom
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -139,8 +144,20 @@ class Server:
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.metrics = Metrics()
-        self.lock = threading.Lock()  # one decoding at a time; held by the decoding thread itself
+        self.turns = Turns()  # one decoding at a time, in arrival order
+        # a thread per admitted request (those waiting their turn block in it), so none waits for a thread
+        self.threads = ThreadPoolExecutor(max_workers=max_queue + 4, thread_name_prefix="opttree-decode")
         self.pending = 0
+        self.stopping = False  # shutdown has begun: new requests get 503
+        self.expired = threading.Event()  # the shutdown grace is over: requests still running end now
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Refuse new requests; let those in flight or queued finish for `grace` seconds, then end them."""
+        if not self.stopping:
+            self.stopping = True
+            timer = threading.Timer(grace, self.expired.set)
+            timer.daemon = True
+            timer.start()
 
     def prompt_ids(self, req) -> list[int]:
         if isinstance(req, ChatRequest):
@@ -175,13 +192,74 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
-def _decode(run, lock: threading.Lock, cancelled: threading.Event) -> Iterator[list[int]]:
-    """The run's chunks, decoded while holding `lock`; stops at the next step once `cancelled` is set."""
-    with lock:
-        for chunk in run:
-            if cancelled.is_set():
-                return
-            yield chunk.tolist()
+class Ticket:
+    running = False  # its request is decoding (first in line); only its decoding thread then leaves
+
+
+class Turns:
+    """First come, first served: tickets are taken in arrival order and decode one at a time."""
+
+    def __init__(self):
+        self._line: deque[Ticket] = deque()
+        self._changed = threading.Condition()
+
+    def join(self) -> Ticket:
+        ticket = Ticket()
+        with self._changed:
+            self._line.append(ticket)
+        return ticket
+
+    def wait(self, ticket: Ticket, give_up: Callable[[], bool]) -> bool:
+        """Block until `ticket` is first in line (True), or until `give_up()` (False: it leaves the line)."""
+        with self._changed:
+            while ticket in self._line and self._line[0] is not ticket:
+                if give_up():
+                    self._leave(ticket)
+                    return False
+                self._changed.wait(timeout=0.05)
+            ticket.running = ticket in self._line  # else it left the line (closed) before its turn
+            return ticket.running
+
+    def leave(self, ticket: Ticket, unless_running: bool = False) -> None:
+        with self._changed:
+            if not (unless_running and ticket.running):
+                self._leave(ticket)
+
+    def _leave(self, ticket: Ticket) -> None:
+        if ticket in self._line:
+            self._line.remove(ticket)
+            self._changed.notify_all()
+
+
+class Job:
+    """One request's generation: decoded in its turn; stops at the next step once cancelled (the client
+    left) or once the server's shutdown grace has run out."""
+
+    def __init__(self, run, turns: Turns, expired: threading.Event):
+        self.run, self.turns, self.expired = run, turns, expired
+        self.ticket = turns.join()
+        self.cancelled = threading.Event()
+        self.complete = False  # the generation ran to its end (length, EOS or stop)
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or self.expired.is_set()
+
+    def chunks(self) -> Iterator[list[int]]:
+        if not self.turns.wait(self.ticket, self.stopped):
+            return
+        try:
+            for chunk in self.run:
+                yield chunk.tolist()
+                if self.stopped():
+                    return
+            self.complete = True
+        finally:
+            self.turns.leave(self.ticket)
+
+    def close(self) -> None:
+        """Stop: a decoding thread stops at its next step and then leaves the line; a queued request leaves now."""
+        self.cancelled.set()
+        self.turns.leave(self.ticket, unless_running=True)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -215,17 +293,20 @@ def create_app(server: Server) -> FastAPI:
                                  media_type=prom.CONTENT_TYPE_LATEST)
 
     async def serve(request: Request, req, chat: bool):
+        if server.stopping:
+            return _error(503, "the server is shutting down", kind="server_error")
         if server.pending >= server.max_queue:
             return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
                                            "type": "rate_limit_error", "param": None, "code": None}},
                                 status_code=429, headers={"Retry-After": "1"})
         run, ids = server.start(req)
+        job = Job(run, server.turns, server.expired)  # its turn is taken now, in arrival order
         server.pending += 1
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, began = int(time.time()), time.perf_counter()
         max_tokens, stop = req.new_tokens, req.stop_list
-        cancelled = threading.Event()
+        shut_down = "the server shut down before the request finished"
 
         def choice(text: str | None, finish: str | None, delta: bool) -> dict:
             if not chat:
@@ -239,6 +320,7 @@ def create_app(server: Server) -> FastAPI:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         def done(status: str) -> None:
+            job.close()  # a decoding thread stops at its next step; a queued one leaves the line
             server.pending -= 1
             server.metrics.observe(run.stats)
             server.metrics.latency.observe(time.perf_counter() - began)
@@ -246,11 +328,13 @@ def create_app(server: Server) -> FastAPI:
 
         if not req.stream:
             try:
-                chunks = await asyncio.to_thread(lambda: list(_decode(run, server.lock, cancelled)))
+                chunks = await asyncio.get_running_loop().run_in_executor(server.threads, lambda: list(job.chunks()))
             except BaseException:
-                cancelled.set()
                 done("500")
                 raise
+            if not job.complete:
+                done("503")
+                return _error(503, shut_down, kind="server_error")
             text = TextStream(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
             finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
             done("200")
@@ -263,7 +347,7 @@ def create_app(server: Server) -> FastAPI:
 
             def produce() -> None:
                 try:
-                    for chunk in _decode(run, server.lock, cancelled):
+                    for chunk in job.chunks():
                         loop.call_soon_threadsafe(queue.put_nowait, chunk)
                 except BaseException as err:  # reported to the client as an error event
                     loop.call_soon_threadsafe(queue.put_nowait, err)
@@ -280,7 +364,7 @@ def create_app(server: Server) -> FastAPI:
                     yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                         "finish_reason": None}]})
                 deltas = TextStream(server.tokenizer, stop)
-                loop.run_in_executor(None, produce)
+                loop.run_in_executor(server.threads, produce)
                 while (item := await queue.get()) is not None:
                     if isinstance(item, BaseException):
                         status = "500"
@@ -293,6 +377,10 @@ def create_app(server: Server) -> FastAPI:
                     if text:
                         yield event({**header, "choices": [choice(text, None, delta=True)]})
                 else:
+                    if not job.complete:
+                        status = "503"
+                        yield event({"error": {"message": shut_down, "type": "server_error"}})
+                        return
                     tail = deltas.push([], final=True)
                     finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
                     last = {**header, "choices": [choice(tail or None if chat else tail, finish, delta=True)]}
@@ -304,7 +392,6 @@ def create_app(server: Server) -> FastAPI:
                 status = "499" if status == "200" else status
                 raise
             finally:
-                cancelled.set()  # the decoding thread stops at its next step and releases the lock
                 done(status)
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -323,3 +410,16 @@ def create_app(server: Server) -> FastAPI:
         return await serve(request, req, chat=True)
 
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; on Ctrl-C / SIGTERM the app's requests get `grace` seconds (`Server.begin_shutdown`)
+    while uvicorn stops accepting connections and waits for the open ones."""
+
+    def __init__(self, config: uvicorn.Config, app_server: Server, grace: float):
+        super().__init__(config)
+        self.app_server, self.grace = app_server, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        self.app_server.begin_shutdown(self.grace)
+        super().handle_exit(sig, frame)
