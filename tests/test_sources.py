@@ -187,6 +187,19 @@ def test_without_a_draft_model_the_default_is_train_free_and_drafts(looping_pair
     assert run.stats.mean_accepted_length > 1.5  # a looping target: recycled and looked-up tokens are accepted
 
 
+def test_max_depth_defaults_to_the_budget_without_a_draft_model(looping_pair):
+    target, draft = looping_pair
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(7))
+
+    def depth(draft_model=None, **options) -> int:
+        return opttree.stream(target, prompt, draft_model, max_new_tokens=8, **options).config.max_depth
+
+    assert depth(budget=16) == 16 and depth(budget=4) == 8  # train-free: the budget, at least 8
+    assert depth(draft, budget=16) == 8 and depth(draft, budget=16, drafter="model+lookup") == 8
+    assert depth(budget=16, max_depth=3) == 3 and depth(draft, budget=16, max_depth=12) == 12  # given: kept
+    assert depth(budget=16, max_depth=None) == 16
+
+
 def test_recycling_is_kept_per_target_and_forgotten_on_request(looping_pair):
     target, _ = looping_pair
     forget(target)

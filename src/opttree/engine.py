@@ -17,7 +17,7 @@ from .config import SpecConfig
 from .genconfig import check_generation_config
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
-from .drafters.sources import SourceContext, default_drafter, make_sources
+from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources
 from .policies import TreePolicy, make_policy
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -182,13 +182,18 @@ def stream(
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
     fields (tree, drafter, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
-    draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model.
+    draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model;
+    max_depth defaults to 8 with a draft model, else to the budget (see `default_max_depth`).
     Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
     `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
     `attention_mask` are understood; `input_ids` may be a BatchEncoding."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
+    auto_depth = options.get("max_depth") is None
+    options = {k: v for k, v in options.items() if not (k == "max_depth" and v is None)}
     config = SpecConfig(**spec_options(options, ids.shape[0], mask))
+    if auto_depth:
+        config = replace(config, max_depth=default_max_depth(config, draft is not None))
     policy = make_policy(config)
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)

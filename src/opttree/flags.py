@@ -56,7 +56,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                         f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
     parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
-    parser.add_argument("--max-depth", type=int, default=defaults.DEFAULT_MAX_DEPTH, help="(default: %(default)s)")
+    parser.add_argument("--max-depth", type=int, help=f"draft layers at most (default: {defaults.DEFAULT_MAX_DEPTH} with a "
+                        "draft model, else the budget)")
     add_drafter_arg(parser)
     add_draft_temperature_arg(parser)
 

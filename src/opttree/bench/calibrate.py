@@ -344,7 +344,7 @@ def recommend(rows: list[dict]) -> dict:
 
 def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_BUDGETS, deltas=DEFAULT_DELTAS,
               max_tokens: int = 64, context: int = 200, repeats: int = 7, max_new_tokens: int = 128,
-              max_depth: int = 8, temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
+              max_depth: int | None = None, temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
               progress: bool = True) -> dict:
     """Measure, estimate and recommend. Returns the profile (a JSON-able dict). Prompts: ids (1, T)."""
     if draft is None:
@@ -452,7 +452,7 @@ def markdown(profile: dict) -> str:
         f"{profile['machine']['torch_threads']} torch threads",
         f"- target `{profile['target']}`, draft `{profile['draft']}`, dtype {profile['dtype']}",
         f"- calibration run: {s['prompts']} prompts x {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
-        f"max depth {s['max_depth']}; plain decoding {profile['ar_tokens_per_second']:.1f} tokens/s",
+        f"max depth {s['max_depth'] or 'auto'}; plain decoding {profile['ar_tokens_per_second']:.1f} tokens/s",
         f"- draft temperature (fitted on the target's continuations): greedy "
         f"{profile[DRAFT_TEMPERATURE_FIELD]['greedy']:.3g}, sampled {profile[DRAFT_TEMPERATURE_FIELD]['sampled']:.3g}",
         f"- **recommended: budget {rec['budget']}, delta {rec['delta']:g}** ({rec['chosen_by']}): estimated "

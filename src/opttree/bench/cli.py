@@ -30,7 +30,7 @@ def register(subparsers) -> None:
                        f"pair, else {BENCH_BUDGETS})")
     bench.add_argument("--delta", type=float, help="delta for the numeric --budgets (default: the calibration "
                        f"profile's, else {DEFAULT_DELTA})")
-    bench.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
+    bench.add_argument("--max-depth", type=int, help=f"(default: {DEFAULT_MAX_DEPTH} with a draft model, else the budget)")
     add_draft_temperature_arg(bench)
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
     bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.45,0.6; 0.3,0.6 with --quick)")
     cal.add_argument("--save-disturbed", action="store_true",
                      help="use the profile for --budget auto even if the noise check found the machine disturbed")
-    cal.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH)
+    cal.add_argument("--max-depth", type=int, help=f"(default: {DEFAULT_MAX_DEPTH} with a draft model, else the budget)")
     cal.add_argument("--out", default="calibration", help="output directory (default: calibration)")
     cal.add_argument("--no-progress", action="store_true")
     cal.add_argument("--json", action="store_true", help="print the recommendation as JSON")

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, SpecConfig
+from ..config import DEFAULT_DELTA, SpecConfig
 from ..drafters.sources import source_names
 from ..engine import generate
 from ..policies import available, make_policy
@@ -39,7 +39,7 @@ class Settings:
     top_k: int = 0
     seed: int = 0
     delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own
-    max_depth: int = DEFAULT_MAX_DEPTH
+    max_depth: int | None = None  # None: 8 with a draft model, else the budget (engine default)
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
 

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..config import SpecConfig
+from ..config import DEFAULT_MAX_DEPTH, SpecConfig
 from ..tree import DraftTree, merge, node_paths, top_nodes
 from ..verify import Verification
 from . import Drafter
@@ -225,6 +225,16 @@ def default_drafter(has_draft: bool, has_datastore: bool = False) -> str:
     """`model` with a draft model, else the train-free `recycling+lookup` (DESIGN.md section 13); with a
     datastore, `+datastore`."""
     return ("model" if has_draft else "recycling+lookup") + ("+datastore" if has_datastore else "")
+
+
+def default_max_depth(config, has_draft: bool) -> int:
+    """max_depth when the caller gives none: DEFAULT_MAX_DEPTH (8) when a draft model drafts (a layer
+    costs a draft forward); otherwise the budget, at least 8: recycled and retrieved layers cost no
+    forward pass, and a retrieved copy is as long as the budget lets it be (measured: README)."""
+    spec = config.drafter or default_drafter(has_draft, config.datastore is not None)
+    if "model" in source_names(spec):
+        return DEFAULT_MAX_DEPTH
+    return max(DEFAULT_MAX_DEPTH, config.budget)
 
 
 def make_sources(spec: str, policy, config, context: SourceContext):
