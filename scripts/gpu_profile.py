@@ -1,4 +1,4 @@
-"""Latency curve and per-step time split of a pair on one device (the GPU figures of docs/BENCHMARKS.md).
+"""Latency curve and per-step time split of a pair on one device (GPU and CPU figures of docs/BENCHMARKS.md).
 
 python scripts/gpu_profile.py --target DIR --draft DIR [--device cuda] [--dtype bfloat16] [--max-tokens 128]
 Prints T_target(k) and T_draft(k) (ms, median of repeats, 200 cached tokens) at a few k, then the
@@ -27,7 +27,7 @@ target, draft, tok = load(args.target), load(args.draft), AutoTokenizer.from_pre
 prompt = tok("def binary_search(items, target):\n    \"\"\"Return the index of target in items, or -1.\"\"\"\n",
              return_tensors="pt").input_ids
 curves = latency_curves({"target": target, "draft": draft}, context_ids([prompt[0]], 200), args.max_tokens, repeats=5)
-ks = [k for k in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) if k <= args.max_tokens]
+ks = [k for k in (1, 2, 4, 8, 9, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256) if k <= args.max_tokens]
 print("k        " + "".join(f"{k:>8}" for k in ks))
 for name, curve in curves.items():
     print(f"{name:<9}" + "".join(f"{1000 * curve[k - 1]:8.2f}" for k in ks) + "  ms")

@@ -1,6 +1,7 @@
 """Benchmark harness and calibration on tiny models: prompt formats, results schema, mismatch check,
 profile round trip, and the `bench` / `calibrate` commands end to end."""
 
+import argparse
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from opttree import profiles
 from opttree.bench import calibrate as cal
 from opttree.bench import methods as bench_methods
 from opttree.bench import report
-from opttree.bench.cli import parse_budgets
+from opttree.bench.cli import parse_budgets, profile_defaults
 from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per_step, expand_methods
 from opttree.bench.prompts import Prompt, encode, load_prompts
 from opttree.bench.runner import first_difference, prepare, run_bench
@@ -259,8 +260,13 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert profile["estimate_over_measured"] > 0
     assert len(profile["noise"]["probe_ms_before"]) == cal.NOISE_REPEATS and "problem" in profile["noise"]
     assert profiles.auto_settings(target, draft) == (rec["budget"], rec["delta"])
-    assert [r["drafter"] for r in profile["drafters"]] == list(cal.DRAFTERS)
-    assert rec["tree"] == "ar" or rec["drafter"] == max(profile["drafters"], key=lambda r: r["measured_speedup"])["drafter"]
+    runs = [(r["drafter"], r["budget"]) for r in profile["drafters"]]
+    assert runs == cal.drafter_runs(rec["budget"], 3) and [d for d, _ in runs[:3]] == list(cal.DRAFTERS)
+    fastest = max(profile["drafters"], key=lambda r: r["measured_speedup"])
+    assert rec["tree"] == "ar" or (rec["drafter"], rec["drafter_budget"]) == (fastest["drafter"], fastest["budget"])
+    if rec["tree"] == "opt":  # the chosen sources come with the budget they were measured at
+        assert profiles.auto_settings(target, draft, rec["drafter"]) == (rec["drafter_budget"], rec["delta"])
+        assert profiles.calibrated_options(target, draft)["budget"] == rec["drafter_budget"]
     assert "## Draft sources at the recommended budget" in paths["markdown"].read_text()
     fitted = profile[profiles.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
@@ -294,12 +300,33 @@ def test_disagreement_between_latency_model_and_measurement_is_reported():
 
 
 def test_draft_sources_are_chosen_by_measurement_and_never_slower_than_plain_decoding():
-    rows = [{"drafter": "model", "measured_tokens_per_second": 90.0, "measured_speedup": 0.9},
-            {"drafter": "recycling+lookup", "measured_tokens_per_second": 120.0, "measured_speedup": 1.2}]
-    assert cal.recommend_drafter(rows)["drafter"] == "recycling+lookup"
+    assert cal.drafter_runs(8, 16) == [("model", 8), ("model+lookup", 8), ("recycling+lookup", 8),
+                                       ("recycling+lookup", 16)]
+    assert cal.drafter_runs(8, 12)[-1] == ("recycling+lookup", 12) and len(cal.drafter_runs(16, 16)) == 3
+    rows = [{"drafter": "model", "budget": 8, "measured_tokens_per_second": 90.0, "measured_speedup": 0.9},
+            {"drafter": "recycling+lookup", "budget": 8, "measured_tokens_per_second": 110.0, "measured_speedup": 1.1},
+            {"drafter": "recycling+lookup", "budget": 16, "measured_tokens_per_second": 120.0, "measured_speedup": 1.2}]
+    chosen = cal.recommend_drafter(rows)
+    assert (chosen["drafter"], chosen["drafter_budget"]) == ("recycling+lookup", 16)
+    rows = rows[:2]
     rows[1].update(measured_tokens_per_second=95.0, measured_speedup=0.95)
     slower = cal.recommend_drafter(rows)
     assert slower["tree"] == "ar" and slower["drafter"] is None and "no draft source beat plain decoding" in slower["why"]
+
+
+def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    target, draft = pair
+    recommended = dict(budget=4, delta=0.3, tree="opt", drafter="recycling+lookup", drafter_budget=8, why="test")
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
+                           "recommended": recommended})
+    args = argparse.Namespace(budgets=None, delta=None)
+    names, chosen = profile_defaults(args, target, draft, ["ar", "opt", "hf-lookup"])
+    assert names == ["ar", "opt:recycling+lookup", "hf-lookup"] and chosen == "recycling+lookup"
+    assert parse_budgets(args.budgets, args.delta, target, draft, chosen) == [(8, 0.3)]  # its own budget
+    given = argparse.Namespace(budgets="4", delta=None)  # budgets given: opt means the draft model, as asked
+    assert profile_defaults(given, target, draft, ["ar", "opt"]) == (["ar", "opt"], None)
+    assert profiles.auto_settings(target, draft) == (4, 0.3) and profiles.auto_settings(target, draft, "model") == (4, 0.3)
 
 
 def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():

@@ -215,17 +215,18 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
     def expected(prompt: str, n: int) -> str:
         if prompt not in references:
             ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-            references[prompt] = reference(pair, ids, 8)  # greedy: shorter answers are its prefixes
+            references[prompt] = reference(pair, ids, 6)  # greedy: shorter answers are its prefixes
         return tok.decode(references[prompt][:n], skip_special_tokens=True)
 
-    report = run_load(url, clients=8, requests=20, max_tokens=6, expected=expected)
+    # 8 clients x 10 requests here (CI time); `opttree load-test` runs 8 x 20 against a served pair (README)
+    report = run_load(url, clients=8, requests=10, max_tokens=4, cancel_tokens=48, expected=expected)
     summary = report.summary()
     print(report.table())
     assert report.ok, report.problems
-    assert summary["requests"] == 160 and summary["by_kind"] == {"cancel": 32, "malformed": 32, "plain": 64,
-                                                                 "stream": 32}
+    assert summary["requests"] == 80 and summary["by_kind"] == {"cancel": 16, "malformed": 16, "plain": 32,
+                                                                "stream": 16}
     assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"] and summary["tokens_per_s"] > 0
-    assert summary["completion_tokens"] == sum(6 + (r % 3) for c in range(8) for r in range(20)
+    assert summary["completion_tokens"] == sum(4 + (r % 3) for c in range(8) for r in range(10)
                                                if (c + r) % 5 in (0, 1, 2))
 
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "TextStream": "text",
     "DraftTree": "tree",
     "profile_options": ("profiles", "calibrated_options"),
+    "custom_generate": ("hf_generate", "custom_generate"),
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -144,7 +144,7 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def cmd_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
-    from .bench.calibrate import calibrate_first
+    from .bench.calibrate import calibrate_first, noise_problem, probe_ms
     from .engine import generate
 
     target, draft, tokenizer = load_pair(args)
@@ -153,10 +153,11 @@ def cmd_demo(args) -> int:
     draft = used_draft(tree, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
-    methods = {"ar": dict(tree="ar"),
-               args.tree: tree}
+    label = f"{args.tree}:{tree['drafter']}" if tree.get("drafter") and args.tree != "ar" else args.tree
+    methods = {"ar": dict(tree="ar"), label: tree}
     prompts = [tokenizer(p, return_tensors="pt").input_ids for p in DEMO_PROMPTS]
-    generate(target, prompts[0], draft, **methods[args.tree], **{**common, "max_new_tokens": 8})  # warm-up
+    generate(target, prompts[0], draft, **methods[label], **{**common, "max_new_tokens": 8})  # warm-up
+    probe_before = probe_ms(target, prompts[0][0])  # the same 1-token forward, timed before and after
     totals = {name: {"tokens": 0, "steps": 0, "time": 0.0, "per_prompt": []} for name in methods}
     differences = []  # {"prompt": 1-based number, "token": index of the first new token that differs}
     for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), start=1):
@@ -168,7 +169,7 @@ def cmd_demo(args) -> int:
             totals[name]["steps"] += out.stats.steps
             totals[name]["time"] += out.stats.time_s
             totals[name]["per_prompt"].append(out.stats.mean_accepted_length)
-        ours, plain = outputs[args.tree].new_tokens, outputs["ar"].new_tokens
+        ours, plain = outputs[label].new_tokens, outputs["ar"].new_tokens
         token = first_difference(ours, plain)
         if token is None:
             verdict = "identical to plain decoding"
@@ -177,9 +178,10 @@ def cmd_demo(args) -> int:
             verdict = (f"differs from plain decoding from new token {token}: "
                        f"{tokenizer.decode(ours[token:token + 3])!r} instead of {tokenizer.decode(plain[token:token + 3])!r}")
         if not args.json:
-            print(f"--- prompt {number}, {args.tree}: mean accepted length "
-                  f"{outputs[args.tree].stats.mean_accepted_length:.2f}; {verdict} ---")
+            print(f"--- prompt {number}, {label}: mean accepted length "
+                  f"{outputs[label].stats.mean_accepted_length:.2f}; {verdict} ---")
             print(text + shown_completion(tokenizer.decode(ours)))
+    disturbed = noise_problem(probe_before, probe_ms(target, prompts[0][0]))
     rows = []
     ar_speed = totals["ar"]["tokens"] / totals["ar"]["time"]
     for name, t in totals.items():
@@ -190,18 +192,24 @@ def cmd_demo(args) -> int:
     same = len(prompts) - len(differences)
     if args.json:
         print(json.dumps({"rows": rows, "identical_to_ar": same, "differences": differences, "prompts": len(prompts),
-                          "budget": tree["budget"]}))
+                          "budget": tree["budget"], "drafter": tree.get("drafter"), "dtype": args.dtype,
+                          "disturbed": disturbed or None}))
         return 0
-    print(f"\n{'method':<10}{'accepted/step':>15}{'prompt mean':>13}{'tokens/s':>12}{'speedup':>10}")
+    width = max(10, len(label) + 2)
+    print(f"\n{'method':<{width}}{'accepted/step':>15}{'prompt mean':>13}{'tokens/s':>12}{'speedup':>10}")
     for r in rows:
-        print(f"{r['method']:<10}{r['mean_accepted_length']:>15.2f}{r['mean_accepted_length_per_prompt']:>13.2f}"
+        print(f"{r['method']:<{width}}{r['mean_accepted_length']:>15.2f}{r['mean_accepted_length_per_prompt']:>13.2f}"
               f"{r['tokens_per_second']:>12.1f}{r['speedup']:>9.2f}x")
     print("(accepted/step: all new tokens over all steps, so a prompt weighs by its steps; prompt mean: the "
           "mean of the per-prompt figures above)")
     where = "; ".join(f"prompt {d['prompt']} from new token {d['token']}" for d in differences)
+    drafted_by = f"drafter {tree.get('drafter') or 'model'}, " if args.tree != "ar" else ""
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding{' (' + where + ' differs)' if where else ''} "
-          f"({args.dtype}, temperature {args.temperature}, budget {tree['budget']}, delta {tree['delta']:g}, "
+          f"({args.dtype}, temperature {args.temperature}, {drafted_by}budget {tree['budget']}, delta {tree['delta']:g}, "
           f"draft temperature {tree['draft_temperature']:.2g})")
+    if disturbed:
+        print(f"WARNING: the machine looked disturbed during the demo ({disturbed}): the speedups above are not "
+              "reliable; run it again on a quieter machine", file=sys.stderr)
     if args.temperature > 0:
         print("(sampling: the outputs follow the target's distribution exactly; the same tokens as plain "
               "decoding are not guaranteed at temperature > 0)")

@@ -181,7 +181,7 @@ def tree_options(args, target, draft) -> dict:
     options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore, max_depth=args.max_depth,
                    delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
-        options["budget"], options["delta"] = auto_settings(target, draft)
+        options["budget"], options["delta"] = auto_settings(target, draft, drafter)
     else:
         try:
             options["budget"] = int(budget)

@@ -130,10 +130,12 @@ def profile_options(target, draft, tree: str, temperature: float) -> dict:
     return options
 
 
-def auto_settings(target, draft) -> tuple[int, float]:
-    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`)."""
+def auto_settings(target, draft, drafter: str | None = None) -> tuple[int, float]:
+    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`);
+    for `drafter`, the budget measured with it when that is the draft source the profile chose."""
     chosen = load_profile(target, draft)["recommended"]
-    return int(chosen["budget"]), float(chosen["delta"])
+    budget = chosen.get("drafter_budget") if drafter and drafter == chosen.get("drafter") else None
+    return int(budget or chosen["budget"]), float(chosen["delta"])
 
 
 def profile_sources(target, draft) -> dict:
@@ -150,7 +152,8 @@ def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.
     {} without a profile (the defaults apply). Exported as `opttree.profile_options`."""
     options = profile_options(target, draft, tree, temperature)
     if options:
-        options["budget"], options["delta"] = auto_settings(target, draft)
-        if tree == "opt" and profile_sources(target, draft).get("drafter"):
-            options["drafter"] = profile_sources(target, draft)["drafter"]
+        drafter = profile_sources(target, draft).get("drafter") if tree == "opt" else None
+        options["budget"], options["delta"] = auto_settings(target, draft, drafter)
+        if drafter:
+            options["drafter"] = drafter
     return options

@@ -14,8 +14,10 @@
 4. Recommend the grid point with the best estimate, confirmed by measurement: if its measured
    tokens/s falls below CONFIRM of the best measured one, the measured best is recommended.
 5. Draft sources: at the recommended budget and delta, each of DRAFTERS (the draft model alone, with
-   lookup, and the train-free recycling+lookup) interleaved with plain decoding; the fastest measured
-   is recommended, and plain decoding (`tree: ar`) when none beats it: never slower by default.
+   lookup, and the train-free recycling+lookup), and the train-free sources also at twice the budget
+   (their extra nodes cost no draft forward, only verification), interleaved with plain decoding; the
+   fastest measured (drafter and budget) is recommended, and plain decoding (`tree: ar`) when none
+   beats it: never slower by default.
 
 The profile is saved as DIR/profile.json and in the user cache; `opttree.profiles` keys, finds and
 reads it back (`auto_settings`, `profile_options`), and holds the shipped pair's profile.
@@ -209,42 +211,52 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
     return plain, grid
 
 
-def drafter_run(target, draft, prompts: list[torch.Tensor], budget: int, delta: float, options: dict,
-                progress: bool = True, draft_temperature: float = 1.0) -> list[dict]:
-    """Plain decoding and OPT-Tree over each of DRAFTERS at (budget, delta), interleaved per prompt.
-    Returns one row per drafter: mean accepted length, measured tokens/s and speedup over plain decoding."""
-    names = [None, *DRAFTERS]
-    tallies = {name: Tally(None if name is None else budget, None if name is None else delta) for name in names}
-    bar = tqdm(total=len(prompts) * len(names), desc="draft sources", unit="run", disable=not progress)
+def drafter_runs(budget: int, max_budget: int) -> list[tuple[str, int]]:
+    """(drafter, budget) pairs step 5 measures: every one of DRAFTERS at `budget`, the train-free ones
+    also at twice it (up to `max_budget`)."""
+    wide = min(2 * budget, max_budget)
+    return [(name, budget) for name in DRAFTERS] + \
+           [(name, wide) for name in DRAFTERS if "model" not in name and wide > budget]
+
+
+def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple[str, int]], delta: float,
+                options: dict, progress: bool = True, draft_temperature: float = 1.0) -> list[dict]:
+    """Plain decoding and OPT-Tree over each (drafter, budget) of `runs` at `delta`, interleaved per prompt.
+    Returns one row per run: mean accepted length, measured tokens/s and speedup over plain decoding."""
+    keys = [None, *runs]
+    tallies = {key: Tally(None, None) if key is None else Tally(key[1], delta) for key in keys}
+    bar = tqdm(total=len(prompts) * len(keys), desc="draft sources", unit="run", disable=not progress)
     for i, ids in enumerate(prompts):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name is None:
+        shift = i % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            with_model = key is not None and "model" in key[0]
+            if key is None:
                 run = dict(tree="ar")
             else:
-                with_model = "model" in name
-                run = dict(tree="opt", drafter=name, budget=budget, delta=delta,
+                run = dict(tree="opt", drafter=key[0], budget=key[1], delta=delta,
                            draft_temperature=draft_temperature if with_model else 1.0)
             start = time.perf_counter()
-            out = generate(target, ids, draft if name is not None and "model" in name else None, **run, **options)
-            tally = tallies[name]
+            out = generate(target, ids, draft if with_model else None, **run, **options)
+            tally = tallies[key]
             tally.time_s += seconds_since(start, target)
             tally.new_tokens += out.stats.new_tokens
             tally.steps += out.stats.steps
             bar.update()
     bar.close()
     plain = tallies[None].measured_tps
-    return [{"drafter": name, "mean_accepted_length": t.new_tokens / t.steps, "measured_tokens_per_second":
-             t.measured_tps, "measured_speedup": t.measured_tps / plain} for name, t in tallies.items() if name]
+    return [{"drafter": key[0], "budget": key[1], "mean_accepted_length": t.new_tokens / t.steps,
+             "measured_tokens_per_second": t.measured_tps, "measured_speedup": t.measured_tps / plain}
+            for key, t in tallies.items() if key]
 
 
 def recommend_drafter(rows: list[dict]) -> dict:
-    """The fastest measured draft sources, or plain decoding (tree 'ar') when none beats it."""
+    """The fastest measured draft sources and their budget, or plain decoding (tree 'ar') when none beats it."""
     best = max(rows, key=lambda r: r["measured_tokens_per_second"])
     if best["measured_speedup"] < 1:
-        return {"tree": "ar", "drafter": None, "measured_speedup": 1.0,
+        return {"tree": "ar", "drafter": None, "drafter_budget": None, "measured_speedup": 1.0,
                 "why": f"no draft source beat plain decoding (best: {best['drafter']} at {best['measured_speedup']:.2f}x)"}
-    return {"tree": "opt", "drafter": best["drafter"], "measured_speedup": best["measured_speedup"],
+    return {"tree": "opt", "drafter": best["drafter"], "drafter_budget": best.get("budget"),
+            "measured_speedup": best["measured_speedup"],
             "why": f"the fastest measured ({best['measured_speedup']:.2f}x plain decoding)"}
 
 
@@ -370,8 +382,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     overhead = fitted_overhead(grid, t_target, t_draft)
     rows = grid_rows(plain, grid, t_target, t_draft, overhead)
     chosen = recommend(rows)
-    sources = drafter_run(target, draft, prompts, chosen["budget"], chosen["delta"], options, progress,
-                          draft_temperature)
+    sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], budgets[-1]), chosen["delta"],
+                          options, progress, draft_temperature)
     probe_after = probe_ms(target, cached)
     return {
         "version": PROFILE_VERSION,
@@ -435,9 +447,11 @@ def grid_table(profile: dict) -> str:
 
 
 def drafter_table(profile: dict) -> str:
-    lines = ["| drafter | mean accepted length | measured tokens/s | measured speedup |", "|---|---:|---:|---:|"]
+    lines = ["| drafter | budget | mean accepted length | measured tokens/s | measured speedup |",
+             "|---|---:|---:|---:|---:|"]
     for r in profile.get("drafters", []):
-        lines.append(f"| {r['drafter']} | {r['mean_accepted_length']:.2f} | {r['measured_tokens_per_second']:.1f} | "
+        lines.append(f"| {r['drafter']} | {r.get('budget', profile['recommended']['budget'])} | "
+                     f"{r['mean_accepted_length']:.2f} | {r['measured_tokens_per_second']:.1f} | "
                      f"{r['measured_speedup']:.2f}x |")
     return "\n".join(lines)
 
@@ -463,7 +477,7 @@ def markdown(profile: dict) -> str:
         f"({rec.get('why', 'not measured')})",
         *[note for note in (consistency_note(profile), no_gain_note(profile)) if note],
         "",
-        "## Draft sources at the recommended budget and delta",
+        "## Draft sources at the recommended budget and delta (train-free ones also at twice the budget)",
         "",
         drafter_table(profile),
         "",
@@ -565,7 +579,7 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
         return None
     save_profile(profile)
     print(f"opttree: calibrated in {profile_dir()}: draft sources {rec['drafter'] or 'none: plain decoding'} "
-          f"({rec['why']}), budget {rec['budget']}, delta {rec['delta']:g}, draft temperature "
+          f"({rec['why']}), budget {rec.get('drafter_budget') or rec['budget']}, delta {rec['delta']:g}, draft temperature "
           f"{rec['draft_temperature']:.3g}; plain decoding measured {profile['ar_tokens_per_second']:.1f} tokens/s",
           file=sys.stderr)
     return profile

@@ -93,26 +93,38 @@ def parse_list(text: str, kind, flag: str) -> list:
         raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}, got {text!r}") from None
 
 
-def profile_defaults(args, target, draft) -> None:
+def profile_defaults(args, target, draft, names: list[str]) -> tuple[list[str], str | None]:
     """Unset --budgets / --delta from the pair's calibration profile (as generate and demo do), else
-    the fixed defaults."""
-    from ..profiles import auto_settings, find_profile
+    the fixed defaults. With the profile's budget, a bare `opt` also drafts with the sources the profile
+    measured fastest (as generate and demo do): returns (method names, that drafter or None)."""
+    from ..profiles import auto_settings, find_profile, profile_sources
 
     profiled = find_profile(target, draft) is not None
+    chosen = None
+    if args.budgets is None and profiled:
+        chosen = profile_sources(target, draft).get("drafter")
+        if chosen in (None, "model") or "opt" not in names:
+            chosen = None
+        else:
+            names = [f"opt:{chosen}" if n == "opt" else n for n in names]
+            print(f"bench: opt drafts with {chosen} at the budget measured with it, as generate and demo do with "
+                  "this pair's calibration profile; opt:model measures the draft model alone", file=sys.stderr)
     if args.budgets is None:
         args.budgets = "auto" if profiled else BENCH_BUDGETS
     if args.delta is None:
         args.delta = auto_settings(target, draft)[1] if profiled else DEFAULT_DELTA
+    return names, chosen
 
 
-def parse_budgets(text: str, delta: float, target, draft) -> list[tuple[int, float | None]]:
-    """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated delta."""
+def parse_budgets(text: str, delta: float, target, draft, drafter: str | None = None) -> list[tuple[int, float | None]]:
+    """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated
+    budget (the one measured with `drafter`, when that is the profile's choice) and delta."""
     budgets = []
     for item in parse_list(text, str, "--budgets"):
         if item == "auto":
             from ..profiles import auto_settings
 
-            budget, auto_delta = auto_settings(target, draft)
+            budget, auto_delta = auto_settings(target, draft, drafter)
             budgets.append((budget, auto_delta))
             continue
         if not item.isdigit() or int(item) < 1:
@@ -159,8 +171,8 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, categories, args.limit, args.per_category)
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
-    profile_defaults(args, target, draft)
-    specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft))
+    names, chosen = profile_defaults(args, target, draft, names)
+    specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen))
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft))

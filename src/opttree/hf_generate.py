@@ -1,0 +1,126 @@
+"""transformers' own `generate()` as an entry point: `target.generate(..., custom_generate=opttree.custom_generate)`.
+
+transformers 5 accepts a decoding loop as `generate(custom_generate=callable)`: it prepares the inputs,
+the generation config, the logits processors and the stopping criteria, then hands the loop over.
+`custom_generate` runs opttree's speculative loop in its place, reading the settings from what
+transformers prepared, so the output is what `generate` itself would return (token for token at
+temperature 0; the same distribution when sampling). `assistant_model=` is the draft (none: the
+train-free sources draft); opttree's tree settings (`tree`, `budget`, `delta`, `max_depth`, `drafter`,
+`draft_temperature`, `datastore`) may be passed to `generate` as keyword arguments. Whatever
+transformers would apply that opttree does not (a repetition penalty, a time limit, a logits processor
+of your own, output scores) is refused by name instead of being ignored. The last call's statistics
+are in `opttree.custom_generate.stats`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .engine import stream
+from .stats import GenerationStats
+
+# what generate() prepares for every model call; checked below where it could change the output
+IGNORED_MODEL_KWARGS = ("use_cache", "attention_mask", "past_key_values", "cache_position", "position_ids",
+                        "logits_to_keep")
+UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def from_generate_call(name: str):
+    """An argument of the `generate()` call that called us. transformers passes a custom_generate
+    callable neither `assistant_model` nor `streamer`; read from the call, they are honoured, not lost."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
+
+
+def sampling_settings(logits_processor, do_sample: bool) -> dict:
+    """temperature / top_k / top_p from transformers' prepared warpers; any other processor is refused."""
+    settings = dict(temperature=1.0 if do_sample else 0.0, top_k=0, top_p=1.0)
+    for processor in logits_processor or []:
+        if isinstance(processor, TemperatureLogitsWarper):
+            settings["temperature"] = float(processor.temperature)
+        elif isinstance(processor, TopKLogitsWarper):
+            settings["top_k"] = int(processor.top_k)
+        elif isinstance(processor, TopPLogitsWarper) and processor.min_tokens_to_keep == 1:
+            settings["top_p"] = float(processor.top_p)
+        else:
+            raise ValueError(f"opttree's custom_generate does not apply the logits processor "
+                             f"{type(processor).__name__}, which this generate() call would use; remove the setting "
+                             f"that adds it (or call transformers' own generate without custom_generate)")
+    if not do_sample:
+        settings["temperature"] = 0.0
+    return settings
+
+
+def stopping_settings(stopping_criteria, prompt_len: int) -> dict:
+    """max_new_tokens and eos ids from transformers' prepared stopping criteria; any other criterion is
+    refused. (Stop strings cannot come this way: transformers 5 does not hand a custom_generate call the
+    tokenizer they need, and refuses them itself; `opttree.generate(..., stop=...)` has them.)"""
+    settings: dict = dict(eos_token_id=[])
+    for criterion in stopping_criteria or []:
+        if isinstance(criterion, MaxLengthCriteria):
+            settings["max_new_tokens"] = criterion.max_length - prompt_len
+        elif isinstance(criterion, EosTokenCriteria):
+            settings["eos_token_id"] = criterion.eos_token_id.tolist()
+        else:
+            raise ValueError(f"opttree's custom_generate does not apply the stopping criterion {type(criterion).__name__}, "
+                             "which this generate() call would use")
+    if "max_new_tokens" not in settings:
+        raise ValueError("generate() set no maximum length: pass max_new_tokens")
+    return settings
+
+
+class CustomGenerate:
+    """The callable behind `opttree.custom_generate` (see the module's docstring); `.stats` holds the last
+    call's GenerationStats."""
+
+    stats: GenerationStats | None = None
+
+    def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                 generation_config=None, assistant_model=None, streamer=None, tree=None,
+                 drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
+                 seed=None, **model_kwargs):
+        unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
+        if unknown:
+            raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
+        positions = model_kwargs.get("position_ids")
+        if positions is not None and not torch.equal(positions.reshape(-1).cpu(), torch.arange(input_ids.shape[-1])):
+            raise ValueError("opttree's custom_generate numbers the prompt's positions 0..T-1: pass no other position_ids")
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("opttree's custom_generate starts from the prompt: pass no filled past_key_values")
+        asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+        if asked:
+            raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")
+        options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
+                       draft_temperature=draft_temperature, datastore=datastore)
+        options = {k: v for k, v in options.items() if v is not None}
+        options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
+        options.update(stopping_settings(stopping_criteria, input_ids.shape[-1]))
+        if seed is None:  # sampling follows torch's global RNG, as transformers' own sampling does
+            seed = int(torch.randint(0, 2**62, (1,)))
+        draft = assistant_model if assistant_model is not None else from_generate_call("assistant_model")
+        streamer = streamer if streamer is not None else from_generate_call("streamer")
+        run = stream(model, input_ids, draft, seed=seed,
+                     attention_mask=model_kwargs.get("attention_mask"), **options)
+        for chunk in run:  # generate() has already put the prompt into the streamer
+            if streamer is not None:
+                streamer.put(chunk.cpu())
+        if streamer is not None:
+            streamer.end()
+        self.stats = run.stats
+        sequences = run.sequences.to(input_ids.device)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+
+custom_generate = CustomGenerate()

@@ -1,0 +1,88 @@
+"""transformers' own generate() as an entry point: target.generate(..., custom_generate=opttree.custom_generate)."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import opttree
+from opttree.hf_generate import sampling_settings
+
+PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft, tok = opttree.demo_models(torch.float32)
+    return target, draft, tok, tok(PROMPT, return_tensors="pt")
+
+
+def test_greedy_output_and_stats_are_opttree_generate_and_transformers_own(pair):
+    target, draft, tok, enc = pair
+    own = target.generate(**enc, do_sample=False, max_new_tokens=40)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
+                           max_new_tokens=40, budget=6)
+    assert torch.equal(ours, own)
+    direct = opttree.generate(target, enc.input_ids, draft, max_new_tokens=40, budget=6, temperature=0)
+    assert torch.equal(direct.sequences, ours)
+    stats = opttree.custom_generate.stats
+    assert (stats.steps, stats.new_tokens) == (direct.stats.steps, direct.stats.new_tokens) and stats.steps < 40
+    train_free = target.generate(**enc, custom_generate=opttree.custom_generate, max_new_tokens=40, do_sample=False)
+    assert torch.equal(train_free, own) and opttree.custom_generate.stats.steps < 40
+
+
+def test_sampling_settings_come_from_the_prepared_warpers():
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.9)]
+    assert sampling_settings(warpers, do_sample=True) == dict(temperature=0.7, top_k=5, top_p=0.9)
+    assert sampling_settings([], do_sample=False) == dict(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def test_sampled_output_is_opttree_generate_with_the_same_settings(pair):
+    target, draft, tok, enc = pair
+    kwargs = dict(max_new_tokens=24, temperature=0.7, top_k=20, top_p=0.9)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=True,
+                           seed=11, **kwargs)
+    assert torch.equal(ours, opttree.generate(target, enc.input_ids, draft, seed=11, **kwargs).sequences)
+    torch.manual_seed(5)
+    first = target.generate(**enc, custom_generate=opttree.custom_generate, do_sample=True, **kwargs)
+    torch.manual_seed(5)
+    assert torch.equal(first, target.generate(**enc, custom_generate=opttree.custom_generate, do_sample=True, **kwargs))
+
+
+def test_streamers_get_the_prompt_then_every_chunk(pair):
+    target, draft, tok, enc = pair
+
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, max_new_tokens=30,
+                          do_sample=False, streamer=streamer)
+    assert streamer.ended and streamer.puts[0] == enc.input_ids[0].tolist()
+    assert sum(streamer.puts, []) == out[0].tolist()
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(max_time=10.0), "MaxTimeCriteria"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(budget=0), "budget"),
+])
+def test_what_it_would_not_apply_is_refused_by_name(pair, kwargs, named):
+    target, draft, tok, enc = pair
+    with pytest.raises(ValueError, match=named):
+        target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
+                        max_new_tokens=8, **kwargs)
+
+
+def test_return_dict_in_generate_gives_the_sequences(pair):
+    target, draft, tok, enc = pair
+    out = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
+                          max_new_tokens=8, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(**enc, do_sample=False, max_new_tokens=8))
