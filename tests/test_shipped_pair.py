@@ -39,6 +39,19 @@ def test_demo_runs_and_reports_a_table(capsys):
     assert printed.count("identical to plain decoding ---") == 3  # each prompt's verdict
 
 
+def test_demo_warns_when_the_machine_looked_disturbed(capsys, monkeypatch):
+    from opttree.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "noise_problem", lambda before, after, run: f"a busy spell during {run} (test)")
+    assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING: the machine looked disturbed during the demo (a busy spell during the demo (test))" in captured.err
+    monkeypatch.setattr(calibrate, "noise_problem", lambda before, after, run: "")
+    assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["disturbed"] is None and report["dtype"] == "float32" and "drafter" in report
+
+
 def test_demo_says_which_prompt_differs_and_where(capsys, monkeypatch):
     """A drafted output that differs from plain decoding (forced here) is named: prompt and token."""
     import opttree.engine

@@ -181,7 +181,7 @@ def cmd_demo(args) -> int:
             print(f"--- prompt {number}, {label}: mean accepted length "
                   f"{outputs[label].stats.mean_accepted_length:.2f}; {verdict} ---")
             print(text + shown_completion(tokenizer.decode(ours)))
-    disturbed = noise_problem(probe_before, probe_ms(target, prompts[0][0]))
+    disturbed = noise_problem(probe_before, probe_ms(target, prompts[0][0]), "the demo")
     rows = []
     ar_speed = totals["ar"]["tokens"] / totals["ar"]["time"]
     for name, t in totals.items():

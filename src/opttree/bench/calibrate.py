@@ -270,17 +270,17 @@ def probe_ms(model, context: torch.Tensor, repeats: int = NOISE_REPEATS) -> list
         return [1000 * forward_seconds(model, cache, ids, 1) for _ in range(repeats)]
 
 
-def noise_problem(before: list[float], after: list[float]) -> str:
-    """Why the machine looked disturbed during calibration ('' if it did not), from the same 1-token
-    forward timed before and after the run: a shifted median (the load changed) or a wide spread."""
+def noise_problem(before: list[float], after: list[float], run: str = "the calibration run") -> str:
+    """Why the machine looked disturbed during `run` ('' if it did not), from the same 1-token
+    forward timed before and after it: a shifted median (the load changed) or a wide spread."""
     medians = [statistics.median(before), statistics.median(after)]
     if max(medians) > NOISE_SHIFT * min(medians):
-        return (f"a 1-token target forward took {medians[0]:.2f} ms before the calibration run and "
+        return (f"a 1-token target forward took {medians[0]:.2f} ms before {run} and "
                 f"{medians[1]:.2f} ms after it (the machine's load changed)")
     for name, samples in (("before", before), ("after", after)):
         q1, _, q3 = statistics.quantiles(samples, n=4)
         if q3 - q1 > NOISE_SPREAD * statistics.median(samples):
-            return (f"repeated 1-token target forwards {name} the run spread {q1:.2f}-{q3:.2f} ms "
+            return (f"repeated 1-token target forwards {name} {run} spread {q1:.2f}-{q3:.2f} ms "
                     f"(interquartile) around {statistics.median(samples):.2f} ms")
     return ""
 
