@@ -133,9 +133,7 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
         if kind == "malformed":
             body, what = MALFORMED[r % len(MALFORMED)]
             response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-            if response.status_code == 429:
-                out.retries += 1
-                time.sleep(float(response.headers.get("retry-after", 1)))
+            if _told_to_wait(response, out):
                 continue
             error = response.json().get("error", {}) if response.headers.get("content-type", "").startswith(
                 "application/json") else {}
@@ -145,9 +143,7 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
         body = {"prompt": prompt, "temperature": 0, "max_tokens": cancel_tokens if kind == "cancel" else max_tokens}
         if kind == "plain":
             response = http.post("/v1/completions", json=body)
-            if response.status_code == 429:
-                out.retries += 1
-                time.sleep(float(response.headers.get("retry-after", 1)))
+            if _told_to_wait(response, out):
                 continue
             if response.status_code != 200:
                 out.problem = f"status {response.status_code}: {response.text[:120]}"
@@ -159,9 +155,7 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
         else:
             body.update(stream=True, stream_options={"include_usage": True})
             with http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code == 429:
-                    out.retries += 1
-                    time.sleep(float(response.headers.get("retry-after", 1)))
+                if _told_to_wait(response, out):
                     continue
                 if response.status_code != 200:
                     out.problem = f"status {response.status_code}"
@@ -174,6 +168,15 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
                 _read_stream(events, out)
         out.latency_s = time.perf_counter() - began
         return out
+
+
+def _told_to_wait(response: httpx.Response, out: Outcome) -> bool:
+    """A 429: wait as its Retry-After says, count the retry; the caller sends again."""
+    if response.status_code != 429:
+        return False
+    out.retries += 1
+    time.sleep(float(response.headers.get("retry-after", 1)))
+    return True
 
 
 def _events(response: httpx.Response):
