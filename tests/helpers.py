@@ -83,13 +83,13 @@ class ScriptedDrafter:
 
 
 def exact_joint(target, prompt: torch.Tensor, steps: int, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+                top_p: float = 1.0, processors=()) -> dict[tuple[int, ...], float]:
     """Enumerate the target's exact distribution of its first `steps` sampled tokens, with
-    transformers' own warpers (an independent reference for temperature / top-k / top-p)."""
+    transformers' own `processors` and warpers (an independent reference for temperature / top-k / top-p)."""
     from transformers.generation.logits_process import (
         LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    warpers = LogitsProcessorList([*processors, TemperatureLogitsWarper(temperature)])
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1:

@@ -82,7 +82,7 @@ def sweep_architecture(model_type: str) -> list[tuple[str, str]]:
                 for budget in BUDGETS:
                     results.append((f"{name}/{draft_name}/b{budget}", outcome(target, draft, budget, reference)))
             results.append((f"{name}/ar", outcome(target, None, 1, reference, tree="ar")))
-    return results
+    return results or [(model_type, "not built (no tiny model in any attention implementation)")]
 
 
 FULL = os.environ.get("OPTTREE_FULL_SWEEP") == "1"
@@ -101,10 +101,35 @@ def test_mainstream_architectures_are_not_refused():
         assert results and all(r == "identical" for r in results), (model_type, results)
 
 
-if __name__ == "__main__":  # the full sweep's counts
+def sweep_isolated(model_type: str, memory_gb: float = 8, timeout_s: float = 900) -> list[tuple[str, str]]:
+    """sweep_architecture in a child process with a memory and a time limit: an architecture whose
+    "tiny" config is not small (Byte Latent Transformer: a hash-embedding table) cannot stop the sweep."""
+    import json
+    import resource
+    import subprocess
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (int(memory_gb * 2**30),) * 2)
+
+    try:
+        child = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+                               timeout=timeout_s, preexec_fn=limit, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except subprocess.TimeoutExpired:
+        return [(model_type, f"not run (over {timeout_s:.0f} s)")]
+    if child.returncode != 0:
+        return [(model_type, f"not run (over {memory_gb:g} GiB or crashed: exit {child.returncode})")]
+    return [tuple(case) for case in json.loads(child.stdout.strip().splitlines()[-1])]
+
+
+if __name__ == "__main__":  # the full sweep's counts, one child process per architecture
+    if sys.argv[1:2] == ["--one"]:
+        import json
+
+        print(json.dumps(sweep_architecture(sys.argv[2])))
+        sys.exit(0)
     counts, per_arch = Counter(), {}
     for model_type in sys.argv[1:] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        results = sweep_architecture(model_type)
+        results = sweep_isolated(model_type)
         per_arch[model_type] = Counter(r for _, r in results)
         counts.update(r for _, r in results)
         print(model_type, dict(per_arch[model_type]), flush=True)

@@ -1,15 +1,145 @@
+"""The target's generation_config is honoured as target.generate honours it (issue 9, item 2): its
+logits processors are applied at every tree node with that node's own context, its sampling settings
+fill in what the caller left out, and what opttree cannot apply exactly is refused by name."""
+
 import pytest
 import torch
+from helpers import chi_square_pvalue, exact_joint, sample_counts, tiny_model
+from transformers.generation import logits_process as lp
 
 import opttree
-from helpers import tiny_model
+from opttree.genconfig import shape_logits
+from opttree.tree import DraftTree
+
+PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
+NEW = 30
 
 
-def test_generation_config_processor_refused_by_name():
-    """A target whose generation_config sets a logits processor is refused, not silently ignored."""
-    target = tiny_model(seed=0)
-    target.generation_config.repetition_penalty = 1.3
-    with pytest.raises(ValueError, match="repetition_penalty=1.3"):
-        opttree.generate(target, torch.tensor([[1, 2, 3]]), tree="ar", max_new_tokens=4)
-    target.generation_config.repetition_penalty = None
-    opttree.generate(target, torch.tensor([[1, 2, 3]]), tree="ar", max_new_tokens=4)
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(seed=0), tiny_model(seed=1, hidden=32, layers=1)
+
+
+# each setting changes target.generate's greedy output for this tiny target (asserted below)
+SETTINGS = [
+    dict(repetition_penalty=1.5),
+    dict(no_repeat_ngram_size=2),
+    dict(bad_words_ids=[[50], [89, 83]]),
+    dict(sequence_bias={(50,): -5.0}),
+    dict(suppress_tokens=[50, 60]),
+    dict(begin_suppress_tokens=[58]),
+    dict(min_new_tokens=20, eos_token_id=60),
+    dict(min_length=30, eos_token_id=60),
+    dict(forced_eos_token_id=3),
+    dict(exponential_decay_length_penalty=(5, 1.5), eos_token_id=60),
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=3, renormalize_logits=True),
+]
+
+
+def _reference(target, **kwargs):
+    """target.generate's greedy output under the model's own generation_config (its EOS included)."""
+    with torch.inference_mode():
+        return target.generate(PROMPT, do_sample=False, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+
+
+def _with_config(model, **settings):
+    saved = model.generation_config
+    model.generation_config = saved.__class__.from_dict({**saved.to_dict(), **settings})
+    return saved
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s))
+def test_generation_config_processors_are_applied_exactly(models, settings):
+    target, draft = models
+    plain = _reference(target)
+    saved = _with_config(target, **settings)
+    try:
+        reference = _reference(target)
+        assert not torch.equal(reference, plain), "the setting must change the output for the test to mean anything"
+        for tree, drafter, budget in (("opt", draft, 8), ("opt", None, 16), ("chain", draft, 4), ("ar", None, 1)):
+            out = opttree.generate(target, PROMPT, drafter, tree=tree, budget=budget, max_new_tokens=NEW)
+            assert torch.equal(out.sequences, reference), (tree, settings)
+    finally:
+        target.generation_config = saved
+
+
+def test_a_users_logits_processor_is_applied_like_generates(models):
+    target, draft = models
+    extra = lp.LogitsProcessorList([lp.SuppressTokensLogitsProcessor([50, 60, 89])])
+    reference = _reference(target, logits_processor=extra)
+    out = opttree.generate(target, PROMPT, draft, budget=8, max_new_tokens=NEW, logits_processor=extra)
+    assert torch.equal(out.sequences, reference)
+
+
+def test_shape_logits_gives_each_node_its_own_context():
+    """Brute force: every row processed alone, with committed + the path to its node as input_ids."""
+    processors = [lp.RepetitionPenaltyLogitsProcessor(2.0), lp.NoRepeatNGramLogitsProcessor(2),
+                  lp.MinNewTokensLengthLogitsProcessor(3, 3, eos_token_id=4)]
+    committed = torch.tensor([1, 2, 3, 2])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 3])
+    tokens = torch.tensor([3, 5, 2, 6, 4, 1])
+    depths = torch.tensor([1, 1, 2, 2, 3, 3])
+    tree = DraftTree(tokens, parents, depths, torch.zeros(6), torch.full((6,), -1))
+    logits = torch.randn(7, 8, generator=torch.Generator().manual_seed(0))
+    shaped = shape_logits(processors, committed, tree, logits)
+    paths = {-1: []}
+    for i, (token, parent) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        paths[i] = paths[parent] + [token]
+    for row in range(7):
+        context = torch.cat([committed, torch.tensor(paths[row - 1], dtype=torch.long)])[None]
+        expected = logits[row : row + 1].clone()
+        for processor in processors:
+            expected = processor(context, expected)
+        assert torch.equal(shaped[row], expected[0]), row
+
+
+def test_sampled_tokens_follow_the_processed_distribution():
+    target = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=11, init=0.6)
+    draft = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=12, init=0.6)
+    prompt, runs = torch.tensor([[1, 3, 0, 4]]), 1500
+    target.generation_config.repetition_penalty = 3.0
+    exact = exact_joint(target, prompt, 3, processors=[lp.RepetitionPenaltyLogitsProcessor(3.0)])
+    assert exact != exact_joint(target, prompt, 3)
+    counts = sample_counts(target, draft, prompt, 3, runs, tree="opt", budget=4, delta=0.0, max_depth=3,
+                           temperature=1.0)
+    assert chi_square_pvalue(counts, exact, runs) > 1e-3
+
+
+def test_sampling_settings_come_from_the_generation_config(models):
+    """do_sample / temperature / top_k in the config are used where the caller passes none, as by generate."""
+    target, draft = models
+    saved = _with_config(target, do_sample=True, temperature=0.5, top_k=3)
+    try:
+        run = opttree.stream(target, PROMPT, draft, max_new_tokens=4)
+        assert (run.config.temperature, run.config.top_k, run.config.top_p) == (0.5, 3, 1.0)
+        assert opttree.stream(target, PROMPT, draft, max_new_tokens=4, temperature=0).config.greedy
+        assert opttree.stream(target, PROMPT, draft, max_new_tokens=4, top_k=7).config.top_k == 7
+    finally:
+        target.generation_config = saved
+    assert opttree.stream(target, PROMPT, draft, max_new_tokens=4).config.greedy
+
+
+@pytest.mark.parametrize("settings,named", [
+    (dict(guidance_scale=1.5), "guidance_scale=1.5"),
+    (dict(max_time=5.0), "max_time=5.0"),
+    (dict(do_sample=True, min_p=0.1), "min_p=0.1"),
+    (dict(watermarking_config={"greenlist_ratio": 0.25}), "watermarking_config"),
+])
+def test_settings_it_cannot_apply_are_refused_by_name(models, settings, named):
+    target, draft = models
+    saved = _with_config(target, **settings)
+    try:
+        with pytest.raises(ValueError, match=named):
+            opttree.generate(target, PROMPT, draft, max_new_tokens=4)
+    finally:
+        target.generation_config = saved
+
+
+def test_stop_strings_in_the_generation_config_need_the_tokenizer(models):
+    target, draft = models
+    saved = _with_config(target, stop_strings=["xy"])
+    try:
+        with pytest.raises(ValueError, match="stop_strings"):
+            opttree.generate(target, PROMPT, draft, max_new_tokens=4)
+    finally:
+        target.generation_config = saved

@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import opttree
-from opttree.hf_generate import sampling_settings
+from opttree.genconfig import sampling_settings
 
 PROMPT = "def fibonacci(n):\n"
 
@@ -69,7 +69,7 @@ def test_streamers_get_the_prompt_then_every_chunk(pair):
 
 
 @pytest.mark.parametrize("kwargs,named", [
-    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(do_sample=True, min_p=0.1), "MinPLogitsWarper"),
     (dict(max_time=10.0), "MaxTimeCriteria"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(budget=0), "budget"),
@@ -77,8 +77,16 @@ def test_streamers_get_the_prompt_then_every_chunk(pair):
 def test_what_it_would_not_apply_is_refused_by_name(pair, kwargs, named):
     target, draft, tok, enc = pair
     with pytest.raises(ValueError, match=named):
-        target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
-                        max_new_tokens=8, **kwargs)
+        target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft,
+                        **{"do_sample": False, "max_new_tokens": 8, **kwargs})
+
+
+def test_the_prepared_processors_are_applied_at_every_node(pair):
+    target, draft, tok, enc = pair
+    settings = dict(do_sample=False, max_new_tokens=40, repetition_penalty=1.4, no_repeat_ngram_size=3)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, budget=8, **settings)
+    assert torch.equal(ours, target.generate(**enc, **settings))
+    assert not torch.equal(ours, target.generate(**enc, do_sample=False, max_new_tokens=40))
 
 
 def test_return_dict_in_generate_gives_the_sequences(pair):

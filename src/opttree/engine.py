@@ -14,7 +14,7 @@ from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import check_model, compact, context_window, last_logits_only, new_cache
 from .certify import certify
 from .config import SpecConfig
-from .genconfig import check_generation_config
+from .genconfig import Rules, config_defaults, prepare, shape_logits
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources
@@ -89,8 +89,10 @@ class Generation:
         policy: TreePolicy,
         config: SpecConfig,
         stopper: Stopper,
+        processors: tuple = (),
     ):
         self.target, self.drafter, self.policy, self.config, self.stopper = target, drafter, policy, config, stopper
+        self.processors = processors  # the generation_config's logits processors, applied per node
         self.device = model_device(target)  # every tensor of the loop lives here
         self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
@@ -145,6 +147,7 @@ class Generation:
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
         logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
+        logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
         # 3. accept: the longest branch the target agrees with, plus its bonus token
         accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
@@ -178,6 +181,8 @@ def stream(
     tokenizer=None,
     eos_token_id: int | Sequence[int] | None = None,
     stop: str | Sequence[str] | None = None,
+    logits_processor=None,
+    rules: Rules | None = None,
     **options,
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
@@ -186,12 +191,20 @@ def stream(
     max_depth defaults to 8 with a draft model, else to the budget (see `default_max_depth`).
     Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
     `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
-    `attention_mask` are understood; `input_ids` may be a BatchEncoding."""
+    `attention_mask` are understood; `input_ids` may be a BatchEncoding.
+
+    The target's generation_config is honoured as `target.generate` honours it: its logits processors
+    (repetition penalty, suppressed or bad words, minimum length, forced EOS, ...) are applied at every
+    node, its EOS ids and stop strings stop generation, and its do_sample / temperature / top_k / top_p /
+    max_new_tokens fill in the settings not passed here. `logits_processor` adds processors, as
+    generate's argument of that name does. `rules` replaces that preparation (custom_generate passes
+    what transformers prepared)."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
     auto_depth = options.get("max_depth") is None
     options = {k: v for k, v in options.items() if not (k == "max_depth" and v is None)}
-    config = SpecConfig(**spec_options(options, ids.shape[0], mask))
+    options = spec_options(options, ids.shape[0], mask)
+    config = SpecConfig(**{**config_defaults(target.generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
     policy = make_policy(config)
@@ -199,7 +212,9 @@ def stream(
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
     certify(target, "target", max_len, config.budget + 1)
-    check_generation_config(target)
+    if rules is None:
+        eos = None if eos_token_id is None else eos_list(eos_token_id)
+        rules = prepare(target, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
     drafter = None
     if policy.needs_drafter:
         spec = config.drafter or default_drafter(draft is not None, config.datastore is not None)
@@ -208,17 +223,10 @@ def stream(
     elif config.drafter is not None or config.datastore is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                          f"{config.datastore!r} do not apply")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop and any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
-    if stop and tokenizer is None:
+    if rules.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
-    if eos_token_id is None:
-        eos_token_id = getattr(target.generation_config, "eos_token_id", None)
-    eos_ids = eos_list(eos_token_id)
-    stopper = Stopper(config.max_new_tokens, eos_ids, ids, stop or [], tokenizer)
-    return Generation(target, ids, drafter, policy, config, stopper)
+    stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, tokenizer)
+    return Generation(target, ids, drafter, policy, config, stopper, rules.processors)
 
 
 def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):
@@ -248,6 +256,13 @@ def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> Genera
     for _ in run:
         pass
     return GenerationOutput(run.sequences, run.stats)
+
+
+def _stop_strings(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return stop
 
 
 def _prompt_ids(input_ids, target: PreTrainedModel) -> torch.Tensor:

@@ -1,42 +1,218 @@
-"""The target's generation_config: refuse the logits processors and stopping criteria opttree does not apply.
+"""What `target.generate` would apply beyond the model's logits, applied node by node (DESIGN.md section 6).
 
-`target.generate` builds logits processors (repetition penalty, suppressed tokens, ...) from the model's
-generation_config; opttree does not apply them yet, so a config that sets one is refused by name rather
-than silently ignored. Override it with `target.generation_config.<field> = <default>` (the value shown).
+transformers builds logits processors (repetition penalty, suppressed tokens, forced EOS, ...) and
+stopping criteria from the model's generation_config and the call's settings. opttree lets transformers
+prepare them (a `generate(custom_generate=...)` call whose decoding loop only records what it is handed),
+then applies each processor to every verified row with that row's own context: the committed tokens,
+then the path from the root to the node. Greedy choices and sampled distributions are then those of
+`target.generate`, node for node. Warpers (temperature, top-k, top-p) become opttree's own settings;
+stop strings and EOS become the Stopper's. What opttree cannot apply exactly is refused by name.
 """
 
-from transformers import GenerationConfig
+from __future__ import annotations
 
-# fields whose non-default value changes the tokens target.generate emits (sampling settings aside)
-_PROCESSOR_FIELDS = (
-    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
-    "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "exponential_decay_length_penalty",
-    "renormalize_logits", "guidance_scale", "watermarking_config", "stop_strings", "max_time",
-    "num_beams", "num_beam_groups", "diversity_penalty", "low_memory", "epsilon_cutoff", "eta_cutoff",
-    "typical_p", "min_p", "top_h", "penalty_alpha", "dola_layers",
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.generation import logits_process as lp
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .arguments import eos_list
+from .tree import DraftTree, node_paths
+
+# Processors that are pure functions of (context ids, scores): exact when each row gets its own context.
+PER_NODE = (
+    lp.RepetitionPenaltyLogitsProcessor, lp.EncoderRepetitionPenaltyLogitsProcessor, lp.NoRepeatNGramLogitsProcessor,
+    lp.EncoderNoRepeatNGramLogitsProcessor, lp.NoBadWordsLogitsProcessor, lp.SequenceBiasLogitsProcessor,
+    lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor, lp.InfNanRemoveLogitsProcessor, lp.ExponentialDecayLengthPenalty,
+    lp.SuppressTokensLogitsProcessor, lp.SuppressTokensAtBeginLogitsProcessor, lp.LogitNormalization,
 )
+# generation_config fields that add one of PER_NODE (the dry generate() call is made only if one is set)
+PER_NODE_FIELDS = (
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "sequence_bias", "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "renormalize_logits",
+)
+# settings that change the tokens and that opttree does not apply: {field: what it needs}
+REFUSED_FIELDS = {
+    "guidance_scale": "classifier-free guidance (a second, unconditional forward)",
+    "watermarking_config": "watermarking", "max_time": "a time limit (not a function of the tokens)",
+    "num_beams": "beam search", "num_beam_groups": "group beam search", "diversity_penalty": "group beam search",
+    "penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding", "low_memory": "contrastive search",
+}
+REFUSED_WARPERS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")  # when sampling
+# values that mean "off" (None and False always do)
+NEUTRAL = {"guidance_scale": 1.0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "typical_p": 1.0,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+           "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0}
 
 
-def unsupported_settings(generation_config) -> dict[str, tuple[object, object]]:
-    """{field: (model's value, default)} for each processor setting opttree would otherwise ignore."""
-    if generation_config is None:
-        return {}
-    defaults = GenerationConfig()
+@dataclass(frozen=True)
+class Rules:
+    """What a generation applies beyond the logits: per-node processors (transformers' objects, in
+    generate's order), EOS ids and stop strings."""
+
+    processors: tuple = ()
+    eos_token_id: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+
+
+def shape_logits(processors, committed: torch.Tensor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """Apply `processors` to each verified row with its own context, as `target.generate` would there.
+
+    committed: (T,) prompt + emitted (its last token is the root); logits: (N + 1, V) at [root] + nodes.
+    Row 0's context is `committed`; node i's is `committed` + the tokens from the root down to node i.
+    Rows of one depth share a context length and go through the processors as one batch.
+    Returns (N + 1, V) float32 scores (transformers processes float32 copies too)."""
+    if not processors:
+        return logits
+    scores = logits.float().clone()  # (N+1, V)
+    tails = [()] + node_paths(tree)  # row r's tokens after the root
+    depths = [0] + tree.depths.tolist()
+    for depth in sorted(set(depths)):
+        rows = [r for r, d in enumerate(depths) if d == depth]
+        tail = torch.tensor([tails[r] for r in rows], dtype=torch.long, device=committed.device).view(len(rows), depth)
+        context = torch.cat([committed.expand(len(rows), -1), tail], dim=1)  # (R, T + depth)
+        out = scores[rows]  # (R, V) a copy: processors may write in place
+        for processor in processors:
+            out = processor(context, out)
+        scores[rows] = out
+    return scores
+
+
+def config_refusals(generation_config, sampling: bool) -> dict[str, object]:
+    """{field: value} for settings in the generation_config that opttree does not apply."""
     found = {}
-    for name in _PROCESSOR_FIELDS:
-        default = getattr(defaults, name, None)
-        value = getattr(generation_config, name, default)
-        if value != default:
-            found[name] = (value, default)
+    for name in (*REFUSED_FIELDS, *(REFUSED_WARPERS if sampling else ())):
+        if _is_set(generation_config, name):
+            found[name] = getattr(generation_config, name)
+    if getattr(generation_config, "cache_implementation", None) == "quantized":
+        found["cache_implementation"] = "quantized"
     return found
 
 
-def check_generation_config(target) -> None:
-    """Refuse a target whose generation_config sets a logits processor or stopping criterion opttree does not apply."""
-    found = unsupported_settings(getattr(target, "generation_config", None))
+def check_config(generation_config, sampling: bool) -> None:
+    found = config_refusals(generation_config, sampling)
     if found:
-        settings = ", ".join(f"{k}={v!r}" for k, (v, _) in found.items())
-        fixes = "; ".join(f"target.generation_config.{k} = {d!r}" for k, (_, d) in found.items())
+        settings = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        fixes = "; ".join(f"target.generation_config.{k} = None" for k in found)
         raise ValueError(f"the target's generation_config sets {settings}, which target.generate applies and "
-                         f"opttree does not yet; to generate without it, set {fixes}")
+                         f"opttree cannot apply exactly ({', '.join(REFUSED_FIELDS.get(k, k) for k in found)}); "
+                         f"to generate without it, set {fixes}")
+
+
+def config_defaults(generation_config, given: dict) -> dict:
+    """The generation_config's sampling settings and max_new_tokens, for the ones the caller did not give.
+    As in target.generate, they sample only if `do_sample` is set there (a temperature alone does not)."""
+    defaults: dict = {}
+    sampling = given.get("temperature", 0.0) > 0 if "temperature" in given else bool(generation_config.do_sample)
+    if "temperature" not in given and sampling:
+        defaults["temperature"] = float(generation_config.temperature or 1.0)
+    if sampling and "top_k" not in given and generation_config.top_k is not None:
+        defaults["top_k"] = int(generation_config.top_k)
+    if sampling and "top_p" not in given and generation_config.top_p is not None:
+        defaults["top_p"] = float(generation_config.top_p)
+    if "max_new_tokens" not in given and generation_config.max_new_tokens is not None:
+        defaults["max_new_tokens"] = int(generation_config.max_new_tokens)
+    return defaults
+
+
+def prepare(target, ids: torch.Tensor, config, eos_token_id: list[int] | None, stop: list[str], tokenizer,
+            logits_processor=None) -> Rules:
+    """The Rules of `target.generate(ids, max_new_tokens=..., eos_token_id=..., logits_processor=...)`
+    under the target's generation_config. config: the call's SpecConfig (defaults filled in)."""
+    generation_config = target.generation_config
+    check_config(generation_config, sampling=not config.greedy)
+    if not stop and generation_config.stop_strings:
+        stop = generation_config.stop_strings
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if tokenizer is None:
+            raise ValueError(f"the target's generation_config sets stop_strings={stop!r}, which need the tokenizer: "
+                             "pass tokenizer=... (or set target.generation_config.stop_strings = None)")
+    if eos_token_id is None:
+        eos_token_id = eos_list(generation_config.eos_token_id)
+    processors: tuple = ()
+    if logits_processor or any(_is_set(generation_config, name) for name in PER_NODE_FIELDS):
+        prepared = _dry_generate(target, ids, config.max_new_tokens, eos_token_id, logits_processor)
+        processors = per_node_processors(prepared)
+    return Rules(processors, eos_token_id, list(stop))
+
+
+def per_node_processors(logits_processor) -> tuple:
+    """transformers' prepared processors, checked: each must be one opttree applies per node."""
+    kept = []
+    for processor in logits_processor or []:
+        if isinstance(processor, (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper)):
+            continue  # the sampling settings: opttree applies them after these (as generate does)
+        if not isinstance(processor, PER_NODE):
+            raise ValueError(f"opttree does not apply the logits processor {type(processor).__name__}, which this "
+                             "generation would use: it is not known to depend only on the tokens before each position")
+        if isinstance(processor, lp.RepetitionPenaltyLogitsProcessor) and isinstance(processor.prompt_ignore_length,
+                                                                                     torch.Tensor):
+            if processor.prompt_ignore_length.any():
+                raise ValueError("a repetition penalty that skips padding: opttree decodes one unpadded sequence")
+            processor = lp.RepetitionPenaltyLogitsProcessor(processor.penalty)  # nothing to skip: the same processor
+        kept.append(processor)
+    return tuple(kept)
+
+
+def sampling_settings(logits_processor, do_sample: bool) -> dict:
+    """temperature / top_k / top_p from transformers' prepared warpers (the other processors: see
+    `per_node_processors`, which refuses the warpers opttree does not apply)."""
+    settings = dict(temperature=1.0 if do_sample else 0.0, top_k=0, top_p=1.0)
+    for processor in logits_processor or []:
+        if isinstance(processor, lp.TemperatureLogitsWarper):
+            settings["temperature"] = float(processor.temperature)
+        elif isinstance(processor, lp.TopKLogitsWarper):
+            settings["top_k"] = int(processor.top_k)
+        elif isinstance(processor, lp.TopPLogitsWarper):
+            if processor.min_tokens_to_keep != 1:
+                raise ValueError("top_p with min_tokens_to_keep > 1 (beam search): opttree keeps one token at least")
+            settings["top_p"] = float(processor.top_p)
+    if not do_sample:
+        settings["temperature"] = 0.0
+    return settings
+
+
+def stopping_settings(stopping_criteria, prompt_len: int) -> dict:
+    """max_new_tokens and EOS ids from transformers' prepared stopping criteria; any other criterion is refused."""
+    settings: dict = dict(eos_token_id=[])
+    for criterion in stopping_criteria or []:
+        if isinstance(criterion, MaxLengthCriteria):
+            settings["max_new_tokens"] = criterion.max_length - prompt_len
+        elif isinstance(criterion, EosTokenCriteria):
+            settings["eos_token_id"] = criterion.eos_token_id.tolist()
+        else:  # stop strings included: transformers hands a custom_generate call no tokenizer for them
+            raise ValueError(f"opttree does not apply the stopping criterion {type(criterion).__name__}, which this "
+                             "generation would use")
+    if "max_new_tokens" not in settings:
+        raise ValueError("generate() set no maximum length: pass max_new_tokens")
+    return settings
+
+
+def _is_set(config, name: str) -> bool:
+    value = getattr(config, name, None)
+    return value is not None and value is not False and value != NEUTRAL.get(name)
+
+
+def _record(model, input_ids, logits_processor=None, **_):
+    return logits_processor  # the dry call's decoding loop: hand back what generate() prepared
+
+
+def _dry_generate(target, ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int], logits_processor):
+    """The logits processors `target.generate` prepares for this prompt (no forward pass is run)."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # generate's notes on pad tokens and unused settings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return target.generate(ids[None], custom_generate=_record, max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=eos_token_id or None, logits_processor=logits_processor)
+    except ValueError as error:
+        raise ValueError(f"transformers refuses these generation settings for this model: {error}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)

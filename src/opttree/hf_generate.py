@@ -6,9 +6,10 @@ the generation config, the logits processors and the stopping criteria, then han
 transformers prepared, so the output is what `generate` itself would return (token for token at
 temperature 0; the same distribution when sampling). `assistant_model=` is the draft (none: the
 train-free sources draft); opttree's tree settings (`tree`, `budget`, `delta`, `max_depth`, `drafter`,
-`draft_temperature`, `datastore`) may be passed to `generate` as keyword arguments. Whatever
-transformers would apply that opttree does not (a repetition penalty, a time limit, a logits processor
-of your own, output scores) is refused by name instead of being ignored. The last call's statistics
+`draft_temperature`, `datastore`) may be passed to `generate` as keyword arguments. The logits
+processors transformers prepared (a repetition penalty, suppressed tokens, a minimum length, ...) are
+applied at every tree node with that node's own context; whatever opttree cannot apply exactly (a time
+limit, a logits processor of your own, output scores) is refused by name instead of being ignored. The last call's statistics
 are in `opttree.custom_generate.stats`.
 """
 
@@ -17,11 +18,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine import stream
+from .genconfig import Rules, per_node_processors, sampling_settings, stopping_settings
 from .stats import GenerationStats
 
 # what generate() prepares for every model call; checked below where it could change the output
@@ -39,43 +39,6 @@ def from_generate_call(name: str):
             return frame.f_locals.get(name)
         frame = frame.f_back
     return None
-
-
-def sampling_settings(logits_processor, do_sample: bool) -> dict:
-    """temperature / top_k / top_p from transformers' prepared warpers; any other processor is refused."""
-    settings = dict(temperature=1.0 if do_sample else 0.0, top_k=0, top_p=1.0)
-    for processor in logits_processor or []:
-        if isinstance(processor, TemperatureLogitsWarper):
-            settings["temperature"] = float(processor.temperature)
-        elif isinstance(processor, TopKLogitsWarper):
-            settings["top_k"] = int(processor.top_k)
-        elif isinstance(processor, TopPLogitsWarper) and processor.min_tokens_to_keep == 1:
-            settings["top_p"] = float(processor.top_p)
-        else:
-            raise ValueError(f"opttree's custom_generate does not apply the logits processor "
-                             f"{type(processor).__name__}, which this generate() call would use; remove the setting "
-                             f"that adds it (or call transformers' own generate without custom_generate)")
-    if not do_sample:
-        settings["temperature"] = 0.0
-    return settings
-
-
-def stopping_settings(stopping_criteria, prompt_len: int) -> dict:
-    """max_new_tokens and eos ids from transformers' prepared stopping criteria; any other criterion is
-    refused. (Stop strings cannot come this way: transformers 5 does not hand a custom_generate call the
-    tokenizer they need, and refuses them itself; `opttree.generate(..., stop=...)` has them.)"""
-    settings: dict = dict(eos_token_id=[])
-    for criterion in stopping_criteria or []:
-        if isinstance(criterion, MaxLengthCriteria):
-            settings["max_new_tokens"] = criterion.max_length - prompt_len
-        elif isinstance(criterion, EosTokenCriteria):
-            settings["eos_token_id"] = criterion.eos_token_id.tolist()
-        else:
-            raise ValueError(f"opttree's custom_generate does not apply the stopping criterion {type(criterion).__name__}, "
-                             "which this generate() call would use")
-    if "max_new_tokens" not in settings:
-        raise ValueError("generate() set no maximum length: pass max_new_tokens")
-    return settings
 
 
 class CustomGenerate:
@@ -104,12 +67,13 @@ class CustomGenerate:
                        draft_temperature=draft_temperature, datastore=datastore)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
-        options.update(stopping_settings(stopping_criteria, input_ids.shape[-1]))
+        stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
+        rules = Rules(per_node_processors(logits_processor), stopping["eos_token_id"])
         if seed is None:  # sampling follows torch's global RNG, as transformers' own sampling does
             seed = int(torch.randint(0, 2**62, (1,)))
         draft = assistant_model if assistant_model is not None else from_generate_call("assistant_model")
         streamer = streamer if streamer is not None else from_generate_call("streamer")
-        run = stream(model, input_ids, draft, seed=seed,
+        run = stream(model, input_ids, draft, seed=seed, max_new_tokens=stopping["max_new_tokens"], rules=rules,
                      attention_mask=model_kwargs.get("attention_mask"), **options)
         for chunk in run:  # generate() has already put the prompt into the streamer
             if streamer is not None:
