@@ -11,9 +11,7 @@ from . import threads
 
 threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
-import torch  # noqa: E402
-
-from .flags import (  # noqa: E402  (shared by the commands)
+from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
     add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options, used_draft,
 )
 

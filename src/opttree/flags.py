@@ -13,17 +13,28 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from . import config as defaults
-from .demo import demo_paths, load_model
-from .device import compile_model
-from .hardware import choose_dtype, describe, forward_ms, hardware_key
-from .drafters.sources import available_sources, source_names
-from .policies import available
-from .profiles import auto_settings, find_profile, profile_dir, profile_options, profile_sources
+from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# Building the parsers imports no torch (`opttree --help` stays fast); the other functions import it lazily.
+DTYPES = DTYPE_NAMES
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def source_names(spec: str) -> list[str]:
+    from .drafters.sources import source_names as names
+
+    return names(spec)
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +61,7 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", help=f"tree policy: {', '.join(available())} (default: opt; ar where `opttree "
+    parser.add_argument("--tree", help=f"tree policy: {', '.join(BUILTIN_POLICIES)} (default: opt; ar where `opttree "
                         "calibrate` measured that no draft source beats plain decoding on this machine)")
     parser.add_argument("--budget", help="draft nodes per step, or 'auto' for the calibrated value (default: auto "
                         f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
@@ -63,7 +74,7 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", help=f"draft sources joined by '+': {', '.join(available_sources())} "
+    parser.add_argument("--drafter", help=f"draft sources joined by '+': {', '.join(BUILTIN_SOURCES)} "
                         "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
@@ -83,13 +94,17 @@ def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
 
 def draft_temperature(args, target, draft) -> float:
     """--draft-temperature, else the value fitted by `opttree calibrate` for this pair, else 1."""
+    from .profiles import profile_options
+
     if args.draft_temperature is not None:
         return args.draft_temperature
     return profile_options(target, draft, "opt", args.temperature).get("draft_temperature", 1.0)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> "torch.device":
     """--device -> a torch device that exists here; a clear error otherwise."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -101,9 +116,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def auto_dtype(target_path, draft_path, device: torch.device, tokens: int = 9, draft_layers: int = 3) -> str:
+def auto_dtype(target_path, draft_path, device: "torch.device", tokens: int = 9, draft_layers: int = 3) -> str:
     """--dtype auto: the dtype in which one tree step (a target forward over `tokens` tokens and
     `draft_layers` draft forwards) measures faster here; cached per model pair and hardware."""
+    import torch
+
+    from .demo import load_model
+    from .hardware import choose_dtype, describe, forward_ms, hardware_key
+    from .profiles import profile_dir
+
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     key = json.dumps([str(Path(target_path).resolve()), str(draft_path and Path(draft_path).resolve()),
@@ -113,10 +134,10 @@ def auto_dtype(target_path, draft_path, device: torch.device, tokens: int = 9, d
         return json.loads(cache.read_text())["dtype"]
     step_ms = {}
     for name in ("bfloat16", "float32"):
-        target = load_model(target_path, DTYPES[name]).to(device)
+        target = load_model(target_path, torch_dtype(name)).to(device)
         step_ms[name] = forward_ms(target, tokens)
         if draft_path:
-            step_ms[name] += draft_layers * forward_ms(load_model(draft_path, DTYPES[name]).to(device), tokens - 1)
+            step_ms[name] += draft_layers * forward_ms(load_model(draft_path, torch_dtype(name)).to(device), tokens - 1)
     chosen = choose_dtype(step_ms)
     print(f"opttree: --dtype auto chose {chosen}: a tree step (target over {tokens} tokens + {draft_layers} draft "
           f"layers) measured {step_ms['bfloat16']:.1f} ms in bfloat16 and {step_ms['float32']:.1f} ms in float32 "
@@ -142,6 +163,9 @@ def load_pair(args):
     """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
     from transformers import AutoTokenizer
 
+    from .demo import demo_paths, load_model
+    from .device import compile_model
+
     if args.target is None:
         target_path, draft_path = demo_paths()
         draft_path = args.draft or (draft_path if uses_draft_model(args) else None)
@@ -154,7 +178,7 @@ def load_pair(args):
     draft_device = resolve_device(args.draft_device or args.device)
     if args.dtype == "auto":
         args.dtype = auto_dtype(target_path, draft_path, device)
-    dtype, draft_dtype = DTYPES[args.dtype], DTYPES[args.draft_dtype or args.dtype]
+    dtype, draft_dtype = torch_dtype(args.dtype), torch_dtype(args.draft_dtype or args.dtype)
     attn = getattr(args, "attn_implementation", "sdpa")
     target = load_model(target_path, dtype, attn).to(device)
     draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
@@ -168,6 +192,8 @@ def tree_options(args, target, draft) -> dict:
     `opttree calibrate`, or shipped with the default pair), --budget defaults to 'auto': the budget and
     delta the profile recommends; its draft temperature and Sequoia vector apply too, and so do the draft
     sources it measured fastest (or plain decoding, when none paid). Flags given win."""
+    from .profiles import auto_settings, find_profile, profile_options, profile_sources
+
     profiled = find_profile(target, draft) is not None
     budget = args.budget or ("auto" if profiled else str(defaults.DEFAULT_BUDGET))
     chosen = profile_sources(target, draft) if profiled and args.tree is None and args.drafter is None else {}
