@@ -101,7 +101,7 @@ def test_mainstream_architectures_are_not_refused():
         assert results and all(r == "identical" for r in results), (model_type, results)
 
 
-def sweep_isolated(model_type: str, memory_gb: float = 8, timeout_s: float = 900) -> list[tuple[str, str]]:
+def sweep_isolated(model_type: str, memory_gb: float = 4, timeout_s: float = 300) -> list[tuple[str, str]]:
     """sweep_architecture in a child process with a memory and a time limit: an architecture whose
     "tiny" config is not small (Byte Latent Transformer: a hash-embedding table) cannot stop the sweep."""
     import json

@@ -521,10 +521,13 @@ def plot_latency(profile: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lat = profile["latency"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(lat["k"], [1000 * t for t in lat["target_s"]], marker=".", label=f"target ({profile['target']})")
-    ax.plot(lat["k"], [1000 * t for t in lat["draft_s"]], marker=".", label=f"draft ({profile['draft']})")
+    lat, machine = profile["latency"], profile["machine"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.plot(lat["k"], [1000 * t for t in lat["target_s"]], marker=".", label=f"target ({'/'.join(Path(profile['target']).parts[-2:])})")
+    ax.plot(lat["k"], [1000 * t for t in lat["draft_s"]], marker=".", label=f"draft ({'/'.join(Path(profile['draft']).parts[-2:])})")
+    where = machine.get("cuda") or f"{machine['processor']}, {machine['cpu_count']} CPUs"
+    ax.set_title(f"Forward latency by tokens per forward\n{profile['dtype']}, median of "
+                 f"{profile['settings']['repeats']} runs; {where}; {profile['date'][:10]}", fontsize=9)
     ax.set_xlabel(f"new tokens per forward (after {profile['settings']['context']} cached)")
     ax.set_ylabel("forward latency (ms, median)")
     ax.set_ylim(bottom=0)

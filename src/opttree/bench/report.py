@@ -191,7 +191,11 @@ def markdown(results: dict) -> str:
                      f"{worst['label']} on {worst['prompt_id']}, {worst['times_median']:.0f}x); they are included in "
                      "the figures: was the machine busy? (`slow_runs` in results.json lists them)")
     lines += ["- methods: " + "; ".join(f"`{name}`: {about}" for name, about in meta.get("methods", {}).items())]
-    for category in dict.fromkeys(r["category"] for r in results["summary"]):
+    categories = list(dict.fromkeys(r["category"] for r in results["summary"]))
+    if len(categories) == 2:  # one category: its table would repeat 'all'
+        lines.append(f"- every prompt is in one category ({categories[1]}): one table")
+        categories = [ALL]
+    for category in categories:
         rows = [r for r in results["summary"] if r["category"] == category]
         lines += ["", f"## {category}", "", table(rows, meta["settings"]["delta"])]
     return "\n".join(lines) + "\n"
@@ -219,20 +223,27 @@ def table(rows: list[dict], default_delta: float | None = None) -> str:
 
 def plot(results: dict, out_dir: Path) -> list[Path]:
     """mal_vs_budget.png, speedup_vs_budget.png, accepted_histogram.png (category 'all'), and
-    speedup_by_method.png: every method's speedup and MAL, overall and per category."""
+    speedup_by_method.png: every method's speedup and MAL, overall and per category. Each figure is
+    titled with the run's conditions (prompts, tokens, dtype, temperature, delta, draft temperature,
+    machine, date); speedups show the per-prompt spread (min to max)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in results["summary"] if r["category"] == ALL]
+    about = conditions(results["meta"])
     paths = []
     for key, ylabel, filename in (("mean_accepted_length", "mean accepted length (tokens / step)", "mal_vs_budget.png"),
                                   ("speedup", "speedup over ar (tokens/s ratio)", "speedup_vs_budget.png")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(7.2, 4.8))
         series = budget_series(rows, key, results["meta"]["settings"]["delta"])
-        for label, points in series.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        for i, (label, points) in enumerate(series.items()):
+            budgets = [p[0] for p in points]
+            ax.plot(budgets, [p[1][key] for p in points], marker="o", label=label, color=f"C{i % 10}")
+            if key == "speedup":  # the per-prompt spread: min to max
+                ax.fill_between(budgets, [p[1]["speedup_min"] or 0 for p in points],
+                                [p[1]["speedup_max"] or 0 for p in points], color=f"C{i % 10}", alpha=0.12)
         flat = [r for r in rows if r["budget"] is None and r[key] is not None]  # ar and the peers: one value
         for i, r in enumerate(flat, start=len(series)):
             ax.axhline(r[key], linestyle="--", linewidth=1, color=f"C{i % 10}", label=r["label"])
@@ -242,28 +253,60 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
             ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("budget (draft nodes per step)")
         ax.set_ylabel(ylabel)
+        if key == "speedup":
+            ax.text(0.99, 0.01, "bands: per-prompt speedup, min to max", transform=ax.transAxes, ha="right",
+                    va="bottom", fontsize=7, color="0.4")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        title(fig, ylabel.split(" (")[0].capitalize() + " by budget", about)
         paths.append(save(plt, fig, out_dir / filename))
-    paths.append(save(plt, fig_histograms(plt, rows), out_dir / "accepted_histogram.png"))
-    paths.append(save(plt, fig_by_method(plt, results["summary"]), out_dir / "speedup_by_method.png"))
+    fig = fig_histograms(plt, rows)
+    title(fig, "Accepted draft tokens per step", about)
+    paths.append(save(plt, fig, out_dir / "accepted_histogram.png"))
+    fig = fig_by_method(plt, results["summary"])
+    title(fig, "Speedup and mean accepted length by method", about)
+    paths.append(save(plt, fig, out_dir / "speedup_by_method.png"))
     return paths
 
 
+def conditions(meta: dict) -> str:
+    """One line of what a figure was measured under."""
+    settings, machine = meta["settings"], meta["machine"]
+    where = machine.get("cuda") or f"{machine['processor']}, {machine['cpu_count']} CPUs"
+    tau = settings.get("draft_temperature")
+    return (f"{meta['prompts']} prompts ({Path(meta['prompt_file']).name}), {settings['max_new_tokens']} new tokens, "
+            f"{meta['dtype']}, temperature {settings['temperature']:g}, delta {settings['delta']:g}"
+            + ("" if tau is None else f", draft temperature {tau:.3g}") + f"; {where}; {meta['date'][:10]}")
+
+
+def title(fig, heading: str, about: str) -> None:
+    import textwrap
+
+    width = int(fig.get_figwidth() * 15)  # characters that fit across the figure at this font size
+    fig.suptitle("\n".join([heading, *textwrap.wrap(about, width)]), fontsize=9)
+
+
 def fig_by_method(plt, summary: list[dict]):
-    """Two panels of grouped bars: speedup and mean accepted length, one group per category ('all'
-    first), one bar per method label (budget included)."""
+    """Two panels of grouped bars: speedup (with the per-prompt min-max spread) and mean accepted
+    length, one group per category ('all' first), one bar per method label (budget included)."""
     categories = list(dict.fromkeys(r["category"] for r in summary))
     categories = categories if len(categories) > 2 else [ALL]  # one category: the same figures as 'all'
     labels = [r["label"] for r in summary if r["category"] == ALL and r["label"] != "ar"]
     value = {(r["category"], r["label"]): r for r in summary}
-    fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(6.4, 1.1 * len(categories) + 3)), 6.4), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(7.2, 1.1 * len(categories) + 3)), 7.0), sharex=True)
     width = 0.8 / max(len(labels), 1)
-    for ax, key, ylabel in ((axes[0], "speedup", "speedup over ar"), (axes[1], "mean_accepted_length", "MAL")):
+    colors = [plt.cm.tab20(i % 20) if len(labels) > 10 else f"C{i}" for i in range(len(labels))]
+    for ax, key, ylabel in ((axes[0], "speedup", "speedup over ar\n(bars: per-prompt min to max)"),
+                            (axes[1], "mean_accepted_length", "MAL")):
         for i, label in enumerate(labels):
-            heights = [(value.get((c, label)) or {}).get(key) or 0 for c in categories]
+            cells = [value.get((c, label)) or {} for c in categories]
+            heights = [cell.get(key) or 0 for cell in cells]
+            spread = None
+            if key == "speedup":
+                spread = [[max(h - (cell.get("speedup_min") or h), 0) for h, cell in zip(heights, cells)],
+                          [max((cell.get("speedup_max") or h) - h, 0) for h, cell in zip(heights, cells)]]
             ax.bar([c + (i - (len(labels) - 1) / 2) * width for c in range(len(categories))], heights, width,
-                   label=label, color=f"C{i % 10}")
+                   label=label, color=colors[i], yerr=spread, error_kw=dict(elinewidth=0.6, capsize=1.5))
         if key == "speedup":
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_ylabel(ylabel)
@@ -274,7 +317,9 @@ def fig_by_method(plt, summary: list[dict]):
 
 
 def fig_histograms(plt, rows: list[dict]):
-    """One panel per method (ar excluded), one line per budget: fraction of steps by accepted draft tokens."""
+    """One panel per method (ar excluded), grouped bars per budget: fraction of steps by accepted draft
+    tokens. transformers' peers report no acceptances: theirs are inferred from the cache's growth
+    between forwards (hatched, and marked so in the panel's title)."""
     from matplotlib.ticker import MaxNLocator
 
     groups: dict[str, list[dict]] = {}
@@ -283,15 +328,19 @@ def fig_histograms(plt, rows: list[dict]):
             groups.setdefault(r["method"], []).append(r)
     cols = min(3, max(len(groups), 1))
     nrows = max((len(groups) + cols - 1) // cols, 1)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.4 * cols, 3.3 * nrows + 0.6), squeeze=False, sharey=True)
     for ax, (method, members) in zip(axes.flat, groups.items()):
-        for r in members:
+        inferred = method.startswith("hf-")
+        width = 0.8 / len(members)
+        for i, r in enumerate(members):
             hist = r["accepted_histogram"]
             label = r["label"] if r["budget"] is None else f"n={r['budget']}"
-            ax.plot(range(len(hist)), [c / sum(hist) for c in hist], marker=".", label=label)
-        ax.set_title(method, fontsize=10)
+            ax.bar([a + (i - (len(members) - 1) / 2) * width for a in range(len(hist))],
+                   [c / sum(hist) for c in hist], width, label=label, color=f"C{i % 10}",
+                   hatch="//" if inferred else None, edgecolor="white" if inferred else None)
+        ax.set_title(method + (" (inferred from cache growth)" if inferred else ""), fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
@@ -300,14 +349,15 @@ def fig_histograms(plt, rows: list[dict]):
     return fig
 
 
-def budget_series(rows: list[dict], key: str, default_delta: float) -> dict[str, list[tuple[int, float]]]:
-    """{policy (and delta, if not the default) -> [(budget, value)] sorted by budget} for the budgeted methods."""
-    series: dict[str, list[tuple[int, float]]] = {}
+def budget_series(rows: list[dict], key: str, default_delta: float) -> dict[str, list[tuple[int, dict]]]:
+    """{policy (and delta, if not the default) -> [(budget, summary row)] sorted by budget} for the
+    budgeted methods with a value for `key`."""
+    series: dict[str, list[tuple[int, dict]]] = {}
     for r in rows:
         if r["budget"] is not None and r[key] is not None:
             name = r["method"] + ("" if r["delta"] == default_delta else f" (δ {r['delta']:g})")
-            series.setdefault(name, []).append((r["budget"], r[key]))
-    return {name: sorted(points) for name, points in series.items()}
+            series.setdefault(name, []).append((r["budget"], r))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in series.items()}
 
 
 def save(plt, fig, path: Path) -> Path:
