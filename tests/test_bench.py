@@ -470,3 +470,15 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert report["budget"] == (chosen.get("drafter_budget") or chosen["budget"]) and report["tree"] == chosen["tree"]
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err  # once per pair and machine
+
+
+def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):
+    from opttree.bench.prompts import load_prompts
+
+    one_per_line = tmp_path / "lines.txt"
+    one_per_line.write_text("def f(x):\n\nclass A:\n")
+    assert [p.text for p in load_prompts(one_per_line)] == ["def f(x):", "class A:"]
+    blocks = tmp_path / "blocks.txt"
+    blocks.write_text("def f(x):\n    \"\"\"Twice x.\"\"\"\n---\n\nclass A:\n\n    def g(self):\n---\n")
+    assert [p.text for p in load_prompts(blocks)] == ["def f(x):\n    \"\"\"Twice x.\"\"\"\n",
+                                                      "class A:\n\n    def g(self):\n"]

@@ -20,7 +20,7 @@ def register(subparsers) -> None:
                                   "side by side on your prompts (results.json, tables, plots)")
     add_decoding_args(bench)
     bench.add_argument("--prompts", required=True, help="Spec-Bench (.jsonl: turns, category), HumanEval "
-                       "(.jsonl: prompt) or plain text (one prompt per line)")
+                       "(.jsonl: prompt) or plain text (one prompt per line, or blocks between '---' lines)")
     bench.add_argument("--methods", default=BENCH_METHODS, help="comma-separated: ar, tree policies "
                        "(opt, chain, ...), POLICY:DRAFTER for a policy over named draft sources (opt:recycling+lookup, "
                        "opt:model+lookup, ...), hf-assisted, hf-assisted-heuristic, hf-lookup, hf-ar; 'all' for every "

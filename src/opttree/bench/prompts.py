@@ -3,7 +3,9 @@
 Formats, chosen by the file's extension:
 - `.jsonl` / `.json`: one JSON object per line, either Spec-Bench (`turns`: list of user turns,
   `category`, `question_id`) or HumanEval (`prompt`, `task_id`, optional `category`).
-- anything else: plain text, one prompt per non-empty line.
+- anything else: plain text, one prompt per non-empty line; or, when the file has lines holding only
+  `---`, one prompt per block between them (multi-line prompts: each line keeps its newline; blank
+  lines next to a separator are dropped).
 
 A Spec-Bench question is a user turn (`chat=True`): it goes through the tokenizer's chat template
 when the tokenizer has one. Only the first turn is used (no second turn that depends on an answer).
@@ -82,8 +84,23 @@ def parse_record(record, default_category: str, where: str) -> Prompt:
     raise ValueError(f"{where}: a JSON prompt needs 'turns' (Spec-Bench) or 'prompt' (HumanEval); keys: {sorted(record)}")
 
 
+SEPARATOR = "---"
+
+
 def parse_text(lines: Iterable[str], category: str) -> list[Prompt]:
-    return [Prompt(f"{category}:{n}", category, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    """One prompt per non-empty line, or per `---`-separated block when the file has such lines."""
+    lines = list(lines)
+    if not any(line.strip() == SEPARATOR for line in lines):
+        return [Prompt(f"{category}:{n}", category, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    blocks, current = [], []
+    for line in lines + [SEPARATOR]:
+        if line.strip() == SEPARATOR:
+            blocks.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    texts = [block.strip("\n") for block in blocks if block.strip()]  # blank lines around a separator dropped
+    return [Prompt(f"{category}:{n}", category, text + "\n") for n, text in enumerate(texts, start=1)]
 
 
 def select(
