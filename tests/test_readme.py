@@ -47,6 +47,9 @@ SUBSTITUTIONS = [
     (r"opttree calibrate ", "opttree calibrate --limit 1 --max-tokens 4 --repeats 1 --context 16 --max-new-tokens 8 "
                             "--budgets 2 --deltas 0.6 --no-progress "),
     (r"--out runs/", "--out {out}/runs/"),                                # outputs in a temporary folder
+    (r"--(run-dir|head) runs/", r"--\1 {out}/runs/"),
+    (r"(?<=opttree train head )(.*)--minutes \d+", r"\1--steps 2 --texts 2 --eval-windows 2 --corpus "  # seconds
+                                                   r"src/opttree/train --heldout-modules cli"),
     (r"(?<=opttree calibrate )(?!.*--out)", "--out {out}/calibration "),  # calibrate writes ./calibration by default
     (r"--port 8000", "--port {port}"),
     (re.escape(SERVER_ADDRESS), "127.0.0.1:{port}"),

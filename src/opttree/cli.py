@@ -43,6 +43,9 @@ def check_flags(args) -> None:
                              f"(--drafter model+{drafter}) or leave --draft out")
         if getattr(args, "tree", None) == "ar":
             raise ValueError(f"--tree ar drafts nothing: --drafter {drafter} does not apply")
+        if getattr(args, "head", None) and "head" not in names:
+            raise ValueError(f"--head is given but --drafter {drafter} does not use it: add 'head' (--drafter "
+                             f"head+{drafter}) or leave --head out")
     out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
     if out is not None and __import__("os").path.isfile(out):
         raise ValueError(f"--out {out}: is a file; pass a directory (created if missing)")

@@ -10,6 +10,7 @@ DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8
 # Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
 MIN_TEMPERATURE = 1e-4
+DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson")  # opttree.depth.DEPTH_CONTROLS
 
 
 def check_acceptance(acc) -> tuple[float, ...]:
@@ -25,6 +26,7 @@ class SpecConfig:
     tree: str = "opt"  # tree policy name (see opttree.policies.available())
     drafter: str | None = None  # draft sources joined by "+" (None: "model" with a draft, else "recycling+lookup")
     datastore: str | None = None  # folder of `opttree datastore build`, for the `datastore` source
+    head: str | None = None  # folder of `opttree train head`, for the `head` source (None: the shipped target's)
     budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
     delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
     max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
@@ -35,6 +37,7 @@ class SpecConfig:
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
+    depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson (opttree.depth)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -58,6 +61,8 @@ class SpecConfig:
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
         if self.drafter is not None and not (isinstance(self.drafter, str) and self.drafter.strip()):
             raise ValueError(f"drafter must name draft sources joined by '+' (e.g. 'model+lookup'), got {self.drafter!r}")
+        if self.depth_control not in DEPTH_CONTROL_NAMES:
+            raise ValueError(f"depth_control must be one of {', '.join(DEPTH_CONTROL_NAMES)}, got {self.depth_control!r}")
         if self.acceptance is not None:
             object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
 

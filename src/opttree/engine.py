@@ -15,6 +15,7 @@ from .cache import check_model, compact, context_window, last_logits_only, new_c
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
+from .depth import make_depth_control
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources
@@ -93,6 +94,8 @@ class Generation:
     ):
         self.target, self.drafter, self.policy, self.config, self.stopper = target, drafter, policy, config, stopper
         self.processors = processors  # the generation_config's logits processors, applied per node
+        self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))  # a drafter that reads the target
+        self.depth = make_depth_control(config)  # how deep each step drafts
         self.device = model_device(target)  # every tensor of the loop lives here
         self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
@@ -129,10 +132,12 @@ class Generation:
             prefix = self.committed[:-1]
             positions = torch.arange(prefix.shape[0], device=self.device)
             rows = min(max(seed_rows, 1), prefix.shape[0])  # otherwise unused: one row is the least we can ask
-            logits = self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
-                                 **last_logits_only(self.target, rows)).logits[0, -rows:]  # (rows, V)
+            out = self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
+                              output_hidden_states=self.wants_hidden, **last_logits_only(self.target, rows))
             if seed_rows:
-                self.drafter.seed(prefix[-rows:], logits)
+                self.drafter.seed(prefix[-rows:], out.logits[0, -rows:])  # (rows,), (rows, V)
+            if self.wants_hidden:
+                self.drafter.seed_hidden(out.hidden_states[-1][0])  # (T - 1, H) the prompt's features
         return cache
 
     def _step(self, cache: DynamicCache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
@@ -141,12 +146,13 @@ class Generation:
         prefix_len = self.committed.shape[0] - 1
         t0 = phases.mark()
         # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
-        depth_limit = self.stopper.remaining - 1
+        depth_limit = min(self.stopper.remaining - 1, self.depth.limit() or self.stopper.remaining)
         tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
-        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len)  # (N+1, V)
+        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden)
+        logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), (N+1, H)
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
         # 3. accept: the longest branch the target agrees with, plus its bonus token
@@ -155,14 +161,16 @@ class Generation:
         compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
         t3 = phases.mark()
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
-            drafter.observe(Verification(self.committed[-1], tree, logits, accepted, bonus))
+            drafter.observe(Verification(self.committed[-1], tree, logits, accepted, bonus, hidden))
         t4 = phases.mark()
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
         chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
         self.committed = torch.cat([self.committed, chunk])
         # the step has synchronised: reading marks stalls nothing; drafting = building the tree + observing
-        self.stats.draft_s += phases.seconds(t0, t1) + phases.seconds(t3, t4)
-        self.stats.verify_s += phases.seconds(t1, t2)
+        draft_s, verify_s = phases.seconds(t0, t1) + phases.seconds(t3, t4), phases.seconds(t1, t2)
+        self.depth.observe(accepted.shape[0], tree.max_depth, draft_s, verify_s)
+        self.stats.draft_s += draft_s
+        self.stats.verify_s += verify_s
         self.stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
         return chunk, finished
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import config as defaults
+from .config import DEPTH_CONTROL_NAMES
 from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
     parser.add_argument("--max-depth", type=int, help=f"draft layers at most (default: {defaults.DEFAULT_MAX_DEPTH} with a "
                         "draft model, else the budget)")
+    parser.add_argument("--depth-control", choices=DEPTH_CONTROL_NAMES, default="delta",
+                        help="how deep each step drafts: delta (the policy's own rule), fixed (max-depth layers "
+                        "every step), thompson (EESD: a Beta posterior over acceptance, sampled each step) "
+                        "(default: %(default)s)")
     add_drafter_arg(parser)
     add_draft_temperature_arg(parser)
 
@@ -78,11 +83,13 @@ def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
                         "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
+    parser.add_argument("--head", help="a folder from `opttree train head`: the EAGLE-style feature head for the "
+                        "'head' source (default: the shipped target's own); given alone it means --drafter head")
 
 
 def uses_draft_model(args) -> bool:
     """Whether the --drafter spec drafts with a draft model (the default does when one is at hand)."""
-    drafter = getattr(args, "drafter", None)
+    drafter = getattr(args, "drafter", None) or ("head" if getattr(args, "head", None) else None)
     return drafter is None or "model" in source_names(drafter)
 
 
@@ -201,10 +208,11 @@ def tree_options(args, target, draft) -> dict:
     if chosen.get("tree") == "ar":
         print(f"opttree: plain decoding (--tree ar): the calibration profile of this pair on this machine says "
               f"{chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
-    drafter = args.drafter or chosen.get("drafter")
+    drafter = args.drafter or ("head" if args.head else chosen.get("drafter"))
     if drafter and args.datastore and "datastore" not in source_names(drafter):
         drafter += "+datastore"
-    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore, max_depth=args.max_depth,
+    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore, head=args.head,
+                   depth_control=args.depth_control, max_depth=args.max_depth,
                    delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft, drafter)

@@ -5,5 +5,5 @@ truth; tests/test_imports.py checks that these lists match them."""
 
 BUILTIN_POLICIES = ("ar", "chain", "dyspec", "eagle2", "opt", "recycling-template", "sequoia", "static", "static-k2",
                     "static-k3")
-BUILTIN_SOURCES = ("datastore", "lookup", "model", "recycling")
+BUILTIN_SOURCES = ("datastore", "head", "lookup", "model", "recycling")
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}

@@ -25,6 +25,17 @@ class Verification:
     logits: torch.Tensor  # (N + 1, V) the target's logits at [root] + nodes
     accepted: torch.Tensor  # (A,) accepted node indices, root to leaf
     bonus: torch.Tensor  # () the target's token after the accepted path
+    # (N + 1, H) the target's last hidden states at [root] + nodes, for a drafter that reads the target
+    # (`wants_hidden = True`; None otherwise). `accepted_hidden` gives the rows of the committed path.
+    hidden: torch.Tensor | None = None
+
+    @property
+    def accepted_hidden(self) -> torch.Tensor:
+        """(A + 1, H) the target's hidden states at the root and the accepted nodes: the features of the
+        tokens this step committed (the bonus has none yet: the next verification computes it)."""
+        assert self.hidden is not None, "the drafter did not ask for hidden states (wants_hidden = True)"
+        rows = torch.cat([torch.zeros(1, dtype=torch.long, device=self.accepted.device), self.accepted + 1])
+        return self.hidden[rows.to(self.hidden.device)]
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -48,25 +59,33 @@ def masked_forward(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     allowed: torch.Tensor,
-) -> torch.Tensor:
+    hidden: bool = False,
+):
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
     input_ids: (Q,), positions: (Q,), allowed: (Q, cache_len + Q) bool, True = attend.
-    Returns logits (Q, V). sdpa takes the bool mask as is; eager needs an additive float mask.
+    Returns logits (Q, V); with `hidden`, (logits, the last hidden states (Q, H)).
     """
+    with masked_attention_kernels(allowed.device):
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            attention_mask=attention_bias(model, allowed),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+        )
+    return (out.logits[0], out.hidden_states[-1][0]) if hidden else out.logits[0]  # (Q, V), (Q, H)
+
+
+def attention_bias(model, allowed: torch.Tensor) -> torch.Tensor:
+    """(Q, K) bool, True = attend -> the 4D mask `model` takes: sdpa the bool mask as is, eager an
+    additive float mask in the model's dtype."""
     mask = allowed[None, None]  # (1, 1, Q, K)
     if model.config._attn_implementation == "eager":
         dtype = model.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    with masked_attention_kernels(mask.device):
-        out = model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
-    return out.logits[0]  # (Q, V)
+    return mask
 
 
 def masked_attention_kernels(device: torch.device):
@@ -79,13 +98,14 @@ def masked_attention_kernels(device: torch.device):
 
 
 def verify_tree(
-    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int
-) -> torch.Tensor:
+    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int, hidden: bool = False
+):
     """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
-    call and `prefix_len + N + 1` after it. Returns logits (N + 1, V): row 0 = root."""
+    call and `prefix_len + N + 1` after it. Returns logits (N + 1, V): row 0 = root; with `hidden`,
+    (logits, last hidden states (N + 1, H))."""
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
     allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
-    return masked_forward(target, cache, tokens, position_ids(tree.depths, prefix_len), allowed)
+    return masked_forward(target, cache, tokens, position_ids(tree.depths, prefix_len), allowed, hidden)
 
 
 def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,6 +107,19 @@ def _datastore(context: SourceContext) -> DatastoreSource:
 register_source("datastore", distribution=False)(_datastore)
 
 
+def _head(context: SourceContext):
+    from .head import HeadDrafter, load_head, shipped_head
+
+    folder = context.config.head or shipped_head(context.target)
+    if folder is None:
+        raise ValueError("drafter 'head' needs a feature head trained for this target: head=DIR / --head DIR "
+                         "(train one with `opttree train head --target PATH --out DIR`)")
+    return HeadDrafter(load_head(folder, context.target), context.target, context.vocab)
+
+
+register_source("head", distribution=True)(_head)
+
+
 class TrieDrafter:
     """A candidate source as the step's only distribution source: a node's children get
     log(child score) - log(node score) for the trie's continuations, -inf for every other token."""
@@ -153,6 +166,9 @@ class DrafterCandidates:
         self.prompt_rows = getattr(drafter, "prompt_rows", 0)
         if self.prompt_rows:
             self.seed = drafter.seed
+        self.wants_hidden = getattr(drafter, "wants_hidden", False)
+        if self.wants_hidden:
+            self.seed_hidden = drafter.seed_hidden
 
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
         from ..policies.opt import OptTree  # policies import drafters: imported when first used
@@ -169,6 +185,7 @@ class Sources:
     def __init__(self, first: Drafter, candidates: list[CandidateSource]):
         self.first, self.candidates = first, candidates
         self.prompt_rows = max([getattr(s, "prompt_rows", 0) for s in [first, *candidates]])
+        self.wants_hidden = any(getattr(s, "wants_hidden", False) for s in [first, *candidates])
         self.root_logq: torch.Tensor | None = None
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -179,6 +196,11 @@ class Sources:
         for source in [self.first, *self.candidates]:
             if getattr(source, "prompt_rows", 0):
                 source.seed(tokens[-source.prompt_rows :], logits[-source.prompt_rows :])
+
+    def seed_hidden(self, hidden: torch.Tensor) -> None:
+        for source in [self.first, *self.candidates]:
+            if getattr(source, "wants_hidden", False):
+                source.seed_hidden(hidden)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         self.root_logq = self.first.root(committed)  # (V,)
@@ -232,7 +254,7 @@ def default_max_depth(config, has_draft: bool) -> int:
     costs a draft forward); otherwise the budget, at least 8: recycled and retrieved layers cost no
     forward pass, and a retrieved copy is as long as the budget lets it be (measured: README)."""
     spec = config.drafter or default_drafter(has_draft, config.datastore is not None)
-    if "model" in source_names(spec):
+    if {"model", "head"} & set(source_names(spec)):  # a layer costs a forward of the draft model / the head
         return DEFAULT_MAX_DEPTH
     return max(DEFAULT_MAX_DEPTH, config.budget)
 

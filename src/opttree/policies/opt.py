@@ -22,6 +22,8 @@ class OptTree:
 
     def __init__(self, config: SpecConfig):
         self.n, self.delta, self.max_depth = config.budget, config.delta, config.max_depth
+        if config.depth_control == "fixed":  # draft max_depth layers every step, whatever they add
+            self.delta = float("-inf")
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth = self.n, min(self.max_depth, depth_limit)

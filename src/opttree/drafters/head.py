@@ -1,0 +1,190 @@
+"""An EAGLE-style feature head: a draft that reads the target (DESIGN.md section 15).
+
+The target's last hidden state at position t-1 ("feature" f[t-1], what its LM head turns into the
+distribution of token t) and the embedding of token t go through one linear layer and one decoder
+layer to predict f[t]; the target's own (frozen) LM head turns the prediction into the draft's
+distribution of token t+1. Committed positions use the target's true features, which every
+verification returns (`Verification.hidden`); tree nodes below the root use the head's own predicted
+features, the parent's prediction feeding the child. EAGLE-1's recipe (feature regression plus the
+target's distribution as a soft label) trains it: `opttree train head`.
+
+Saved as a folder: `head.json` (the layer's config, the target it was trained for), `head.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaModel, PreTrainedModel
+
+from ..cache import new_cache, truncate
+from ..device import model_device
+from ..verify import Verification, attention_bias, masked_attention_kernels
+from .model import on_target_vocab
+
+FORMAT = 1
+
+
+def head_config(target: PreTrainedModel) -> LlamaConfig:
+    """One Llama decoder layer as wide as the target's features (heads of 64 where the target's differ)."""
+    text = target.config.get_text_config()
+    hidden = text.hidden_size
+    heads = getattr(text, "num_attention_heads", None) or max(hidden // 64, 1)
+    if hidden % heads:
+        heads = max(hidden // 64, 1)
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
+                       intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden, vocab_size=1,
+                       max_position_embeddings=getattr(text, "max_position_embeddings", 4096) or 4096,
+                       rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "models" / "head"
+
+
+def shipped_head(target: PreTrainedModel) -> Path | None:
+    """The shipped head's folder if `target` is the shipped target (the one it was trained for), else None."""
+    if not (SHIPPED_HEAD / "head.json").is_file():
+        return None
+    meta = json.loads((SHIPPED_HEAD / "head.json").read_text())
+    return SHIPPED_HEAD if _same_target(meta["target"], target_fingerprint(target)) else None
+
+
+def _same_target(expected: dict, found: dict) -> bool:
+    same_shape = all(expected[k] == found[k] for k in ("model_type", "hidden_size", "vocab"))
+    return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2
+
+
+def target_fingerprint(target: PreTrainedModel) -> dict:
+    """What identifies the target a head was trained for: its shape and a few LM-head weights."""
+    head = target.get_output_embeddings().weight.detach()
+    text = target.config.get_text_config()
+    probe = head[:: max(head.shape[0] // 7, 1), :4].float().flatten()[:28]
+    return {"model_type": text.model_type, "hidden_size": text.hidden_size, "vocab": head.shape[0],
+            "lm_head_probe": [round(float(x), 4) for x in probe]}
+
+
+class FeatureHead(nn.Module):
+    """(feature f[t-1] (Q, H), embedding of token t (Q, H)) -> predicted feature f[t] (Q, H)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.body = LlamaModel(config)  # one decoder layer and a final norm; its 1-row embedding is unused
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                allowed: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """features, embeds: (B, Q, H); positions (B, Q); allowed: (Q, cache + Q) bool for one sequence
+        with a cache (drafting), None for plain causal attention (training). Returns (B, Q, H)."""
+        x = self.fc(torch.cat([features, embeds], dim=-1).to(self.fc.weight.dtype))
+        mask = None if allowed is None else attention_bias(self.body, allowed)
+        with masked_attention_kernels(x.device):
+            out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                            use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def save(self, folder: str | Path, target: PreTrainedModel, about: dict | None = None) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "head.safetensors")
+        meta = {"format": FORMAT, "config": self.config.to_dict(), "target": target_fingerprint(target), **(about or {})}
+        (folder / "head.json").write_text(json.dumps(meta, indent=1) + "\n")
+        return folder
+
+
+def load_head(folder: str | Path, target: PreTrainedModel) -> FeatureHead:
+    """A saved head, checked against `target` (a head trained for another target is refused)."""
+    folder = Path(folder)
+    if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
+        raise ValueError(f"head={str(folder)!r}: not a saved head (expected head.json and head.safetensors; "
+                         "train one with `opttree train head --target PATH --out DIR`)")
+    meta = json.loads((folder / "head.json").read_text())
+    expected, found = meta["target"], target_fingerprint(target)
+    if not _same_target(expected, found):
+        raise ValueError(f"head={str(folder)!r} was trained for another target ({expected['model_type']}, hidden "
+                         f"{expected['hidden_size']}, vocabulary {expected['vocab']}); this target is "
+                         f"{found['model_type']}, hidden {found['hidden_size']}, vocabulary {found['vocab']}"
+                         + (" with other weights" if expected["vocab"] == found["vocab"] else ""))
+    head = FeatureHead(LlamaConfig.from_dict(meta["config"]))
+    head.load_state_dict(load_file(folder / "head.safetensors"))
+    device, dtype = model_device(target), target.get_output_embeddings().weight.dtype
+    return head.to(device=device, dtype=dtype).eval()
+
+
+class HeadDrafter:
+    """The Drafter over a FeatureHead. The head keeps a KV cache of the committed positions, fed with
+    the target's true features; a tree's nodes are appended for the step and dropped after it."""
+
+    wants_hidden = True  # the engine hands over the target's features: the prompt's, then each step's
+
+    def __init__(self, head: FeatureHead, target: PreTrainedModel, vocab: int):
+        self.head, self.vocab = head, vocab
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.device = model_device(target)
+        self.start(torch.empty(0, dtype=torch.long))
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = new_cache()
+        self.fed = 0  # positions 0..fed-1 are in the cache; position t holds (f[t-1], token t), f[-1] = 0
+        self.features = torch.empty(0, self.head.config.hidden_size, device=self.device)  # (F, H): f[0..F-1]
+
+    def seed_hidden(self, hidden: torch.Tensor) -> None:
+        """The prompt's features (T - 1, H), from the target's prefill."""
+        self.features = hidden.detach().to(self.device)
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        truncate(self.cache, self.fed)  # drop the last tree's nodes (they were fed predicted features)
+        committed = committed.to(self.device)
+        root = committed.shape[0] - 1
+        assert self.features.shape[0] >= root, "the target's features of every committed token are needed"
+        first = self.fed  # positions first..root get the target's true features; the last predicts f[root]
+        features = self.features[max(first - 1, 0) : root]  # (R or R - 1, H): f[first-1..root-1]
+        if first == 0:  # position 0 has no feature before it
+            features = torch.cat([features.new_zeros(1, features.shape[1]), features])
+        new = root + 1 - first
+        allowed = torch.ones(new, root + 1, dtype=torch.bool, device=self.device)
+        allowed[:, first:] = allowed[:, first:].tril()
+        predicted = self._run(features, committed[first:], torch.arange(first, root + 1, device=self.device), allowed)
+        self.fed = root + 1
+        self.slot_features = predicted[-1:]  # (1, H): row 0 = the root, row s + 1 = slot s
+        self.slot_depths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.slot_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        return self._log_probs(predicted[-1])
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
+        k, s = tokens.shape[0], self.slot_depths.shape[0]
+        has_parent = parent_slots >= 0
+        depths = torch.where(has_parent, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(tokens)
+        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
+        if s:
+            ancestors[:, :s] = self.slot_ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
+        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([torch.ones(k, self.fed, dtype=torch.bool, device=self.device), ancestors], dim=1)
+        parent_features = self.slot_features[parent_slots + 1]  # (K, H): the root's prediction for its children
+        predicted = self._run(parent_features, tokens, self.fed - 1 + depths, allowed)  # (K, H)
+        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
+        grown[:s, :s] = self.slot_ancestors
+        grown[s:] = ancestors
+        self.slot_ancestors, self.slot_depths = grown, torch.cat([self.slot_depths, depths])
+        self.slot_features = torch.cat([self.slot_features, predicted])
+        return self._log_probs(predicted)
+
+    def observe(self, result: Verification) -> None:
+        """The target's features of the tokens this step committed (the root and the accepted nodes)."""
+        self.features = torch.cat([self.features, result.accepted_hidden.to(self.device, self.features.dtype)])
+
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             allowed: torch.Tensor) -> torch.Tensor:
+        """(Q, H) features, (Q,) tokens, (Q,) positions -> (Q, H) predicted features, appended to the cache."""
+        out = self.head(features[None], self.embed(tokens)[None], positions[None], allowed, self.cache)
+        return out[0]
+
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        logits = on_target_vocab(self.lm_head(features.to(self.lm_head.weight.dtype)).float(), self.vocab)
+        return torch.log_softmax(logits, dim=-1)
