@@ -6,7 +6,7 @@ the generation config, the logits processors and the stopping criteria, then han
 transformers prepared, so the output is what `generate` itself would return (token for token at
 temperature 0; the same distribution when sampling). `assistant_model=` is the draft (none: the
 train-free sources draft); opttree's tree settings (`tree`, `budget`, `delta`, `max_depth`, `drafter`,
-`draft_temperature`, `datastore`) may be passed to `generate` as keyword arguments. The logits
+`draft_temperature`, `datastore`, `head`, `depth_control`) may be passed to `generate` as keyword arguments. The logits
 processors transformers prepared (a repetition penalty, suppressed tokens, a minimum length, ...) are
 applied at every tree node with that node's own context; whatever opttree cannot apply exactly (a time
 limit, a logits processor of your own, output scores) is refused by name instead of being ignored. The last call's statistics
@@ -50,7 +50,7 @@ class CustomGenerate:
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, assistant_model=None, streamer=None, tree=None,
                  drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
-                 seed=None, **model_kwargs):
+                 head=None, depth_control=None, seed=None, **model_kwargs):
         unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
         if unknown:
             raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
@@ -64,7 +64,7 @@ class CustomGenerate:
         if asked:
             raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")
         options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
-                       draft_temperature=draft_temperature, datastore=datastore)
+                       draft_temperature=draft_temperature, datastore=datastore, head=head, depth_control=depth_control)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
