@@ -482,3 +482,11 @@ def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):
     blocks.write_text("def f(x):\n    \"\"\"Twice x.\"\"\"\n---\n\nclass A:\n\n    def g(self):\n---\n")
     assert [p.text for p in load_prompts(blocks)] == ["def f(x):\n    \"\"\"Twice x.\"\"\"\n",
                                                       "class A:\n\n    def g(self):\n"]
+
+
+def test_method_names_take_a_depth_control():
+    assert bench_methods.parse_tree_method("opt:model+lookup/thompson") == ("opt", "model+lookup", "thompson")
+    assert bench_methods.parse_tree_method("opt") == ("opt", None, "delta")
+    assert bench_methods.find_method("opt/fixed").needs_draft and not bench_methods.find_method("opt:head/fixed").needs_draft
+    with pytest.raises(ValueError, match="unknown depth control 'greedy'"):
+        bench_methods.find_method("opt/greedy")

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import DEFAULT_DELTA, SpecConfig
+from ..config import DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..engine import generate
 from ..policies import available, make_policy
@@ -98,14 +98,14 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     is passed only when they include `model`)."""
     from ..profiles import profile_options
 
-    policy, _, drafter = spec.name.partition(":")
+    policy, drafter, depth_control = parse_tree_method(spec.name)
     if drafter and "model" not in source_names(drafter):
         draft = None  # a train-free drafter: no draft model, no draft temperature
     options = dict(
         tree=policy, drafter=drafter or None, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
-        delta=settings.delta if spec.delta is None else spec.delta,
+        delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
     )
     if spec.budget is not None:
         options["budget"] = spec.budget
@@ -237,18 +237,32 @@ def method_table() -> dict[str, Method]:
     return table | PEERS
 
 
+def parse_tree_method(name: str) -> tuple[str, str | None, str]:
+    """'POLICY[:DRAFTER][/DEPTH_CONTROL]' -> (policy, drafter or None, depth control)."""
+    name, _, depth_control = name.partition("/")
+    policy, _, drafter = name.partition(":")
+    return policy, drafter or None, depth_control or "delta"
+
+
 def find_method(name: str) -> Method:
-    """A method of `method_table()`, or `POLICY:DRAFTER`: a tree policy with named draft sources
-    (`opt:recycling+lookup`, `opt:model+lookup`); a clear error for anything else."""
+    """A method of `method_table()`, or `POLICY:DRAFTER` (a tree policy over named draft sources:
+    `opt:recycling+lookup`, `opt:model+lookup`), either with `/DEPTH_CONTROL` (`opt:model/thompson`);
+    a clear error for anything else."""
     table = method_table()
     if name in table:
         return table[name]
-    policy, _, drafter = name.partition(":")
-    if drafter and policy in table and table[policy].budgeted and table[policy].make is tree_method:
-        needs_draft = "model" in source_names(drafter)  # unknown sources: a clear error here
-        return Method(tree_method, True, needs_draft, f"opttree tree policy {policy!r} over draft sources {drafter!r}")
+    policy, drafter, depth_control = parse_tree_method(name)
+    if policy in table and table[policy].budgeted and table[policy].make is tree_method and (drafter or "/" in name):
+        if depth_control not in DEPTH_CONTROL_NAMES:
+            raise ValueError(f"method {name!r}: unknown depth control {depth_control!r} (one of "
+                             f"{', '.join(DEPTH_CONTROL_NAMES)})")
+        needs_draft = drafter is None and table[policy].needs_draft or "model" in source_names(drafter or "model")
+        sources = f" over draft sources {drafter!r}" if drafter else ""
+        return Method(tree_method, True, needs_draft, f"opttree tree policy {policy!r}{sources}, depth control "
+                      f"{depth_control}")
     raise ValueError(f"unknown method {name!r}; available: {', '.join(table)} (or 'all'), and POLICY:DRAFTER for "
-                     f"a tree policy over named draft sources, e.g. opt:recycling+lookup")
+                     f"a tree policy over named draft sources, e.g. opt:recycling+lookup, with /DEPTH_CONTROL "
+                     f"for a depth control other than delta, e.g. opt:model/thompson")
 
 
 def check_names(names: list[str]) -> None:
