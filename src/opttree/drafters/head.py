@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from ..cache import new_cache, truncate
 from ..device import model_device
 from ..verify import Verification, attention_bias, masked_attention_kernels
-from .model import on_target_vocab
+from .model import SlotTree, on_target_vocab
 
 FORMAT = 1
 
@@ -152,26 +152,16 @@ class HeadDrafter:
         predicted = self._run(features, committed[first:], torch.arange(first, root + 1, device=self.device), allowed)
         self.fed = root + 1
         self.slot_features = predicted[-1:]  # (1, H): row 0 = the root, row s + 1 = slot s
-        self.slot_depths = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.slot_ancestors = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.slots = SlotTree(self.device)
         return self._log_probs(predicted[-1])
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
-        k, s = tokens.shape[0], self.slot_depths.shape[0]
-        has_parent = parent_slots >= 0
-        depths = torch.where(has_parent, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(tokens)
-        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
-        if s:
-            ancestors[:, :s] = self.slot_ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
-        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
-        allowed = torch.cat([torch.ones(k, self.fed, dtype=torch.bool, device=self.device), ancestors], dim=1)
-        parent_features = self.slot_features[parent_slots + 1]  # (K, H): the root's prediction for its children
+        depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
+        allowed = torch.cat([torch.ones(tokens.shape[0], self.fed, dtype=torch.bool, device=self.device), ancestors],
+                            dim=1)  # (K, fed+S+K)
+        parent_features = self.slot_features[parent_slots + 1]  # (K, H): row 0 = the root's prediction
         predicted = self._run(parent_features, tokens, self.fed - 1 + depths, allowed)  # (K, H)
-        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
-        grown[:s, :s] = self.slot_ancestors
-        grown[s:] = ancestors
-        self.slot_ancestors, self.slot_depths = grown, torch.cat([self.slot_depths, depths])
         self.slot_features = torch.cat([self.slot_features, predicted])
         return self._log_probs(predicted)
 

@@ -27,6 +27,31 @@ def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
 
 
+class SlotTree:
+    """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.depths = torch.empty(0, dtype=torch.long, device=device)  # (S,)
+        self.ancestors = torch.empty(0, 0, dtype=torch.bool, device=device)  # (S, S): [i, j] slot j is i or its ancestor
+
+    def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K new slots with these parents (-1 = the root) -> (their depths (K,), the slots each one may
+        attend to among the S + K (K, S+K): its ancestors and itself)."""
+        k, s = parent_slots.shape[0], self.depths.shape[0]
+        has_parent = parent_slots >= 0
+        depths = torch.where(has_parent, self.depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(parent_slots)
+        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
+        if s:
+            ancestors[:, :s] = self.ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
+        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
+        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
+        grown[:s, :s] = self.ancestors
+        grown[s:] = ancestors
+        self.ancestors, self.depths = grown, torch.cat([self.depths, depths])
+        return depths, ancestors
+
+
 class ModelDrafter:
     def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
         """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
@@ -44,8 +69,7 @@ class ModelDrafter:
         self._open_tree()
 
     def _open_tree(self) -> None:
-        self.slot_depths = torch.empty(0, dtype=torch.long, device=self.device)  # (S,)
-        self.slot_ancestors = torch.empty(0, 0, dtype=torch.bool, device=self.device)  # (S, S): [i, j] slot j is i or its ancestor
+        self.slots = SlotTree(self.device)
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = new_cache()
@@ -68,21 +92,10 @@ class ModelDrafter:
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
-        k, s = tokens.shape[0], self.slot_depths.shape[0]
-        has_parent = parent_slots >= 0
-        depths = torch.where(has_parent, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(tokens)
-        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
-        if s:
-            ancestors[:, :s] = self.slot_ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
-        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
-        allowed = torch.cat([torch.ones(k, self.base, dtype=torch.bool, device=self.device), ancestors], dim=1)  # (K, base+S+K)
+        depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
+        allowed = torch.cat([torch.ones(tokens.shape[0], self.base, dtype=torch.bool, device=self.device), ancestors],
+                            dim=1)  # (K, base+S+K)
         logits = masked_forward(self.model, self.cache, tokens, self.base - 1 + depths, allowed)  # (K, V)
-
-        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
-        grown[:s, :s] = self.slot_ancestors
-        grown[s:] = ancestors
-        self.slot_ancestors = grown
-        self.slot_depths = torch.cat([self.slot_depths, depths])
         return self._log_probs(logits)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
