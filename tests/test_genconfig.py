@@ -143,3 +143,14 @@ def test_stop_strings_in_the_generation_config_need_the_tokenizer(models):
             opttree.generate(target, PROMPT, draft, max_new_tokens=4)
     finally:
         target.generation_config = saved
+
+
+def test_a_generation_config_argument_replaces_the_targets(models):
+    """generation_config=... as in target.generate(generation_config=...)."""
+    target, draft = models
+    custom = target.generation_config.__class__.from_dict({**target.generation_config.to_dict(),
+                                                           "no_repeat_ngram_size": 2})
+    reference = _reference(target, generation_config=custom)
+    assert not torch.equal(reference, _reference(target))
+    out = opttree.generate(target, PROMPT, draft, budget=8, max_new_tokens=NEW, generation_config=custom)
+    assert torch.equal(out.sequences, reference)

@@ -66,7 +66,7 @@ def spec_options(options: dict, prompt_len: int, attention_mask=None) -> dict:
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown argument(s) {unknown}; opttree takes {sorted(known)}, do_sample, max_length, "
-                        "attention_mask, tokenizer, eos_token_id and stop")
+                        "attention_mask, tokenizer, eos_token_id, stop, logits_processor and generation_config")
     for name in INT_FIELDS:
         if name in options:
             options[name] = scalar(options[name], name, int)

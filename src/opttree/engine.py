@@ -190,6 +190,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     stop: str | Sequence[str] | None = None,
     logits_processor=None,
+    generation_config=None,
     rules: Rules | None = None,
     **options,
 ) -> Generation:
@@ -204,15 +205,16 @@ def stream(
     The target's generation_config is honoured as `target.generate` honours it: its logits processors
     (repetition penalty, suppressed or bad words, minimum length, forced EOS, ...) are applied at every
     node, its EOS ids and stop strings stop generation, and its do_sample / temperature / top_k / top_p /
-    max_new_tokens fill in the settings not passed here. `logits_processor` adds processors, as
-    generate's argument of that name does. `rules` replaces that preparation (custom_generate passes
+    max_new_tokens fill in the settings not passed here. `generation_config` replaces the target's and
+    `logits_processor` adds processors, as generate's arguments of those names do. `rules` replaces that preparation (custom_generate passes
     what transformers prepared)."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
     auto_depth = options.get("max_depth") is None
     options = {k: v for k, v in options.items() if not (k == "max_depth" and v is None)}
     options = spec_options(options, ids.shape[0], mask)
-    config = SpecConfig(**{**config_defaults(target.generation_config, options), **options})
+    generation_config = generation_config or target.generation_config
+    config = SpecConfig(**{**config_defaults(generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
     policy = make_policy(config)
@@ -222,7 +224,7 @@ def stream(
     certify(target, "target", max_len, config.budget + 1)
     if rules is None:
         eos = None if eos_token_id is None else eos_list(eos_token_id)
-        rules = prepare(target, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
+        rules = prepare(target, generation_config, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
     drafter = None
     if policy.needs_drafter:
         spec = config.drafter or default_drafter(draft is not None, config.datastore is not None)

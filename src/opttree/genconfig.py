@@ -121,11 +121,10 @@ def config_defaults(generation_config, given: dict) -> dict:
     return defaults
 
 
-def prepare(target, ids: torch.Tensor, config, eos_token_id: list[int] | None, stop: list[str], tokenizer,
-            logits_processor=None) -> Rules:
-    """The Rules of `target.generate(ids, max_new_tokens=..., eos_token_id=..., logits_processor=...)`
-    under the target's generation_config. config: the call's SpecConfig (defaults filled in)."""
-    generation_config = target.generation_config
+def prepare(target, generation_config, ids: torch.Tensor, config, eos_token_id: list[int] | None, stop: list[str],
+            tokenizer, logits_processor=None) -> Rules:
+    """The Rules of `target.generate(ids, generation_config=..., max_new_tokens=..., eos_token_id=...,
+    logits_processor=...)`. config: the call's SpecConfig (defaults filled in)."""
     check_config(generation_config, sampling=not config.greedy)
     if not stop and generation_config.stop_strings:
         stop = generation_config.stop_strings
@@ -137,7 +136,7 @@ def prepare(target, ids: torch.Tensor, config, eos_token_id: list[int] | None, s
         eos_token_id = eos_list(generation_config.eos_token_id)
     processors: tuple = ()
     if logits_processor or any(_is_set(generation_config, name) for name in PER_NODE_FIELDS):
-        prepared = _dry_generate(target, ids, config.max_new_tokens, eos_token_id, logits_processor)
+        prepared = _dry_generate(target, generation_config, ids, config.max_new_tokens, eos_token_id, logits_processor)
         processors = per_node_processors(prepared)
     return Rules(processors, eos_token_id, list(stop))
 
@@ -203,14 +202,16 @@ def _record(model, input_ids, logits_processor=None, **_):
     return logits_processor  # the dry call's decoding loop: hand back what generate() prepared
 
 
-def _dry_generate(target, ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int], logits_processor):
+def _dry_generate(target, generation_config, ids: torch.Tensor, max_new_tokens: int, eos_token_id: list[int],
+                  logits_processor):
     """The logits processors `target.generate` prepares for this prompt (no forward pass is run)."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate's notes on pad tokens and unused settings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return target.generate(ids[None], custom_generate=_record, max_new_tokens=max_new_tokens, do_sample=False,
+            return target.generate(ids[None], generation_config=generation_config, custom_generate=_record,
+                                   max_new_tokens=max_new_tokens, do_sample=False,
                                    eos_token_id=eos_token_id or None, logits_processor=logits_processor)
     except ValueError as error:
         raise ValueError(f"transformers refuses these generation settings for this model: {error}") from None
