@@ -27,7 +27,7 @@ def still_works(target, draft):
     ({"temperature": 1e-300}, "temperature must be 0 \\(greedy\\) or a finite number >= 0.0001"),
     ({"seed": 2**64}, r"seed must be an integer in \[0, 2\*\*64\)"),
     ({"stop": ""}, "stop strings must be non-empty"),
-    ({"generation_config": None}, r"unknown argument\(s\) \[.generation_config.\]"),
+    ({"num_return_sequences": 2}, r"unknown argument\(s\) \[.num_return_sequences.\]"),
     ({"attention_mask": torch.tensor([[0, 1, 1, 1]])}, "attention_mask with zeros"),
     ({"do_sample": False, "temperature": 0.7}, "do_sample=False with temperature > 0"),
     ({"temperature": float("nan")}, "temperature must be 0 \\(greedy\\)"),
