@@ -1,0 +1,88 @@
+"""EAGLE's claim, checked on our pair: does a feature head agree with the target more often than a
+separate draft LM of similar cost? Top-1 agreement with the target on the same held-out text the
+target wrote (RUN_DIR/data/written_heldout.npy from `opttree train head`), plus parameters and the
+cost of one drafting call (one token on top of a 200-token cache), both in float32.
+
+    python scripts/head_vs_draft.py --run-dir runs/head [--head DIR] [--windows 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opttree.cache import truncate
+from opttree.demo import demo_paths
+from opttree.drafters.head import load_head
+from opttree.train.distill import load_target
+from opttree.train.head import held_out_acceptance
+from opttree.train.lm import eval_windows, n_params
+
+
+@torch.no_grad()
+def draft_agreement(target, draft, windows: torch.Tensor, batch: int = 8) -> float:
+    agree = count = 0
+    for i in range(0, len(windows), batch):
+        w = windows[i : i + batch]
+        t, d = target(input_ids=w).logits.argmax(-1)[:, 1:], draft(input_ids=w).logits.argmax(-1)[:, 1:]
+        agree, count = agree + int((t == d).sum()), count + t.numel()
+    return agree / count
+
+
+@torch.no_grad()
+def call_ms(step, repeats: int = 30) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/head"))
+    parser.add_argument("--head", type=Path, default=None, help="default: RUN_DIR/final")
+    parser.add_argument("--windows", type=int, default=32)
+    args = parser.parse_args()
+    target_dir, draft_dir = demo_paths()
+    target, draft = load_target(target_dir), load_target(draft_dir)
+    head = load_head(args.head or args.run_dir / "final", target).float()
+    windows = eval_windows(np.load(args.run_dir / "data" / "written_heldout.npy"), 256, args.windows)
+    from transformers import DynamicCache
+
+    ids = windows[:1, :200]
+    cache = DynamicCache()
+    draft(input_ids=ids, past_key_values=cache)
+    one = ids[:, -1:]
+
+    def draft_step():
+        draft(input_ids=one, past_key_values=cache)
+        truncate(cache, 200)
+
+    hidden = target.config.hidden_size
+    head_cache = DynamicCache()
+    features, embeds = torch.zeros(1, 200, hidden), target.get_input_embeddings()(ids)
+    head(features, embeds, torch.arange(200)[None], torch.ones(200, 200, dtype=torch.bool).tril(), head_cache)
+
+    def head_step():
+        f = head(features[:, -1:], embeds[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool),
+                 head_cache)
+        target.get_output_embeddings()(f)
+        truncate(head_cache, 200)
+
+    result = {
+        "windows": f"{len(windows)} x 256 tokens the target wrote from held-out prompts",
+        "draft": {"params": n_params(draft), "top1": draft_agreement(target, draft, windows), "call_ms": call_ms(draft_step)},
+        "head": {"params": n_params(head), **held_out_acceptance(head, target, windows), "call_ms": call_ms(head_step)},
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
