@@ -17,7 +17,7 @@ def pair():
     return tiny_model(seed=0), tiny_model(seed=1, hidden=32, layers=1)
 
 
-@pytest.mark.parametrize("control", ["delta", "fixed", "thompson"])
+@pytest.mark.parametrize("control", ["fixed", "thompson"])  # delta: every other test
 @pytest.mark.parametrize("tree,drafter,with_model", [
     ("opt", "model", True), ("opt", "recycling+lookup", False), ("eagle2", "model", True), ("chain", "lookup", False),
     ("dyspec", "model", True),
@@ -25,8 +25,8 @@ def pair():
 def test_greedy_output_is_exact_under_every_depth_control(pair, control, tree, drafter, with_model):
     target, draft = pair
     out = opttree.generate(target, PROMPT, draft if with_model else None, tree=tree, drafter=drafter, budget=8,
-                           depth_control=control, max_new_tokens=40, eos_token_id=[])
-    assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 40)), (control, tree, drafter)
+                           depth_control=control, max_new_tokens=32, eos_token_id=[])
+    assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 32)), (control, tree, drafter)
 
 
 def test_sampled_tokens_follow_the_target_distribution_under_thompson():

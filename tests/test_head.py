@@ -35,7 +35,7 @@ def test_greedy_output_is_exact_with_the_head(setup, tree, drafter, with_model):
         assert torch.equal(out.sequences, hf_greedy(target, prompt, 30)), (tree, drafter, prompt.shape)
 
 
-@pytest.mark.parametrize("tree,warp", [("opt", {"temperature": 1.0}), ("dyspec", {"temperature": 0.8, "top_k": 3})])
+@pytest.mark.parametrize("tree,warp", [("dyspec", {"temperature": 0.8, "top_k": 3})])  # sampled children
 def test_sampled_tokens_follow_the_target_distribution(tmp_path, tree, warp):
     target = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=11, init=0.6)
     head = random_head(target, tmp_path)
