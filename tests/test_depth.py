@@ -19,8 +19,7 @@ def pair():
 
 @pytest.mark.parametrize("control", ["fixed", "thompson"])  # delta: every other test
 @pytest.mark.parametrize("tree,drafter,with_model", [
-    ("opt", "model", True), ("opt", "recycling+lookup", False), ("eagle2", "model", True), ("chain", "lookup", False),
-    ("dyspec", "model", True),
+    ("opt", "model", True), ("opt", "recycling+lookup", False), ("dyspec", "model", True),
 ])
 def test_greedy_output_is_exact_under_every_depth_control(pair, control, tree, drafter, with_model):
     target, draft = pair
@@ -32,10 +31,10 @@ def test_greedy_output_is_exact_under_every_depth_control(pair, control, tree, d
 def test_sampled_tokens_follow_the_target_distribution_under_thompson():
     target = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=11, init=0.6)
     draft = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=12, init=0.6)
-    prompt, runs = torch.tensor([[1, 3, 0, 4]]), 1500
-    counts = sample_counts(target, draft, prompt, 3, runs, tree="opt", budget=4, max_depth=3, temperature=1.0,
+    prompt, runs = torch.tensor([[1, 3, 0, 4]]), 1000
+    counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=4, max_depth=2, temperature=1.0,
                            depth_control="thompson")
-    assert chi_square_pvalue(counts, exact_joint(target, prompt, 3), runs) > 1e-3
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 2), runs) > 1e-3
 
 
 def layers_drafted(monkeypatch, *args, **kwargs) -> list[int]:

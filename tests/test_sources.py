@@ -211,7 +211,7 @@ def test_recycling_is_kept_per_target_and_forgotten_on_request(looping_pair):
     assert per_model(target, "recycling-48", lambda: "cold") == "cold"
 
 
-VOCAB, STEPS, RUNS = 5, 3, 1500
+VOCAB, STEPS, RUNS = 5, 3, 1000
 
 
 @pytest.mark.parametrize("drafter,tree,warp", [
