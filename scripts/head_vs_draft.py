@@ -78,7 +78,8 @@ def main() -> None:
 
     result = {
         "windows": f"{len(windows)} x 256 tokens the target wrote from held-out prompts",
-        "draft": {"params": n_params(draft), "top1": draft_agreement(target, draft, windows), "call_ms": call_ms(draft_step)},
+        "draft": {"params": n_params(draft), "top1": draft_agreement(target, draft, windows),
+                  "call_ms": call_ms(draft_step)},
         "head": {"params": n_params(head), **held_out_acceptance(head, target, windows), "call_ms": call_ms(head_step)},
     }
     print(json.dumps(result, indent=1))

@@ -206,8 +206,8 @@ def stream(
     (repetition penalty, suppressed or bad words, minimum length, forced EOS, ...) are applied at every
     node, its EOS ids and stop strings stop generation, and its do_sample / temperature / top_k / top_p /
     max_new_tokens fill in the settings not passed here. `generation_config` replaces the target's and
-    `logits_processor` adds processors, as generate's arguments of those names do. `rules` replaces that preparation (custom_generate passes
-    what transformers prepared)."""
+    `logits_processor` adds processors, as generate's arguments of those names do. `rules` replaces
+    that preparation (custom_generate passes what transformers prepared)."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
     auto_depth = options.get("max_depth") is None

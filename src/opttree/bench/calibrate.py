@@ -523,8 +523,9 @@ def plot_latency(profile: dict, path: Path) -> Path:
 
     lat, machine = profile["latency"], profile["machine"]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    ax.plot(lat["k"], [1000 * t for t in lat["target_s"]], marker=".", label=f"target ({'/'.join(Path(profile['target']).parts[-2:])})")
-    ax.plot(lat["k"], [1000 * t for t in lat["draft_s"]], marker=".", label=f"draft ({'/'.join(Path(profile['draft']).parts[-2:])})")
+    for role in ("target", "draft"):  # the models' folders, not their absolute paths
+        name = "/".join(Path(profile[role]).parts[-2:])
+        ax.plot(lat["k"], [1000 * t for t in lat[f"{role}_s"]], marker=".", label=f"{role} ({name})")
     where = machine.get("cuda") or f"{machine['processor']}, {machine['cpu_count']} CPUs"
     ax.set_title(f"Forward latency by tokens per forward\n{profile['dtype']}, median of "
                  f"{profile['settings']['repeats']} runs; {where}; {profile['date'][:10]}", fontsize=9)
