@@ -34,7 +34,7 @@ SHELL_TAGS = ("bash", "sh", "console")
 SERVER_ADDRESS = "127.0.0.1:8000"  # the README's clients name this address: they need the server
 
 # (pattern, replacement) applied in order to every command and snippet: small sizes, nothing written
-# to the repository. {out}, {port}, {target}, {draft} are filled in per run.
+# to the repository. {out}, {port}, {target}, {draft}, {head} are filled in per run.
 SUBSTITUTIONS = [
     (r"--max-new-tokens \d+", "--max-new-tokens 8"),                      # generation length
     (r"max_new_tokens=\d+", "max_new_tokens=8"),
@@ -47,7 +47,7 @@ SUBSTITUTIONS = [
     (r"opttree calibrate ", "opttree calibrate --limit 1 --max-tokens 4 --repeats 1 --context 16 --max-new-tokens 8 "
                             "--budgets 2 --deltas 0.6 --no-progress "),
     (r"--out runs/", "--out {out}/runs/"),                                # outputs in a temporary folder
-    (r"--head runs/head/final", "--head src/opttree/models/head"),        # the shipped head stands for yours
+    (r"runs/head/final", "{head}"),                                       # an untrained head stands for yours
     (r"(?<=opttree calibrate )(?!.*--out)", "--out {out}/calibration "),  # calibrate writes ./calibration by default
     (r"--port 8000", "--port {port}"),
     (re.escape(SERVER_ADDRESS), "127.0.0.1:{port}"),
@@ -132,8 +132,14 @@ ITEMS = readme_items(README.read_text(encoding="utf-8"))
 
 @pytest.fixture(scope="module")
 def values(tmp_path_factory):
+    from opttree.drafters.head import FeatureHead, head_config
+    from opttree.train.distill import load_target
+
     target, draft = demo_paths()
-    return dict(out=tmp_path_factory.mktemp("readme-out"), port=free_port(), target=target, draft=draft)
+    out = tmp_path_factory.mktemp("readme-out")
+    shipped = load_target(target)  # a random head for the shipped target: exact output, a head's cost
+    head = FeatureHead(head_config(shipped)).save(out / "head", shipped)
+    return dict(out=out, port=free_port(), target=target, draft=draft, head=head)
 
 
 @pytest.fixture(scope="module")

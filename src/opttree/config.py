@@ -26,7 +26,7 @@ class SpecConfig:
     tree: str = "opt"  # tree policy name (see opttree.policies.available())
     drafter: str | None = None  # draft sources joined by "+" (None: "model" with a draft, else "recycling+lookup")
     datastore: str | None = None  # folder of `opttree datastore build`, for the `datastore` source
-    head: str | None = None  # folder of `opttree train head`, for the `head` source (None: the shipped target's)
+    head: str | None = None  # folder of `opttree train head`, for the `head` source
     budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
     delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
     max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most

@@ -84,12 +84,14 @@ def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
     parser.add_argument("--head", help="a folder from `opttree train head`: the EAGLE-style feature head for the "
-                        "'head' source (default: the shipped target's own); given alone it means --drafter head")
+                        "'head' source; given alone it means --drafter head")
 
 
 def uses_draft_model(args) -> bool:
     """Whether the --drafter spec drafts with a draft model (the default does when one is at hand)."""
-    drafter = getattr(args, "drafter", None) or ("head" if getattr(args, "head", None) else None)
+    drafter = getattr(args, "drafter", None)
+    if drafter is None and hasattr(args, "drafter") and getattr(args, "head", None):
+        drafter = "head"  # --head alone means --drafter head (bench has no --drafter: its methods name sources)
     return drafter is None or "model" in source_names(drafter)
 
 

@@ -32,6 +32,8 @@ def register(subparsers) -> None:
                        f"profile's, else {DEFAULT_DELTA})")
     bench.add_argument("--max-depth", type=int, help=f"(default: {DEFAULT_MAX_DEPTH} with a draft model, else the budget)")
     add_draft_temperature_arg(bench)
+    bench.add_argument("--head", help="a folder from `opttree train head`, for the methods whose draft sources "
+                       "include 'head' (opt:head, opt:head+lookup, ...)")
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
     bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     bench.add_argument("--per-category", type=int, help="at most this many prompts of each category")
@@ -175,7 +177,8 @@ def cmd_bench(args) -> int:
     specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen))
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
-                        eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft))
+                        eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
+                        head=args.head)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)

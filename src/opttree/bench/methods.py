@@ -42,6 +42,7 @@ class Settings:
     max_depth: int | None = None  # None: 8 with a draft model, else the budget (engine default)
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
+    head: str | None = None  # the feature head's folder, for the methods whose sources include `head`
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
     )
+    if drafter and "head" in source_names(drafter):
+        options["head"] = settings.head
     if spec.budget is not None:
         options["budget"] = spec.budget
     options.update(profile_options(target, draft, policy, settings.temperature))

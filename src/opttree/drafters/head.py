@@ -43,17 +43,6 @@ def head_config(target: PreTrainedModel) -> LlamaConfig:
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "models" / "head"
-
-
-def shipped_head(target: PreTrainedModel) -> Path | None:
-    """The shipped head's folder if `target` is the shipped target (the one it was trained for), else None."""
-    if not (SHIPPED_HEAD / "head.json").is_file():
-        return None
-    meta = json.loads((SHIPPED_HEAD / "head.json").read_text())
-    return SHIPPED_HEAD if _same_target(meta["target"], target_fingerprint(target)) else None
-
-
 def _same_target(expected: dict, found: dict) -> bool:
     same_shape = all(expected[k] == found[k] for k in ("model_type", "hidden_size", "vocab"))
     return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2

@@ -108,9 +108,9 @@ register_source("datastore", distribution=False)(_datastore)
 
 
 def _head(context: SourceContext):
-    from .head import HeadDrafter, load_head, shipped_head
+    from .head import HeadDrafter, load_head
 
-    folder = context.config.head or shipped_head(context.target)
+    folder = context.config.head
     if folder is None:
         raise ValueError("drafter 'head' needs a feature head trained for this target: head=DIR / --head DIR "
                          "(train one with `opttree train head --target PATH --out DIR`)")
