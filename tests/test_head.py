@@ -52,8 +52,9 @@ def test_the_head_gets_the_targets_features_of_every_committed_token(setup):
     seen = []
     original = HeadDrafter.root
 
-    def spy(self, committed):
-        seen.append((committed.clone(), self.features.clone()))
+    def spy(self, committed):  # the features handed over since the last step, accumulated
+        handed = self.pending.clone() if not seen else torch.cat([seen[-1][1], self.pending])
+        seen.append((committed.clone(), handed))
         return original(self, committed)
 
     HeadDrafter.root = spy

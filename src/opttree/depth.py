@@ -29,7 +29,7 @@ class DepthControl(Protocol):
 
 
 class PolicyDepth:
-    """`delta` and `fixed`: no limit beyond the policy's own (fixed runs the policy with delta 0)."""
+    """`delta` and `fixed`: no limit beyond the policy's own (under `fixed`, OPT-Tree skips its delta stop)."""
 
     def limit(self) -> int | None:
         return None

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
 # Building the parsers imports no torch (`opttree --help` stays fast); the other functions import it lazily.
-DTYPES = DTYPE_NAMES
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -42,10 +41,10 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that decodes (kebab-case versions of SpecConfig's fields)."""
     parser.add_argument("--target", help="target model directory (default: the shipped pair)")
     parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
-    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPE_NAMES)], default="auto",
                         help="weights and activations; float32 is the exactness reference; 'auto' measures which of "
                         "bfloat16 / float32 makes a tree step faster on this machine (cached) (default: auto)")
-    parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
                         "('auto' = cuda when available, else cpu) (default: auto)")

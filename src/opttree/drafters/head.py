@@ -120,26 +120,27 @@ class HeadDrafter:
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = new_cache()
         self.fed = 0  # positions 0..fed-1 are in the cache; position t holds (f[t-1], token t), f[-1] = 0
-        self.features = torch.empty(0, self.head.config.hidden_size, device=self.device)  # (F, H): f[0..F-1]
+        # (P, H) the target's features not fed yet: f[fed-1..] (f[0..] before the first step)
+        self.pending = torch.empty(0, self.head.config.hidden_size, device=self.device)
 
     def seed_hidden(self, hidden: torch.Tensor) -> None:
         """The prompt's features (T - 1, H), from the target's prefill."""
-        self.features = hidden.detach().to(self.device)
+        self.pending = hidden.detach().to(self.device)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.fed)  # drop the last tree's nodes (they were fed predicted features)
         committed = committed.to(self.device)
         root = committed.shape[0] - 1
-        assert self.features.shape[0] >= root, "the target's features of every committed token are needed"
         first = self.fed  # positions first..root get the target's true features; the last predicts f[root]
-        features = self.features[max(first - 1, 0) : root]  # (R or R - 1, H): f[first-1..root-1]
+        features = self.pending  # f[first-1..root-1]
         if first == 0:  # position 0 has no feature before it
             features = torch.cat([features.new_zeros(1, features.shape[1]), features])
+        assert features.shape[0] == root + 1 - first, "the target's features of every committed token are needed"
         new = root + 1 - first
         allowed = torch.ones(new, root + 1, dtype=torch.bool, device=self.device)
         allowed[:, first:] = allowed[:, first:].tril()
         predicted = self._run(features, committed[first:], torch.arange(first, root + 1, device=self.device), allowed)
-        self.fed = root + 1
+        self.fed, self.pending = root + 1, self.pending[:0]
         self.slot_features = predicted[-1:]  # (1, H): row 0 = the root, row s + 1 = slot s
         self.slots = SlotTree(self.device)
         return self._log_probs(predicted[-1])
@@ -156,7 +157,7 @@ class HeadDrafter:
 
     def observe(self, result: Verification) -> None:
         """The target's features of the tokens this step committed (the root and the accepted nodes)."""
-        self.features = torch.cat([self.features, result.accepted_hidden.to(self.device, self.features.dtype)])
+        self.pending = torch.cat([self.pending, result.accepted_hidden.to(self.device, self.pending.dtype)])
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:
