@@ -11,6 +11,7 @@ from . import threads
 
 threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
+from .names import TRAINED_SOURCES  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
     add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options, used_draft,
 )
@@ -43,9 +44,10 @@ def check_flags(args) -> None:
                              f"(--drafter model+{drafter}) or leave --draft out")
         if getattr(args, "tree", None) == "ar":
             raise ValueError(f"--tree ar drafts nothing: --drafter {drafter} does not apply")
-        if getattr(args, "head", None) and "head" not in names:
-            raise ValueError(f"--head is given but --drafter {drafter} does not use it: add 'head' (--drafter "
-                             f"head+{drafter}) or leave --head out")
+        for source, option in TRAINED_SOURCES.items():
+            if getattr(args, option, None) and source not in names:
+                raise ValueError(f"--{source} is given but --drafter {drafter} does not use it: add '{source}' "
+                                 f"(--drafter {source}+{drafter}) or leave --{source} out")
     out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
     if out is not None and __import__("os").path.isfile(out):
         raise ValueError(f"--out {out}: is a file; pass a directory (created if missing)")

@@ -10,7 +10,7 @@ DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8
 # Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
 MIN_TEMPERATURE = 1e-4
-DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson")  # opttree.depth.DEPTH_CONTROLS
+DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson", "predictor")  # opttree.depth.DEPTH_CONTROLS
 
 
 def check_acceptance(acc) -> tuple[float, ...]:
@@ -27,6 +27,7 @@ class SpecConfig:
     drafter: str | None = None  # draft sources joined by "+" (None: "model" with a draft, else "recycling+lookup")
     datastore: str | None = None  # folder of `opttree datastore build`, for the `datastore` source
     head: str | None = None  # folder of `opttree train head`, for the `head` source
+    early_exit: str | None = None  # folder of `opttree train early-exit`, for the `early-exit` source
     budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
     delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
     max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
@@ -37,7 +38,8 @@ class SpecConfig:
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
-    depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson (opttree.depth)
+    depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.depth)
+    length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:

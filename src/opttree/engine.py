@@ -15,7 +15,7 @@ from .cache import check_model, compact, context_window, last_logits_only, new_c
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
-from .depth import make_depth_control
+from .depth import DepthControl, make_depth_control
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources
@@ -91,11 +91,14 @@ class Generation:
         config: SpecConfig,
         stopper: Stopper,
         processors: tuple = (),
+        depth: DepthControl | None = None,
     ):
         self.target, self.drafter, self.policy, self.config, self.stopper = target, drafter, policy, config, stopper
         self.processors = processors  # the generation_config's logits processors, applied per node
-        self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))  # a drafter that reads the target
-        self.depth = make_depth_control(config)  # how deep each step drafts
+        self.depth = depth or make_depth_control(config, target)  # how deep each step drafts
+        self.drafter_reads = bool(getattr(drafter, "wants_hidden", False))  # a drafter that reads the target
+        self.wants_hidden = self.drafter_reads or bool(getattr(self.depth, "wants_hidden", False))
+        self.feature: torch.Tensor | None = None  # (H,) the target's last-layer state at the last token it ran
         self.device = model_device(target)  # every tensor of the loop lives here
         self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
@@ -136,8 +139,12 @@ class Generation:
                               output_hidden_states=self.wants_hidden, **last_logits_only(self.target, rows))
             if seed_rows:
                 self.drafter.seed(prefix[-rows:], out.logits[0, -rows:])  # (rows,), (rows, V)
+            if self.drafter_reads:
+                self.drafter.seed_hidden(tuple(h[0] for h in out.hidden_states))  # ((T - 1, H),) per layer
             if self.wants_hidden:
-                self.drafter.seed_hidden(out.hidden_states[-1][0])  # (T - 1, H) the prompt's features
+                self.feature = out.hidden_states[-1][0, -1]  # (H,)
+        if hasattr(self.drafter, "share_target_cache"):  # a self-drafter runs the target's first layers
+            self.drafter.share_target_cache(cache)
         return cache
 
     def _step(self, cache: DynamicCache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
@@ -146,13 +153,14 @@ class Generation:
         prefix_len = self.committed.shape[0] - 1
         t0 = phases.mark()
         # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
-        depth_limit = min(self.stopper.remaining - 1, self.depth.limit() or self.stopper.remaining)
+        depth_limit = min(self.stopper.remaining - 1, self.depth.limit(self.committed[-1], self.feature)
+                          or self.stopper.remaining)
         tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
         logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden)
-        logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), (N+1, H)
+        logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), ((N+1, H),) per layer
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
         # 3. accept: the longest branch the target agrees with, plus its bonus token
@@ -160,8 +168,11 @@ class Generation:
         # 4. compact both caches to the root + accepted path
         compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
         t3 = phases.mark()
+        result = Verification(self.committed[-1], tree, logits, accepted, bonus, hidden)
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
-            drafter.observe(Verification(self.committed[-1], tree, logits, accepted, bonus, hidden))
+            drafter.observe(result)
+        if self.wants_hidden:
+            self.feature = result.accepted_hidden()[-1]  # (H,) at the last accepted token
         t4 = phases.mark()
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
         chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
@@ -192,6 +203,7 @@ def stream(
     logits_processor=None,
     generation_config=None,
     rules: Rules | None = None,
+    depth: DepthControl | None = None,
     **options,
 ) -> Generation:
     """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
@@ -207,7 +219,8 @@ def stream(
     node, its EOS ids and stop strings stop generation, and its do_sample / temperature / top_k / top_p /
     max_new_tokens fill in the settings not passed here. `generation_config` replaces the target's and
     `logits_processor` adds processors, as generate's arguments of those names do. `rules` replaces
-    that preparation (custom_generate passes what transformers prepared)."""
+    that preparation (custom_generate passes what transformers prepared); `depth` replaces the depth
+    control `depth_control` names (`opttree train length-predictor` records the steps with one)."""
     input_ids, mask = prompt_and_mask(input_ids)
     ids = _prompt_ids(input_ids, target)
     auto_depth = options.get("max_depth") is None
@@ -236,7 +249,7 @@ def stream(
     if rules.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
     stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, tokenizer)
-    return Generation(target, ids, drafter, policy, config, stopper, rules.processors)
+    return Generation(target, ids, drafter, policy, config, stopper, rules.processors, depth)
 
 
 def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):

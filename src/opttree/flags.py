@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import config as defaults
 from .config import DEPTH_CONTROL_NAMES
-from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES
+from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, TRAINED_HELP, TRAINED_SOURCES
 
 if TYPE_CHECKING:
     import torch
@@ -69,10 +69,12 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
     parser.add_argument("--max-depth", type=int, help=f"draft layers at most (default: {defaults.DEFAULT_MAX_DEPTH} with a "
                         "draft model, else the budget)")
-    parser.add_argument("--depth-control", choices=DEPTH_CONTROL_NAMES, default="delta",
+    parser.add_argument("--depth-control", choices=DEPTH_CONTROL_NAMES,
                         help="how deep each step drafts: delta (the policy's own rule), fixed (max-depth layers "
-                        "every step), thompson (EESD: a Beta posterior over acceptance, sampled each step) "
-                        "(default: %(default)s)")
+                        "every step), thompson (EESD: a Beta posterior over acceptance, sampled each step), "
+                        "predictor (AdaEAGLE: a trained network predicts the accepted length; needs "
+                        "--length-predictor) (default: delta, or predictor with --length-predictor)")
+    add_length_predictor_arg(parser)
     add_drafter_arg(parser)
     add_draft_temperature_arg(parser)
 
@@ -82,16 +84,27 @@ def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
                         "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
-    parser.add_argument("--head", help="a folder from `opttree train head`: the EAGLE-style feature head for the "
-                        "'head' source; given alone it means --drafter head")
+    for source, option in TRAINED_SOURCES.items():
+        parser.add_argument(f"--{source}", dest=option, help=f"{TRAINED_HELP[source]} for the '{source}' source; "
+                            f"given alone it means --drafter {source}")
 
 
 def uses_draft_model(args) -> bool:
     """Whether the --drafter spec drafts with a draft model (the default does when one is at hand)."""
     drafter = getattr(args, "drafter", None)
-    if drafter is None and hasattr(args, "drafter") and getattr(args, "head", None):
-        drafter = "head"  # --head alone means --drafter head (bench has no --drafter: its methods name sources)
+    if drafter is None and hasattr(args, "drafter"):  # bench has no --drafter: its methods name sources
+        drafter = trained_source_given(args)  # --head alone means --drafter head
     return drafter is None or "model" in source_names(drafter)
+
+
+def add_length_predictor_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--length-predictor", help="a folder from `opttree train length-predictor`: AdaEAGLE's draft "
+                        "length predictor, for the 'predictor' depth control")
+
+
+def trained_source_given(args) -> str | None:
+    """The first source whose trained part's folder is given (--head, --early-exit), else None."""
+    return next((source for source, option in TRAINED_SOURCES.items() if getattr(args, option, None)), None)
 
 
 def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
@@ -209,11 +222,13 @@ def tree_options(args, target, draft) -> dict:
     if chosen.get("tree") == "ar":
         print(f"opttree: plain decoding (--tree ar): the calibration profile of this pair on this machine says "
               f"{chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
-    drafter = args.drafter or ("head" if args.head else chosen.get("drafter"))
+    drafter = args.drafter or trained_source_given(args) or chosen.get("drafter")
     if drafter and args.datastore and "datastore" not in source_names(drafter):
         drafter += "+datastore"
-    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore, head=args.head,
-                   depth_control=args.depth_control, max_depth=args.max_depth,
+    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore,
+                   **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
+                   depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
+                   length_predictor=args.length_predictor, max_depth=args.max_depth,
                    delta=defaults.DEFAULT_DELTA)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft, drafter)

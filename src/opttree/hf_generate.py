@@ -50,7 +50,7 @@ class CustomGenerate:
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, assistant_model=None, streamer=None, tree=None,
                  drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
-                 head=None, depth_control=None, seed=None, **model_kwargs):
+                 head=None, early_exit=None, depth_control=None, length_predictor=None, seed=None, **model_kwargs):
         unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
         if unknown:
             raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
@@ -64,7 +64,8 @@ class CustomGenerate:
         if asked:
             raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")
         options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
-                       draft_temperature=draft_temperature, datastore=datastore, head=head, depth_control=depth_control)
+                       draft_temperature=draft_temperature, datastore=datastore, head=head, early_exit=early_exit,
+                       depth_control=depth_control, length_predictor=length_predictor)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])

@@ -5,5 +5,9 @@ truth; tests/test_imports.py checks that these lists match them."""
 
 BUILTIN_POLICIES = ("ar", "chain", "dyspec", "eagle2", "opt", "recycling-template", "sequoia", "static", "static-k2",
                     "static-k3")
-BUILTIN_SOURCES = ("datastore", "head", "lookup", "model", "recycling")
+BUILTIN_SOURCES = ("datastore", "early-exit", "head", "lookup", "model", "recycling")
+# The sources that load a trained part: source name -> the option (SpecConfig field, --flag) naming its folder.
+TRAINED_SOURCES = {"head": "head", "early-exit": "early_exit"}
+TRAINED_HELP = {"head": "a folder from `opttree train head`: the EAGLE-style feature head",
+                "early-exit": "a folder from `opttree train early-exit`: the target's first layers and a trained exit layer"}
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}

@@ -25,17 +25,19 @@ class Verification:
     logits: torch.Tensor  # (N + 1, V) the target's logits at [root] + nodes
     accepted: torch.Tensor  # (A,) accepted node indices, root to leaf
     bonus: torch.Tensor  # () the target's token after the accepted path
-    # (N + 1, H) the target's last hidden states at [root] + nodes, for a drafter that reads the target
-    # (`wants_hidden = True`; None otherwise). `accepted_hidden` gives the rows of the committed path.
-    hidden: torch.Tensor | None = None
+    # The target's hidden states at [root] + nodes, one (N + 1, H) tensor per layer as transformers
+    # numbers them (0 = the embeddings, -1 = the last layer's output), for a drafter or a depth control
+    # that reads the target (`wants_hidden = True`; None otherwise).
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
-    @property
-    def accepted_hidden(self) -> torch.Tensor:
-        """(A + 1, H) the target's hidden states at the root and the accepted nodes: the features of the
-        tokens this step committed (the bonus has none yet: the next verification computes it)."""
-        assert self.hidden is not None, "the drafter did not ask for hidden states (wants_hidden = True)"
+    def accepted_hidden(self, layer: int = -1) -> torch.Tensor:
+        """(A + 1, H) the target's hidden states of `layer` at the root and the accepted nodes: the
+        features of the tokens this step committed (the bonus has none yet: the next verification
+        computes it)."""
+        assert self.hidden_states is not None, "nothing asked for hidden states (wants_hidden = True)"
+        hidden = self.hidden_states[layer]
         rows = torch.cat([torch.zeros(1, dtype=torch.long, device=self.accepted.device), self.accepted + 1])
-        return self.hidden[rows.to(self.hidden.device)]
+        return hidden[rows.to(hidden.device)]
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -64,7 +66,7 @@ def masked_forward(
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
     input_ids: (Q,), positions: (Q,), allowed: (Q, cache_len + Q) bool, True = attend.
-    Returns logits (Q, V); with `hidden`, (logits, the last hidden states (Q, H)).
+    Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)).
     """
     with masked_attention_kernels(allowed.device):
         out = model(
@@ -75,7 +77,7 @@ def masked_forward(
             use_cache=True,
             output_hidden_states=hidden,
         )
-    return (out.logits[0], out.hidden_states[-1][0]) if hidden else out.logits[0]  # (Q, V), (Q, H)
+    return (out.logits[0], tuple(h[0] for h in out.hidden_states)) if hidden else out.logits[0]  # (Q, V), ((Q, H),)
 
 
 def attention_bias(model, allowed: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ def verify_tree(
 ):
     """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
     call and `prefix_len + N + 1` after it. Returns logits (N + 1, V): row 0 = root; with `hidden`,
-    (logits, last hidden states (N + 1, H))."""
+    (logits, every layer's hidden states ((N + 1, H), ...))."""
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
     allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
     return masked_forward(target, cache, tokens, position_ids(tree.depths, prefix_len), allowed, hidden)

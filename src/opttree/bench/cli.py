@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
+from ..names import TRAINED_HELP, TRAINED_SOURCES
 
 BENCH_METHODS = "all"
 BENCH_BUDGETS = "4,8,16"
 
 
 def register(subparsers) -> None:
-    from ..flags import add_decoding_args, add_draft_temperature_arg
+    from ..flags import add_decoding_args, add_draft_temperature_arg, add_length_predictor_arg
 
     bench = subparsers.add_parser("bench", help="speed of opttree's tree policies and transformers' peers, "
                                   "side by side on your prompts (results.json, tables, plots)")
@@ -32,8 +33,10 @@ def register(subparsers) -> None:
                        f"profile's, else {DEFAULT_DELTA})")
     bench.add_argument("--max-depth", type=int, help=f"(default: {DEFAULT_MAX_DEPTH} with a draft model, else the budget)")
     add_draft_temperature_arg(bench)
-    bench.add_argument("--head", help="a folder from `opttree train head`, for the methods whose draft sources "
-                       "include 'head' (opt:head, opt:head+lookup, ...)")
+    for source, option in TRAINED_SOURCES.items():
+        bench.add_argument(f"--{source}", dest=option, help=f"{TRAINED_HELP[source]}, for the methods whose draft "
+                           f"sources include '{source}' (opt:{source}, opt:{source}+lookup, ...)")
+    add_length_predictor_arg(bench)
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
     bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     bench.add_argument("--per-category", type=int, help="at most this many prompts of each category")
@@ -178,7 +181,8 @@ def cmd_bench(args) -> int:
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
-                        head=args.head)
+                        trained={option: getattr(args, option) for option in
+                                 (*TRAINED_SOURCES.values(), "length_predictor")})
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
 from ..config import DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
+from ..names import TRAINED_SOURCES
 from ..engine import generate
 from ..policies import available, make_policy
 
@@ -42,7 +43,7 @@ class Settings:
     max_depth: int | None = None  # None: 8 with a draft model, else the budget (engine default)
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
-    head: str | None = None  # the feature head's folder, for the methods whose sources include `head`
+    trained: dict = field(default_factory=dict)  # TRAINED_SOURCES' options: the folders of trained parts (head=...)
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,11 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
     )
-    if drafter and "head" in source_names(drafter):
-        options["head"] = settings.head
+    for source, option in TRAINED_SOURCES.items():
+        if drafter and source in source_names(drafter):
+            options[option] = settings.trained.get(option)
+    if depth_control == "predictor":
+        options["length_predictor"] = settings.trained.get("length_predictor")
     if spec.budget is not None:
         options["budget"] = spec.budget
     options.update(profile_options(target, draft, policy, settings.temperature))

@@ -4,7 +4,7 @@ The target's last hidden state at position t-1 ("feature" f[t-1], what its LM he
 distribution of token t) and the embedding of token t go through one linear layer and one decoder
 layer to predict f[t]; the target's own (frozen) LM head turns the prediction into the draft's
 distribution of token t+1. Committed positions use the target's true features, which every
-verification returns (`Verification.hidden`); tree nodes below the root use the head's own predicted
+verification returns (`Verification.hidden_states`); tree nodes below the root use the head's own predicted
 features, the parent's prediction feeding the child. EAGLE-1's recipe (feature regression plus the
 target's distribution as a soft label) trains it: `opttree train head`.
 
@@ -43,7 +43,7 @@ def head_config(target: PreTrainedModel) -> LlamaConfig:
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def _same_target(expected: dict, found: dict) -> bool:
+def same_target(expected: dict, found: dict) -> bool:
     same_shape = all(expected[k] == found[k] for k in ("model_type", "hidden_size", "vocab"))
     return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2
 
@@ -94,7 +94,7 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> FeatureHead:
                          "train one with `opttree train head --target PATH --out DIR`)")
     meta = json.loads((folder / "head.json").read_text())
     expected, found = meta["target"], target_fingerprint(target)
-    if not _same_target(expected, found):
+    if not same_target(expected, found):
         raise ValueError(f"head={str(folder)!r} was trained for another target ({expected['model_type']}, hidden "
                          f"{expected['hidden_size']}, vocabulary {expected['vocab']}); this target is "
                          f"{found['model_type']}, hidden {found['hidden_size']}, vocabulary {found['vocab']}"
@@ -123,9 +123,10 @@ class HeadDrafter:
         # (P, H) the target's features not fed yet: f[fed-1..] (f[0..] before the first step)
         self.pending = torch.empty(0, self.head.config.hidden_size, device=self.device)
 
-    def seed_hidden(self, hidden: torch.Tensor) -> None:
-        """The prompt's features (T - 1, H), from the target's prefill."""
-        self.pending = hidden.detach().to(self.device)
+    def seed_hidden(self, hidden_states: tuple[torch.Tensor, ...]) -> None:
+        """The prompt's hidden states ((T - 1, H) per layer), from the target's prefill: the last layer's
+        are its features."""
+        self.pending = hidden_states[-1].detach().to(self.device)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.fed)  # drop the last tree's nodes (they were fed predicted features)
@@ -157,7 +158,7 @@ class HeadDrafter:
 
     def observe(self, result: Verification) -> None:
         """The target's features of the tokens this step committed (the root and the accepted nodes)."""
-        self.pending = torch.cat([self.pending, result.accepted_hidden.to(self.device, self.pending.dtype)])
+        self.pending = torch.cat([self.pending, result.accepted_hidden().to(self.device, self.pending.dtype)])
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              allowed: torch.Tensor) -> torch.Tensor:

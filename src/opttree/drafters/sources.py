@@ -120,6 +120,19 @@ def _head(context: SourceContext):
 register_source("head", distribution=True)(_head)
 
 
+def _early_exit(context: SourceContext):
+    from .early_exit import EarlyExitDrafter, load_early_exit
+
+    folder = context.config.early_exit
+    if folder is None:
+        raise ValueError("drafter 'early-exit' needs an exit layer trained for this target: early_exit=DIR / "
+                         "--early-exit DIR (train one with `opttree train early-exit --target PATH --layers L`)")
+    return EarlyExitDrafter(load_early_exit(folder, context.target), context.target, context.vocab)
+
+
+register_source("early-exit", distribution=True)(_early_exit)
+
+
 class TrieDrafter:
     """A candidate source as the step's only distribution source: a node's children get
     log(child score) - log(node score) for the trie's continuations, -inf for every other token."""
@@ -169,6 +182,8 @@ class DrafterCandidates:
         self.wants_hidden = getattr(drafter, "wants_hidden", False)
         if self.wants_hidden:
             self.seed_hidden = drafter.seed_hidden
+        if hasattr(drafter, "share_target_cache"):
+            self.share_target_cache = drafter.share_target_cache
 
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
         from ..policies.opt import OptTree  # policies import drafters: imported when first used
@@ -197,10 +212,15 @@ class Sources:
             if getattr(source, "prompt_rows", 0):
                 source.seed(tokens[-source.prompt_rows :], logits[-source.prompt_rows :])
 
-    def seed_hidden(self, hidden: torch.Tensor) -> None:
+    def seed_hidden(self, hidden_states: tuple[torch.Tensor, ...]) -> None:
         for source in [self.first, *self.candidates]:
             if getattr(source, "wants_hidden", False):
-                source.seed_hidden(hidden)
+                source.seed_hidden(hidden_states)
+
+    def share_target_cache(self, cache) -> None:
+        for source in [self.first, *self.candidates]:
+            if hasattr(source, "share_target_cache"):
+                source.share_target_cache(cache)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         self.root_logq = self.first.root(committed)  # (V,)
@@ -254,7 +274,7 @@ def default_max_depth(config, has_draft: bool) -> int:
     costs a draft forward); otherwise the budget, at least 8: recycled and retrieved layers cost no
     forward pass, and a retrieved copy is as long as the budget lets it be (measured: README)."""
     spec = config.drafter or default_drafter(has_draft, config.datastore is not None)
-    if {"model", "head"} & set(source_names(spec)):  # a layer costs a forward of the draft model / the head
+    if {"model", "head", "early-exit"} & set(source_names(spec)):  # a layer costs a forward of a network
         return DEFAULT_MAX_DEPTH
     return max(DEFAULT_MAX_DEPTH, config.budget)
 

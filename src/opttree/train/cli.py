@@ -126,16 +126,12 @@ def cmd_draft(args) -> None:
     _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
 
 
-def cmd_head(args) -> None:
-    """A feature head for --target: the target writes the training text, the head learns its features."""
+def _written(target, tok, args) -> dict:
+    """{"train", "heldout"}: text the target wrote from corpus prompts (cached in RUN_DIR/data)."""
     import numpy as np
 
-    from .distill import load_target
-    from .head import train_head, written_text
-    from .tokenizer import load_tokenizer
+    from .head import written_text
 
-    tok = load_tokenizer(args.target)
-    target = load_target(args.target)
     data = args.run_dir / "data"
     train, heldout = _tokens(tok, args, data)
     written = {}
@@ -148,9 +144,75 @@ def cmd_head(args) -> None:
             np.save(cache, tokens)
             _log(f"the target wrote {texts} {split} texts, {len(tokens):,} tokens, in {time.perf_counter() - t0:.0f}s")
         written[split] = np.load(cache)
+    return written
+
+
+def cmd_head(args) -> None:
+    """A feature head for --target: the target writes the training text, the head learns its features."""
+    from .distill import load_target
+    from .head import train_head
+    from .tokenizer import load_tokenizer
+
+    target = load_target(args.target)
+    written = _written(target, load_tokenizer(args.target), args)
     out = args.out or args.run_dir / "final"
     _, metrics = train_head(target, written["train"], written["heldout"], _train_config(args), out,
                             args.cls_weight, _log)
+    _log(f"saved {out}: {json.dumps(metrics)}")
+
+
+def cmd_early_exit(args) -> None:
+    """An EESD exit layer after the target's first --layers layers, self-distilled on text the target writes."""
+    from .distill import load_target
+    from .early_exit import train_early_exit
+    from .tokenizer import load_tokenizer
+
+    target = load_target(args.target)
+    written = _written(target, load_tokenizer(args.target), args)
+    out = args.out or args.run_dir / "final"
+    _, metrics = train_early_exit(target, args.layers, written["train"], written["heldout"], _train_config(args),
+                                  out, _log)
+    _log(f"saved {out}: {json.dumps(metrics)}")
+
+
+def cmd_length(args) -> None:
+    """AdaEAGLE's length predictor for --target: logged fixed-depth runs, then a small MLP fitted to them."""
+    import numpy as np
+    import torch
+
+    from .distill import load_target
+    from .length import fit_length_predictor, logged_steps, save_predictor
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target)
+    draft = load_target(args.draft) if args.draft else None
+    train, heldout = _tokens(tok, args, args.run_dir / "data")
+    drafter = args.drafter or ("model" if draft is not None else "recycling+lookup")
+    options = dict(tree=args.tree, drafter=drafter, budget=args.budget, max_depth=args.max_depth,
+                   max_new_tokens=args.new_tokens, temperature=args.temperature, eos_token_id=tok.eos_token_id,
+                   **{k: v for k, v in (("head", args.head), ("early_exit", args.early_exit)) if v})
+    rng = np.random.default_rng(args.seed)
+    logged = {}
+    for split, corpus, count in (("train", train, args.prompts), ("heldout", heldout, max(args.prompts // 4, 8))):
+        cache = args.run_dir / f"steps_{split}.pt"
+        if not cache.exists():
+            starts = rng.integers(0, len(corpus) - args.prompt_len, count)
+            prompts = [torch.from_numpy(corpus[s : s + args.prompt_len].astype(np.int64)) for s in starts]
+            t0 = time.perf_counter()
+            steps = logged_steps(target, draft, prompts, options, f"{split} runs")
+            torch.save(steps, cache)
+            _log(f"{split}: {count} prompts, {steps['accepted'].numel():,} full-depth steps logged in "
+                 f"{time.perf_counter() - t0:.0f}s (mean accepted {steps['accepted'].float().mean():.2f})")
+        logged[split] = torch.load(cache)
+    t0 = time.perf_counter()
+    predictor, metrics = fit_length_predictor(target, logged["train"], logged["heldout"], args.max_depth,
+                                              epochs=args.epochs, seed=args.seed, log=_log)
+    metrics = {**metrics, "fit_s": round(time.perf_counter() - t0, 1),
+               "params": sum(p.numel() for p in predictor.parameters())}
+    out = args.out or args.run_dir / "final"
+    save_predictor(predictor, target, out, about={"metrics": metrics, "logged_with": {
+        k: v for k, v in options.items() if k not in ("eos_token_id",)}})
     _log(f"saved {out}: {json.dumps(metrics)}")
 
 
@@ -310,6 +372,38 @@ def register(subparsers) -> None:
                    "regression (default: 0.1)")
     _add_train_args(p, lr=1e-3, batch_size=8)
     p.set_defaults(func=cmd_head, seq_len=256, eval_every=100, eval_windows=32)
+
+    p = sub.add_parser("early-exit", help="an EESD exit layer after the target's first L layers (drafter "
+                       "'early-exit'), self-distilled on text the target writes")
+    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
+    p.add_argument("--layers", type=int, required=True, help="draft with the target's first L layers")
+    p.add_argument("--out", type=Path, default=None, help="where the exit layer is saved (default: RUN_DIR/final)")
+    p.add_argument("--texts", type=int, default=256, help="texts the target writes for training (default: 256)")
+    _add_train_args(p, lr=5e-4, batch_size=8)
+    p.set_defaults(func=cmd_early_exit, seq_len=256, eval_every=100, eval_windows=32)
+
+    p = sub.add_parser("length-predictor", help="AdaEAGLE's draft length predictor (--depth-control predictor), "
+                       "fitted to accepted lengths logged from fixed-depth runs")
+    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
+    p.add_argument("--draft", type=Path, default=None, help="draft model dir, for drafters with 'model'")
+    p.add_argument("--drafter", default=None, help="draft sources of the logged runs (default: model with --draft, "
+                   "else recycling+lookup)")
+    p.add_argument("--head", default=None, help="feature head folder, for a drafter with 'head'")
+    p.add_argument("--early-exit", dest="early_exit", default=None, help="exit layer folder, for 'early-exit'")
+    p.add_argument("--tree", default="opt", help="tree policy of the logged runs (default: opt)")
+    p.add_argument("--budget", type=int, default=16, help="draft nodes per step (default: 16)")
+    p.add_argument("--max-depth", type=int, default=8, help="the fixed depth D of the logged runs; the predictor "
+                   "predicts 0..D accepted tokens (default: 8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the logged runs (default: 0)")
+    p.add_argument("--prompts", type=int, default=160, help="training prompts (held-out: a quarter as many)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
+    p.add_argument("--epochs", type=int, default=60)
+    p.add_argument("--run-dir", type=Path, required=True, help="logged steps and final/ go here")
+    p.add_argument("--out", type=Path, default=None, help="where the predictor is saved (default: RUN_DIR/final)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_corpus_args(p)
+    p.set_defaults(func=cmd_length)
 
     p = sub.add_parser("pair", help="tokenizer + target + draft + eval + install: reproduces the shipped pair "
                        "(about 77 minutes on 2 cores; by default REPLACES the shipped models: see --no-install)")
