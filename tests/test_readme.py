@@ -34,7 +34,7 @@ SHELL_TAGS = ("bash", "sh", "console")
 SERVER_ADDRESS = "127.0.0.1:8000"  # the README's clients name this address: they need the server
 
 # (pattern, replacement) applied in order to every command and snippet: small sizes, nothing written
-# to the repository. {out}, {port}, {target}, {draft}, {head} are filled in per run.
+# to the repository. {out}, {port}, {target}, {draft}, {head}, {early_exit}, {length} are filled in per run.
 SUBSTITUTIONS = [
     (r"--max-new-tokens \d+", "--max-new-tokens 8"),                      # generation length
     (r"max_new_tokens=\d+", "max_new_tokens=8"),
@@ -47,7 +47,9 @@ SUBSTITUTIONS = [
     (r"opttree calibrate ", "opttree calibrate --limit 1 --max-tokens 4 --repeats 1 --context 16 --max-new-tokens 8 "
                             "--budgets 2 --deltas 0.6 --no-progress "),
     (r"--out runs/", "--out {out}/runs/"),                                # outputs in a temporary folder
-    (r"runs/head/final", "{head}"),                                       # an untrained head stands for yours
+    (r"runs/head/final", "{head}"),                                       # an untrained head stands for yours,
+    (r"runs/early-exit/final", "{early_exit}"),                           # an untrained exit layer,
+    (r"runs/length/final", "{length}"),                                   # an untrained length predictor
     (r"(?<=opttree calibrate )(?!.*--out)", "--out {out}/calibration "),  # calibrate writes ./calibration by default
     (r"--port 8000", "--port {port}"),
     (re.escape(SERVER_ADDRESS), "127.0.0.1:{port}"),
@@ -61,6 +63,9 @@ SKIPPED = {
     r"^python -m pytest": "the whole test suite (minutes); this test is part of it",
     r"^opttree train pair": "trains the shipped pair from scratch (~77 min); tests/test_train.py trains tiny models",
     r"^opttree train head": "trains a head (minutes: the target writes its text first); tests/test_head.py trains one",
+    r"^opttree train early-exit": "trains an exit layer (minutes: the target writes its text first); tests/test_train.py "
+                                  "runs the command on a tiny target",
+    r"^opttree train length-predictor": "logs minutes of runs; tests/test_train.py runs the command on a tiny target",
 }
 NEEDS_GPU = r"--device cuda|\.cuda\(\)|\.to\(\"cuda\"\)"  # skipped without CUDA
 
@@ -132,14 +137,18 @@ ITEMS = readme_items(README.read_text(encoding="utf-8"))
 
 @pytest.fixture(scope="module")
 def values(tmp_path_factory):
+    from opttree.drafters.early_exit import ExitLayer
     from opttree.drafters.head import FeatureHead, head_config
+    from opttree.length import LengthPredictor
     from opttree.train.distill import load_target
 
     target, draft = demo_paths()
     out = tmp_path_factory.mktemp("readme-out")
     shipped = load_target(target)  # a random head for the shipped target: exact output, a head's cost
     head = FeatureHead(head_config(shipped)).save(out / "head", shipped)
-    return dict(out=out, port=free_port(), target=target, draft=draft, head=head)
+    early_exit = ExitLayer(shipped, 2).save(out / "early-exit", shipped)
+    length = LengthPredictor(shipped.config.hidden_size, 8).save(out / "length", shipped)
+    return dict(out=out, port=free_port(), target=target, draft=draft, head=head, early_exit=early_exit, length=length)
 
 
 @pytest.fixture(scope="module")

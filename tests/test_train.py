@@ -168,3 +168,41 @@ def test_cli_registers_train_subcommands():
     assert args.steps == 5 and args.resume and args.shape is None
     with pytest.raises(ValueError):
         ModelShape.parse("512,8,8")
+
+
+def test_train_early_exit_and_length_predictor_commands_save_what_generation_loads(tmp_path, tokenizer):
+    """`opttree train early-exit` and `opttree train length-predictor` end to end on a tiny target: each
+    saves a folder that `opttree.generate` loads, and the output stays the target's own."""
+    import json
+
+    import opttree
+    from opttree.cli import main
+    from opttree.train.distill import load_target
+    from opttree.train.lm import save_final
+
+    torch.manual_seed(0)
+    save_final(build_llama(ModelShape(hidden=32, layers=2, heads=2, intermediate=64), tokenizer, max_positions=512),
+               tokenizer, tmp_path / "target")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("alpha", "beta", "gamma"):
+        (corpus / f"{name}.py").write_text(CODE.replace("add", name) * 12)
+    data = ["--corpus", str(corpus), "--heldout-modules", "gamma"]
+    target_dir = str(tmp_path / "target")
+    assert main(["train", "early-exit", "--target", target_dir, "--layers", "1", "--run-dir", str(tmp_path / "ee"),
+                 "--texts", "4", "--steps", "3", "--seq-len", "32", "--eval-windows", "2", "--no-bf16", *data]) == 0
+    assert main(["train", "length-predictor", "--target", target_dir, "--run-dir", str(tmp_path / "len"),
+                 "--drafter", "early-exit", "--early-exit", str(tmp_path / "ee" / "final"), "--budget", "4",
+                 "--max-depth", "3", "--prompts", "4", "--prompt-len", "16", "--new-tokens", "12", "--epochs", "2",
+                 *data]) == 0
+    metrics = json.loads((tmp_path / "len" / "final" / "metrics.json").read_text())
+    assert metrics["steps"] > 0 and 0 <= metrics["accuracy"] <= 1
+    target = load_target(tmp_path / "target")
+    prompt = torch.tensor([tokenizer(CODE)["input_ids"][:10]])
+    out = opttree.generate(target, prompt, drafter="early-exit", early_exit=tmp_path / "ee" / "final",
+                           depth_control="predictor", length_predictor=tmp_path / "len" / "final", max_new_tokens=12,
+                           eos_token_id=[])
+    with torch.inference_mode():
+        expected = target.generate(prompt, do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0,
+                                   attention_mask=torch.ones_like(prompt))
+    assert torch.equal(out.sequences, expected)

@@ -26,7 +26,7 @@ DEMO_PROMPTS = [
 def check_flags(args) -> None:
     """Flag values that cannot work, reported before any model loads."""
     budget = getattr(args, "budget", None)
-    if budget not in (None, "auto") and (not budget.isdigit() or int(budget) < 1):
+    if isinstance(budget, str) and budget != "auto" and (not budget.isdigit() or int(budget) < 1):  # train's is an int
         raise ValueError(f"--budget must be an integer >= 1 or 'auto', got {budget!r}")
     if (getattr(args, "max_new_tokens", 0) or 0) < 0:  # None: calibrate's default, set later
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
