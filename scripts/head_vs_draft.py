@@ -1,9 +1,10 @@
-"""EAGLE's claim, checked on our pair: does a feature head agree with the target more often than a
-separate draft LM of similar cost? Top-1 agreement with the target on the same held-out text the
-target wrote (RUN_DIR/data/written_heldout.npy from `opttree train head`), plus parameters and the
-cost of one drafting call (one token on top of a 200-token cache), both in float32.
+"""EAGLE's claim, checked on our pair: does a feature head (or the target's own first layers with an
+EESD exit layer) agree with the target more often than a separate draft LM of similar cost? Top-1
+agreement with the target on the same held-out text the target wrote (RUN_DIR/data/written_heldout.npy
+from `opttree train head`), plus trained parameters and the cost of one drafting call (one token on
+top of a 200-token cache), all in float32.
 
-    python scripts/head_vs_draft.py --run-dir runs/head [--head DIR] [--windows 32]
+    python scripts/head_vs_draft.py --run-dir runs/head [--head DIR] [--early-exit DIR] [--windows 32]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", type=Path, default=Path("runs/head"))
     parser.add_argument("--head", type=Path, default=None, help="default: RUN_DIR/final")
+    parser.add_argument("--early-exit", type=Path, default=None, help="an exit layer folder, compared too")
     parser.add_argument("--windows", type=int, default=32)
     args = parser.parse_args()
     target_dir, draft_dir = demo_paths()
@@ -82,7 +84,33 @@ def main() -> None:
                   "call_ms": call_ms(draft_step)},
         "head": {"params": n_params(head), **held_out_acceptance(head, target, windows), "call_ms": call_ms(head_step)},
     }
+    if args.early_exit:
+        result["early_exit"] = early_exit_figures(target, args.early_exit, windows, ids)
     print(json.dumps(result, indent=1))
+
+
+def early_exit_figures(target, folder: Path, windows: torch.Tensor, ids: torch.Tensor) -> dict:
+    """The exit layer's agreement, and one drafting call: the target's first L layers over one token on top
+    of their 200-token cache, the exit layer on its own 200-token cache, the LM head."""
+    from transformers import DynamicCache
+
+    from opttree.drafters.early_exit import load_early_exit
+    from opttree.train.early_exit import held_out_acceptance as exit_acceptance
+
+    exit_layer = load_early_exit(folder, target).float()
+    lower, exit_cache = DynamicCache(), DynamicCache()
+    states = exit_layer.lower(input_ids=ids, past_key_values=lower, use_cache=True).last_hidden_state
+    exit_layer(states, torch.arange(200)[None], torch.ones(200, 200, dtype=torch.bool).tril(), exit_cache)
+    one, position, allowed = ids[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool)
+
+    def exit_step():
+        state = exit_layer.lower(input_ids=one, position_ids=position, past_key_values=lower,
+                                 use_cache=True).last_hidden_state
+        target.get_output_embeddings()(exit_layer(state, position, allowed, exit_cache))
+        truncate(lower, 200), truncate(exit_cache, 200)
+
+    return {"layers": exit_layer.exit_after, "params": n_params(exit_layer),
+            **exit_acceptance(exit_layer, target, windows), "call_ms": call_ms(exit_step)}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import DEFAULT_MAX_DEPTH, SpecConfig
+from ..names import TRAINED_SOURCES
 from ..tree import DraftTree, merge, node_paths, top_nodes
 from ..verify import Verification
 from . import Drafter
@@ -107,30 +108,34 @@ def _datastore(context: SourceContext) -> DatastoreSource:
 register_source("datastore", distribution=False)(_datastore)
 
 
-def _head(context: SourceContext):
+def _trained(name: str, what: str, make: Callable[[str, SourceContext], Drafter]) -> None:
+    """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option)."""
+    option = TRAINED_SOURCES[name]
+
+    def factory(context: SourceContext) -> Drafter:
+        folder = getattr(context.config, option)
+        if folder is None:
+            raise ValueError(f"drafter {name!r} needs {what} trained for this target: {option}=DIR / --{name} DIR "
+                             f"(train one with `opttree train {name} --target PATH`)")
+        return make(folder, context)
+
+    register_source(name, distribution=True)(factory)
+
+
+def _head(folder: str, context: SourceContext) -> Drafter:
     from .head import HeadDrafter, load_head
 
-    folder = context.config.head
-    if folder is None:
-        raise ValueError("drafter 'head' needs a feature head trained for this target: head=DIR / --head DIR "
-                         "(train one with `opttree train head --target PATH --out DIR`)")
     return HeadDrafter(load_head(folder, context.target), context.target, context.vocab)
 
 
-register_source("head", distribution=True)(_head)
-
-
-def _early_exit(context: SourceContext):
+def _early_exit(folder: str, context: SourceContext) -> Drafter:
     from .early_exit import EarlyExitDrafter, load_early_exit
 
-    folder = context.config.early_exit
-    if folder is None:
-        raise ValueError("drafter 'early-exit' needs an exit layer trained for this target: early_exit=DIR / "
-                         "--early-exit DIR (train one with `opttree train early-exit --target PATH --layers L`)")
     return EarlyExitDrafter(load_early_exit(folder, context.target), context.target, context.vocab)
 
 
-register_source("early-exit", distribution=True)(_early_exit)
+_trained("head", "a feature head", _head)
+_trained("early-exit", "an exit layer", _early_exit)
 
 
 class TrieDrafter:

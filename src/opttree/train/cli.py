@@ -147,6 +147,15 @@ def _written(target, tok, args) -> dict:
     return written
 
 
+def _self_distilled(sub, name: str, what: str) -> argparse.ArgumentParser:
+    """The parser of a part trained on text the target writes (head, early-exit): its common flags."""
+    p = sub.add_parser(name, help=f"{what}, self-distilled on text the target writes")
+    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
+    p.add_argument("--out", type=Path, default=None, help="where it is saved (default: RUN_DIR/final)")
+    p.add_argument("--texts", type=int, default=256, help="texts the target writes for training (default: 256)")
+    return p
+
+
 def cmd_head(args) -> None:
     """A feature head for --target: the target writes the training text, the head learns its features."""
     from .distill import load_target
@@ -363,22 +372,14 @@ def register(subparsers) -> None:
     _add_train_args(p, lr=2e-3, batch_size=8)
     p.set_defaults(func=cmd_draft)
 
-    p = sub.add_parser("head", help="an EAGLE-style feature head for a target (drafter 'head'), self-distilled on "
-                       "text the target writes")
-    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
-    p.add_argument("--out", type=Path, default=None, help="where the head is saved (default: RUN_DIR/final)")
-    p.add_argument("--texts", type=int, default=256, help="texts the target writes for training (default: 256)")
+    p = _self_distilled(sub, "head", "an EAGLE-style feature head for a target (drafter 'head')")
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the distribution loss vs the feature "
                    "regression (default: 0.1)")
     _add_train_args(p, lr=1e-3, batch_size=8)
     p.set_defaults(func=cmd_head, seq_len=256, eval_every=100, eval_windows=32)
 
-    p = sub.add_parser("early-exit", help="an EESD exit layer after the target's first L layers (drafter "
-                       "'early-exit'), self-distilled on text the target writes")
-    p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
+    p = _self_distilled(sub, "early-exit", "an EESD exit layer after the target's first L layers (drafter 'early-exit')")
     p.add_argument("--layers", type=int, required=True, help="draft with the target's first L layers")
-    p.add_argument("--out", type=Path, default=None, help="where the exit layer is saved (default: RUN_DIR/final)")
-    p.add_argument("--texts", type=int, default=256, help="texts the target writes for training (default: 256)")
     _add_train_args(p, lr=5e-4, batch_size=8)
     p.set_defaults(func=cmd_early_exit, seq_len=256, eval_every=100, eval_windows=32)
 
