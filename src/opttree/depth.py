@@ -2,7 +2,8 @@
 
 - `delta` (default): the policy's own rule; OPT-Tree stops deepening once a layer adds <= delta
   expected tokens.
-- `fixed`: every step drafts `max_depth` layers (OPT-Tree without its delta stop).
+- `fixed`: every step drafts `max_depth` layers (OPT-Tree without its delta stop; so do the controls
+  below, each with the depth it chose).
 - `thompson` (EESD): a Beta posterior over the per-token acceptance rate, updated by every
   verification (accepted tokens are successes, a rejection one failure, older evidence discounted),
   sampled each step; the step drafts the depth d that maximises the expected tokens per unit of time

@@ -22,7 +22,7 @@ class OptTree:
 
     def __init__(self, config: SpecConfig):
         self.n, self.delta, self.max_depth = config.budget, config.delta, config.max_depth
-        if config.depth_control == "fixed":  # draft max_depth layers every step, whatever they add
+        if config.depth_control != "delta":  # the control sets the depth: every layer up to it is drafted
             self.delta = float("-inf")
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
