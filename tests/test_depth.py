@@ -153,7 +153,8 @@ def test_logged_steps_are_the_runs_steps_and_a_predictor_learns_what_decides_the
     assert int(logged["accepted"].sum()) <= sum(s.accepted_tokens for s in runs)
     assert logged["feature"].shape == (logged["accepted"].numel(), target.config.hidden_size)
     roots = torch.randint(3, 96, (1200,), generator=torch.Generator().manual_seed(0))
-    synthetic = {"feature": torch.randn(1200, target.config.hidden_size), "root": roots, "accepted": roots % 4}
+    synthetic = {"feature": torch.randn(1200, target.config.hidden_size), "root": roots, "accepted": roots % 4,
+                 "prompt": torch.arange(1200) // 20}
     split = lambda rows: {k: v[rows] for k, v in synthetic.items()}  # noqa: E731
     _, scores = fit_length_predictor(target, split(slice(0, 1000)), split(slice(1000, None)), 3, epochs=40,
                                      log=lambda *_: None)

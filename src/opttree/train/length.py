@@ -3,7 +3,8 @@
 1. Log: real speculative runs at a fixed depth D (`depth_control="fixed"`: no delta stop) over
    prompts taken from a corpus; each step records the target's last hidden state, the root token and
    how many drafted tokens the target accepted (steps whose depth max_new_tokens capped are left out).
-2. Fit: a small MLP (`opttree.length.LengthPredictor`), cross-entropy over the accepted length 0..D.
+2. Fit: a small MLP (`opttree.length.LengthPredictor`), cross-entropy over the accepted length 0..D;
+   the runs of a sixth of the training prompts are kept aside to pick the epoch (early stopping).
 3. Held-out: the same logging on prompts from the held-out split; accuracy, within-one accuracy and the
    mean absolute error of the expected length, beside a constant predictor (the training mean / mode).
 """
@@ -84,23 +85,35 @@ def evaluate(predictor: LengthPredictor, target, logged: dict, train_accepted: t
 
 def fit_length_predictor(target, train: dict, heldout: dict, max_depth: int, epochs: int = 60, lr: float = 2e-3,
                          seed: int = 0, log: Callable = print) -> tuple[LengthPredictor, dict]:
+    """Fit on `train`'s rows; the runs of its last sixth of prompts pick the epoch (early stopping on their
+    loss); `heldout` (other prompts, never seen in fitting) measures the result."""
     torch.manual_seed(seed)
     predictor = LengthPredictor(train["feature"].shape[1], max_depth)
     feature, embed = inputs(target, train)
     labels = train["accepted"]
+    checking = train["prompt"] >= int(train["prompt"].max()) * 5 // 6 + 1  # (N,) rows of the checking prompts
+    fit_rows, check_rows = (~checking).nonzero()[:, 0], checking.nonzero()[:, 0]
     optimizer = torch.optim.AdamW(predictor.parameters(), lr=lr, weight_decay=0.01)
-    for epoch in range(epochs):
-        for batch in torch.randperm(labels.numel()).split(256):
+    best = (float("inf"), 0, None)  # (checking loss, epoch, weights)
+    for epoch in range(1, epochs + 1):
+        predictor.train()
+        for batch in fit_rows[torch.randperm(fit_rows.numel())].split(256):
             loss = F.cross_entropy(predictor(feature[batch], embed[batch]), labels[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        if (epoch + 1) % 20 == 0 or epoch + 1 == epochs:
-            scores = evaluate(predictor, target, heldout, labels)
-            log(f"epoch {epoch + 1}: train loss {loss.item():.3f}, held-out accuracy {scores['accuracy']:.3f} "
-                f"(constant {scores['constant_accuracy']:.3f}), MAE {scores['mae_expected']:.2f} "
-                f"(constant {scores['constant_mae']:.2f})")
-    return predictor.eval(), evaluate(predictor, target, heldout, labels)
+        with torch.no_grad():
+            check = F.cross_entropy(predictor(feature[check_rows], embed[check_rows]), labels[check_rows]).item()
+        if check < best[0]:
+            best = (check, epoch, {k: v.clone() for k, v in predictor.state_dict().items()})
+        if epoch % 20 == 0 or epoch == epochs:
+            log(f"epoch {epoch}: fit loss {loss.item():.3f}, checking loss {check:.3f} (best {best[0]:.3f} at "
+                f"epoch {best[1]})")
+    predictor.load_state_dict(best[2])
+    scores = {**evaluate(predictor, target, heldout, labels[fit_rows]), "epoch": best[1]}
+    log(f"held-out: accuracy {scores['accuracy']:.3f} (constant {scores['constant_accuracy']:.3f}), within one "
+        f"{scores['within_one']:.3f}, MAE {scores['mae_expected']:.2f} (constant {scores['constant_mae']:.2f})")
+    return predictor.eval(), scores
 
 
 def save_predictor(predictor: LengthPredictor, target, out: Path, about: dict) -> None:
