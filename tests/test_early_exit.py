@@ -53,13 +53,15 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
 
 def test_the_draft_is_the_targets_first_layers_and_its_cache_stays_untouched(setup):
     """Brute force: the drafter's distribution after the root equals lm_head(exit(target's layer-L states of
-    the whole sequence)) from one plain forward; drafting a tree leaves the target's cache as it was."""
+    the whole sequence)) / its temperature, from one plain forward; drafting a tree leaves the target's
+    cache as it was."""
     target, _, folder = setup
     exit_layer = load_early_exit(folder, target)
+    exit_layer.temperature = 0.7
     sequence = torch.tensor(PROMPT)
     with torch.no_grad():
         states = target(sequence[None], output_hidden_states=True).hidden_states  # the prefill's, and the truth
-        expected = torch.log_softmax(target.lm_head(exit_layer(states[1], torch.arange(6)[None]))[0, -1], -1)
+        expected = torch.log_softmax(target.lm_head(exit_layer(states[1], torch.arange(6)[None]))[0, -1] / 0.7, -1)
         cache = opttree.cache.new_cache()
         target(sequence[None, :-1], past_key_values=cache, use_cache=True)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -102,6 +104,7 @@ def test_training_raises_held_out_acceptance(tmp_path):
                       eval_every=150, eval_windows=8, bf16=False)
     _, metrics = train_early_exit(target, 1, text, text, cfg, tmp_path / "exit", log=lambda *_: None)
     assert metrics["heldout_top1"] > metrics["heldout_top1_before"] + 0.1, metrics
+    assert load_early_exit(tmp_path / "exit", target).temperature == metrics["temperature"] != 1.0
     prompt = torch.tensor([[5, 9, 13]])
     out = opttree.generate(target, prompt, drafter="early-exit", early_exit=tmp_path / "exit", budget=6,
                            max_new_tokens=24, eos_token_id=[])

@@ -101,3 +101,4 @@ def test_training_raises_held_out_acceptance(tmp_path):
                            max_new_tokens=24, eos_token_id=[])
     assert torch.equal(out.sequences, hf_greedy(target, torch.tensor([[5, 9, 13]]), 24))
     assert isinstance(loaded, FeatureHead) and loaded.fc.weight.dtype == torch.float32
+    assert loaded.temperature == metrics["temperature"] != 1.0  # calibrated on the held-out text, saved with it

@@ -25,8 +25,8 @@ from transformers import DynamicCache, PreTrainedModel
 from ..cache import new_cache, truncate
 from ..device import model_device
 from ..verify import Verification, attention_bias, masked_attention_kernels
-from .head import same_target, target_fingerprint
-from .model import SlotTree, on_target_vocab
+from .head import drafted_log_probs, same_target, target_fingerprint
+from .model import SlotTree
 
 FORMAT = 1
 
@@ -70,6 +70,7 @@ class ExitLayer(nn.Module):
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
         self.layer.requires_grad_(True), self.norm.requires_grad_(True)
+        self.temperature = 1.0  # divides its logits when drafting: calibrated after training (fit_temperature)
         # not submodules: their weights are the target's and stay out of this module's state_dict
         types = getattr(decoder.config, "layer_types", None)
         self.__dict__["lower"] = partial_decoder(decoder, list(decoder.layers[:layers]), nn.Identity(),
@@ -87,7 +88,8 @@ class ExitLayer(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "early_exit.safetensors")
-        meta = {"format": FORMAT, "layers": self.exit_after, "target": target_fingerprint(target), **(about or {})}
+        meta = {"format": FORMAT, "layers": self.exit_after, "target": target_fingerprint(target),
+                "temperature": self.temperature, **(about or {})}
         (folder / "early_exit.json").write_text(json.dumps(meta, indent=1) + "\n")
         return folder
 
@@ -112,6 +114,7 @@ def load_early_exit(folder: str | Path, target: PreTrainedModel) -> ExitLayer:
                          f"hidden {meta['target']['hidden_size']}, vocabulary {meta['target']['vocab']})")
     layer = ExitLayer(target, meta["layers"])
     layer.load_state_dict(load_file(folder / "early_exit.safetensors"))
+    layer.temperature = meta.get("temperature", 1.0)
     return layer.to(model_device(target)).eval()
 
 
@@ -178,5 +181,4 @@ class EarlyExitDrafter:
         self.lower_cache = None  # the target's cache moved on
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        logits = on_target_vocab(self.lm_head(features.to(self.lm_head.weight.dtype)).float(), self.vocab)
-        return torch.log_softmax(logits, dim=-1)
+        return drafted_log_probs(self.lm_head, features, self.vocab, self.exit.temperature)

@@ -65,6 +65,7 @@ class FeatureHead(nn.Module):
         self.config = config
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
         self.body = LlamaModel(config)  # one decoder layer and a final norm; its 1-row embedding is unused
+        self.temperature = 1.0  # divides its logits when drafting: calibrated after training (fit_temperature)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 allowed: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -81,7 +82,8 @@ class FeatureHead(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "head.safetensors")
-        meta = {"format": FORMAT, "config": self.config.to_dict(), "target": target_fingerprint(target), **(about or {})}
+        meta = {"format": FORMAT, "config": self.config.to_dict(), "target": target_fingerprint(target),
+                "temperature": self.temperature, **(about or {})}
         (folder / "head.json").write_text(json.dumps(meta, indent=1) + "\n")
         return folder
 
@@ -101,6 +103,7 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> FeatureHead:
                          + (" with other weights" if expected["vocab"] == found["vocab"] else ""))
     head = FeatureHead(LlamaConfig.from_dict(meta["config"]))
     head.load_state_dict(load_file(folder / "head.safetensors"))
+    head.temperature = meta.get("temperature", 1.0)
     device, dtype = model_device(target), target.get_output_embeddings().weight.dtype
     return head.to(device=device, dtype=dtype).eval()
 
@@ -167,5 +170,11 @@ class HeadDrafter:
         return out[0]
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        logits = on_target_vocab(self.lm_head(features.to(self.lm_head.weight.dtype)).float(), self.vocab)
-        return torch.log_softmax(logits, dim=-1)
+        return drafted_log_probs(self.lm_head, features, self.vocab, self.head.temperature)
+
+
+def drafted_log_probs(lm_head: nn.Module, features: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """(..., H) features -> (..., vocab) float32 log-probabilities through the target's LM head, at the
+    part's calibrated temperature (any value is lossless: it only shapes the tree)."""
+    logits = on_target_vocab(lm_head(features.to(lm_head.weight.dtype)).float(), vocab)
+    return torch.log_softmax(logits / temperature if temperature != 1 else logits, dim=-1)

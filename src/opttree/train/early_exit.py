@@ -5,7 +5,9 @@ turn the target's layer-L states into the target's own next-token distribution (
 against the target's distribution, a soft label). The layer starts as a copy of the target's layer L and
 final norm, so training starts from "the target with its upper layers skipped". Held-out acceptance:
 how often the exit's top token equals the target's, on text the target wrote from held-out prompts,
-before and after training.
+before and after training. Last, a temperature that calibrates the exit's p-hat on those windows is
+fitted (as `opttree calibrate` fits the draft model's) and saved with it: the drafter divides its
+logits by it, which shapes the tree only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..alignment import fit_draft_temperature
 from ..drafters.early_exit import ExitLayer
 from .lm import TrainConfig, eval_windows, n_params, train_loop
 
@@ -55,6 +58,17 @@ def held_out_acceptance(exit_layer: ExitLayer, target, windows: torch.Tensor, ba
     return {"heldout_top1": agree / count}
 
 
+@torch.no_grad()
+def calibrated_temperature(exit_layer: ExitLayer, target, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """The temperature that calibrates the exit's p-hat for greedy acceptance on the held-out windows
+    (`opttree.alignment.fit_draft_temperature`, as for the draft model)."""
+    pairs = []
+    for i in range(0, len(windows), batch_size):
+        log_q, log_p = exit_outputs(exit_layer.eval(), target, windows[i : i + batch_size])
+        pairs.append((log_p.flatten(0, 1), log_q.flatten(0, 1)))
+    return fit_draft_temperature(pairs)
+
+
 def train_early_exit(target, layers: int, train_tokens: np.ndarray, heldout_tokens: np.ndarray, cfg: TrainConfig,
                      out: Path, log: Callable = print) -> tuple[ExitLayer, dict]:
     """An exit layer after the target's first `layers` layers, trained on `train_tokens`; saved to `out`."""
@@ -66,7 +80,10 @@ def train_early_exit(target, layers: int, train_tokens: np.ndarray, heldout_toke
         f"held-out top-1 agreement before training (the target minus its upper layers): {start:.3f}")
     metrics = train_loop(exit_layer, make_exit_loss(target), train_tokens,
                          lambda e: held_out_acceptance(e, target, windows), cfg, log)
-    metrics = {**metrics, "params": n_params(exit_layer), "layers": layers, "heldout_top1_before": start}
+    exit_layer.temperature = calibrated_temperature(exit_layer, target, windows)
+    metrics = {**metrics, "params": n_params(exit_layer), "layers": layers, "heldout_top1_before": start,
+               "temperature": exit_layer.temperature}
+    log(f"calibrated drafting temperature: {exit_layer.temperature:.3f}")
     exit_layer.save(out, target, about={"metrics": metrics})
     (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return exit_layer, metrics

@@ -9,7 +9,7 @@
    feeds the head its own predictions instead of f[t-1], as drafting below the root does.
 3. Held-out acceptance: how often the head's top token equals the target's, with true features
    (the root's children) and with its own (one level deeper), on text the target wrote from held-out
-   prompts.
+   prompts. Last, a temperature that calibrates the head's p-hat there is fitted and saved with it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..alignment import fit_draft_temperature
 from ..drafters.head import FeatureHead, head_config
 from .lm import TrainConfig, eval_windows, n_params, train_loop
 
@@ -109,6 +110,18 @@ def held_out_acceptance(head: FeatureHead, target, windows: torch.Tensor, batch_
     return {"heldout_top1": agree[0] / count, "heldout_top1_own_features": agree[1] / count}
 
 
+@torch.no_grad()
+def calibrated_temperature(head: FeatureHead, target, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """The temperature that calibrates the head's p-hat (true input features) for greedy acceptance on the
+    held-out windows (`opttree.alignment.fit_draft_temperature`, as for the draft model)."""
+    lm_head, pairs = target.get_output_embeddings(), []
+    for i in range(0, len(windows), batch_size):
+        predictions, features, _ = unrolled(head.eval(), target, windows[i : i + batch_size], passes=1)
+        pairs.append((lm_head(features)[:, 1:].flatten(0, 1).float(),
+                      lm_head(predictions[0].to(features.dtype))[:, 1:].flatten(0, 1).float()))
+    return fit_draft_temperature(pairs)
+
+
 def train_head(target, train_tokens: np.ndarray, heldout_tokens: np.ndarray, cfg: TrainConfig, out: Path,
                cls_weight: float = 0.1, log: Callable = print) -> tuple[FeatureHead, dict]:
     """A fresh head for `target`, trained on `train_tokens`; saved to `out`; returns (head, metrics)."""
@@ -119,7 +132,9 @@ def train_head(target, train_tokens: np.ndarray, heldout_tokens: np.ndarray, cfg
     windows = eval_windows(heldout_tokens, cfg.seq_len, cfg.eval_windows)
     metrics = train_loop(head, make_head_loss(target, cls_weight), train_tokens,
                          lambda h: held_out_acceptance(h, target, windows), cfg, log)
-    metrics = {**metrics, "params": n_params(head)}
+    head.temperature = calibrated_temperature(head, target, windows)
+    metrics = {**metrics, "params": n_params(head), "temperature": head.temperature}
+    log(f"calibrated drafting temperature: {head.temperature:.3f}")
     head.save(out, target, about={"metrics": metrics})
     (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return head, metrics
