@@ -34,7 +34,8 @@ FORMAT = 1
 def decoder_of(target: PreTrainedModel) -> nn.Module:
     """The target's decoder stack (`.layers`, `.norm`), or a clear refusal."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or not isinstance(getattr(decoder, "norm", None), nn.Module):
+    layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
+    if not isinstance(layers, nn.ModuleList) or not isinstance(norm, nn.Module):
         raise ValueError(f"early-exit drafting runs the target's first decoder layers and needs a decoder with "
                          f"`.layers` and `.norm` (Llama-style); {type(target).__name__} has none")
     return decoder
@@ -63,7 +64,8 @@ class ExitLayer(nn.Module):
         decoder = decoder_of(target)
         total = len(decoder.layers)
         if not (isinstance(layers, int) and 1 <= layers < total):
-            raise ValueError(f"early exit after {layers!r} layers: the target has {total}, so 1 <= layers <= {total - 1}")
+            raise ValueError(f"early exit after {layers!r} layers: the target has {total}, "
+                             f"so 1 <= layers <= {total - 1}")
         self.exit_after, self.config = layers, decoder.config  # the config: what its layer is a copy of
         self.layer, self.norm = copy.deepcopy(decoder.layers[layers]), copy.deepcopy(decoder.norm)
         for module in self.layer.modules():  # its cache is its own, with one layer: index 0
@@ -160,7 +162,8 @@ class EarlyExitDrafter:
         assert states.shape[0] == root + 1 - self.fed, "the target's layer-L states of every committed token are needed"
         allowed = torch.ones(states.shape[0], root + 1, dtype=torch.bool, device=self.device)
         allowed[:, self.fed :] = allowed[:, self.fed :].tril()
-        features = self.exit(states[None], torch.arange(self.fed, root + 1, device=self.device)[None], allowed, self.cache)
+        positions = torch.arange(self.fed, root + 1, device=self.device)[None]
+        features = self.exit(states[None], positions, allowed, self.cache)
         self.fed, self.pending = root + 1, self.pending[:0]
         self.slots = SlotTree(self.device)
         return self._log_probs(features[0, -1])

@@ -200,7 +200,7 @@ def cmd_length(args) -> None:
     drafter = args.drafter or ("model" if draft is not None else "recycling+lookup")
     options = dict(tree=args.tree, drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                    max_new_tokens=args.new_tokens, temperature=args.temperature, eos_token_id=tok.eos_token_id,
-                   **{k: v for k, v in (("head", args.head), ("early_exit", args.early_exit)) if v})
+                   **{option: getattr(args, option) for option in ("head", "early_exit") if getattr(args, option)})
     rng = np.random.default_rng(args.seed)
     logged = {}
     for split, corpus, count in (("train", train, args.prompts), ("heldout", heldout, max(args.prompts // 4, 8))):
@@ -211,7 +211,7 @@ def cmd_length(args) -> None:
             t0 = time.perf_counter()
             steps = logged_steps(target, draft, prompts, options, f"{split} runs")
             torch.save(steps, cache)
-            _log(f"{split}: {count} prompts, {steps['accepted'].numel():,} full-depth steps logged in "
+            _log(f"{split}: {count} prompts, {steps['accepted'].numel():,} steps logged in "
                  f"{time.perf_counter() - t0:.0f}s (mean accepted {steps['accepted'].float().mean():.2f})")
         logged[split] = torch.load(cache)
     t0 = time.perf_counter()
