@@ -109,3 +109,19 @@ def test_training_raises_held_out_acceptance(tmp_path):
     out = opttree.generate(target, prompt, drafter="early-exit", early_exit=tmp_path / "exit", budget=6,
                            max_new_tokens=24, eos_token_id=[])
     assert torch.equal(out.sequences, hf_greedy(target, prompt, 24))
+
+
+def test_the_exit_layer_is_loaded_once_per_target_and_folder(setup, monkeypatch, tmp_path):
+    """Repeated generations (a server's requests) reuse the loaded part; a changed folder is read again."""
+    import opttree.drafters.early_exit as early_exit
+
+    target = setup[0]
+    loads = []
+    original = early_exit.load_early_exit
+    monkeypatch.setattr(early_exit, "load_early_exit", lambda *a: loads.append(a) or original(*a))
+    folder, other = (ExitLayer(target, layers).save(tmp_path / name, target) for layers, name in ((1, "a"), (2, "b")))
+    for path in (folder, folder, other, folder):
+        opttree.generate(target, torch.tensor([PROMPT]), drafter="early-exit", early_exit=path, max_new_tokens=4)
+    ExitLayer(target, 1).save(other, target)  # retrained: read again
+    opttree.generate(target, torch.tensor([PROMPT]), drafter="early-exit", early_exit=other, max_new_tokens=4)
+    assert [str(a[0]) for a in loads] == [str(folder), str(other), str(other)]

@@ -17,6 +17,8 @@ temperature > 0) need exactly the draft distribution they sampled from and take 
 
 from __future__ import annotations
 
+import weakref
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -108,8 +110,14 @@ def _datastore(context: SourceContext) -> DatastoreSource:
 register_source("datastore", distribution=False)(_datastore)
 
 
-def _trained(name: str, what: str, make: Callable[[str, SourceContext], Drafter]) -> None:
-    """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option)."""
+# target -> {(name, folder, its files' newest mtime, device, dtype): the loaded part}
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -> None:
+    """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option).
+    A part is loaded once per target and folder (until its files change); each generation gets its own
+    drafter over it (the drafter holds the per-generation state)."""
     option = TRAINED_SOURCES[name]
 
     def factory(context: SourceContext) -> Drafter:
@@ -117,25 +125,35 @@ def _trained(name: str, what: str, make: Callable[[str, SourceContext], Drafter]
         if folder is None:
             raise ValueError(f"drafter {name!r} needs {what} trained for this target: {option}=DIR / --{name} DIR "
                              f"(train one with `opttree train {name} --target PATH`)")
-        return make(folder, context)
+        path, target = Path(folder).resolve(), context.target
+        changed = max((f.stat().st_mtime_ns for f in path.glob("*")), default=0) if path.is_dir() else 0
+        key = (name, str(path), changed, str(context.device), target.get_output_embeddings().weight.dtype)
+        load, drafter = parts()
+        loaded = _LOADED.setdefault(context.target, {})
+        if key not in loaded:
+            loaded[key] = load(folder, context.target)
+        return drafter(loaded[key], context.target, context.vocab)
 
     register_source(name, distribution=True)(factory)
 
 
-def _head(folder: str, context: SourceContext) -> Drafter:
+def _head():  # (loader, drafter class), imported when first used
     from .head import HeadDrafter, load_head
 
-    return HeadDrafter(load_head(folder, context.target), context.target, context.vocab)
+    return load_head, HeadDrafter
 
 
-def _early_exit(folder: str, context: SourceContext) -> Drafter:
+def _early_exit():
     from .early_exit import EarlyExitDrafter, load_early_exit
 
-    return EarlyExitDrafter(load_early_exit(folder, context.target), context.target, context.vocab)
+    return load_early_exit, EarlyExitDrafter
 
 
 _trained("head", "a feature head", _head)
 _trained("early-exit", "an exit layer", _early_exit)
+
+
+
 
 
 class TrieDrafter:
