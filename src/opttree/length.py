@@ -12,17 +12,13 @@ Saved as a folder: `length.json` (shape, the target it was trained for, how the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .device import model_device
-from .drafters.head import same_target, target_fingerprint
-
-FORMAT = 1
+from .parts import read_part, save_part
 
 
 class LengthPredictor(nn.Module):
@@ -44,25 +40,13 @@ class LengthPredictor(nn.Module):
         return p.flip(-1).cumsum(-1).flip(-1)[:, 1:]
 
     def save(self, folder: str | Path, target, about: dict | None = None) -> Path:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "length.safetensors")
-        meta = {"format": FORMAT, "hidden": self.hidden, "max_length": self.max_length, "width": self.width,
-                "target": target_fingerprint(target), **(about or {})}
-        (folder / "length.json").write_text(json.dumps(meta, indent=1) + "\n")
-        return folder
+        meta = {"hidden": self.hidden, "max_length": self.max_length, "width": self.width, **(about or {})}
+        return save_part(self, folder, "length", target, meta)
 
 
 def load_length_predictor(folder: str | Path, target) -> LengthPredictor:
     """A saved predictor, checked against `target` (one trained for another target is refused)."""
-    folder = Path(folder)
-    if not (folder / "length.json").is_file() or not (folder / "length.safetensors").is_file():
-        raise ValueError(f"length_predictor={str(folder)!r}: not a saved length predictor (expected length.json and "
-                         "length.safetensors; train one with `opttree train length-predictor --target PATH --out DIR`)")
-    meta = json.loads((folder / "length.json").read_text())
-    if not same_target(meta["target"], target_fingerprint(target)):
-        raise ValueError(f"length_predictor={str(folder)!r} was trained for another target "
-                         f"({meta['target']['model_type']}, hidden {meta['target']['hidden_size']})")
+    meta, weights = read_part(folder, "length", target, "length predictor", "length-predictor")
     predictor = LengthPredictor(meta["hidden"], meta["max_length"], meta["width"])
-    predictor.load_state_dict(load_file(folder / "length.safetensors"))
+    predictor.load_state_dict(weights)
     return predictor.to(model_device(target)).eval()

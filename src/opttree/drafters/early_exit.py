@@ -14,21 +14,18 @@ Saved as a folder: `early_exit.json` (L, the target it was trained for), `early_
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from ..cache import new_cache, truncate
 from ..device import model_device
+from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
-from .head import drafted_log_probs, same_target, target_fingerprint
+from .head import drafted_log_probs
 from .model import SlotTree
-
-FORMAT = 1
 
 
 def decoder_of(target: PreTrainedModel) -> nn.Module:
@@ -87,13 +84,8 @@ class ExitLayer(nn.Module):
         return _run(self.upper, positions, allowed, cache, inputs_embeds=states)
 
     def save(self, folder: str | Path, target: PreTrainedModel, about: dict | None = None) -> Path:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "early_exit.safetensors")
-        meta = {"format": FORMAT, "layers": self.exit_after, "target": target_fingerprint(target),
-                "temperature": self.temperature, **(about or {})}
-        (folder / "early_exit.json").write_text(json.dumps(meta, indent=1) + "\n")
-        return folder
+        meta = {"layers": self.exit_after, "temperature": self.temperature, **(about or {})}
+        return save_part(self, folder, "early_exit", target, meta)
 
 
 def _run(part: nn.Module, positions: torch.Tensor, allowed: torch.Tensor | None, cache, **inputs) -> torch.Tensor:
@@ -106,16 +98,9 @@ def _run(part: nn.Module, positions: torch.Tensor, allowed: torch.Tensor | None,
 
 def load_early_exit(folder: str | Path, target: PreTrainedModel) -> ExitLayer:
     """A saved exit layer, checked against `target` (one trained for another target is refused)."""
-    folder = Path(folder)
-    if not (folder / "early_exit.json").is_file() or not (folder / "early_exit.safetensors").is_file():
-        raise ValueError(f"early_exit={str(folder)!r}: not a saved exit layer (expected early_exit.json and "
-                         "early_exit.safetensors; train one with `opttree train early-exit --target PATH --layers L`)")
-    meta = json.loads((folder / "early_exit.json").read_text())
-    if not same_target(meta["target"], target_fingerprint(target)):
-        raise ValueError(f"early_exit={str(folder)!r} was trained for another target ({meta['target']['model_type']}, "
-                         f"hidden {meta['target']['hidden_size']}, vocabulary {meta['target']['vocab']})")
+    meta, weights = read_part(folder, "early_exit", target, "exit layer", "early-exit")
     layer = ExitLayer(target, meta["layers"])
-    layer.load_state_dict(load_file(folder / "early_exit.safetensors"))
+    layer.load_state_dict(weights)
     layer.temperature = meta.get("temperature", 1.0)
     return layer.to(model_device(target)).eval()
 

@@ -13,20 +13,17 @@ Saved as a folder: `head.json` (the layer's config, the target it was trained fo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
 from ..cache import new_cache, truncate
 from ..device import model_device
+from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .model import SlotTree, on_target_vocab
-
-FORMAT = 1
 
 
 def head_config(target: PreTrainedModel) -> LlamaConfig:
@@ -41,20 +38,6 @@ def head_config(target: PreTrainedModel) -> LlamaConfig:
                        max_position_embeddings=getattr(text, "max_position_embeddings", 4096) or 4096,
                        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), tie_word_embeddings=False,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def same_target(expected: dict, found: dict) -> bool:
-    same_shape = all(expected[k] == found[k] for k in ("model_type", "hidden_size", "vocab"))
-    return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2
-
-
-def target_fingerprint(target: PreTrainedModel) -> dict:
-    """What identifies the target a head was trained for: its shape and a few LM-head weights."""
-    head = target.get_output_embeddings().weight.detach()
-    text = target.config.get_text_config()
-    probe = head[:: max(head.shape[0] // 7, 1), :4].float().flatten()[:28]
-    return {"model_type": text.model_type, "hidden_size": text.hidden_size, "vocab": head.shape[0],
-            "lm_head_probe": [round(float(x), 4) for x in probe]}
 
 
 class FeatureHead(nn.Module):
@@ -79,30 +62,15 @@ class FeatureHead(nn.Module):
         return out.last_hidden_state
 
     def save(self, folder: str | Path, target: PreTrainedModel, about: dict | None = None) -> Path:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "head.safetensors")
-        meta = {"format": FORMAT, "config": self.config.to_dict(), "target": target_fingerprint(target),
-                "temperature": self.temperature, **(about or {})}
-        (folder / "head.json").write_text(json.dumps(meta, indent=1) + "\n")
-        return folder
+        meta = {"config": self.config.to_dict(), "temperature": self.temperature, **(about or {})}
+        return save_part(self, folder, "head", target, meta)
 
 
 def load_head(folder: str | Path, target: PreTrainedModel) -> FeatureHead:
     """A saved head, checked against `target` (a head trained for another target is refused)."""
-    folder = Path(folder)
-    if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
-        raise ValueError(f"head={str(folder)!r}: not a saved head (expected head.json and head.safetensors; "
-                         "train one with `opttree train head --target PATH --out DIR`)")
-    meta = json.loads((folder / "head.json").read_text())
-    expected, found = meta["target"], target_fingerprint(target)
-    if not same_target(expected, found):
-        raise ValueError(f"head={str(folder)!r} was trained for another target ({expected['model_type']}, hidden "
-                         f"{expected['hidden_size']}, vocabulary {expected['vocab']}); this target is "
-                         f"{found['model_type']}, hidden {found['hidden_size']}, vocabulary {found['vocab']}"
-                         + (" with other weights" if expected["vocab"] == found["vocab"] else ""))
+    meta, weights = read_part(folder, "head", target, "head", "head")
     head = FeatureHead(LlamaConfig.from_dict(meta["config"]))
-    head.load_state_dict(load_file(folder / "head.safetensors"))
+    head.load_state_dict(weights)
     head.temperature = meta.get("temperature", 1.0)
     device, dtype = model_device(target), target.get_output_embeddings().weight.dtype
     return head.to(device=device, dtype=dtype).eval()
