@@ -1,7 +1,9 @@
 """KV caches: creation, the supported-model check, and compaction to the accepted path.
 
-The layout of `transformers.DynamicCache` (per layer `.keys` / `.values` of shape
-(batch, heads, seq, head_dim)) is touched only here.
+Two kinds, both touched only here: transformers' `DynamicCache` (per layer `.keys` / `.values` of
+shape (batch, heads, seq, head_dim), grown by concatenation), and the static path's cache of
+preallocated buffers (`static_cache`: every layer a (batch, heads, capacity, head_dim) buffer written
+in place, so a step's shapes never change; what torch.compile and CUDA graphs need).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import inspect
 from functools import lru_cache
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import StaticLayer
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -30,6 +33,41 @@ def new_cache() -> DynamicCache:
     return DynamicCache()
 
 
+class RollbackLayer(StaticLayer):
+    """transformers' static layer (preallocated buffers written in place at a length kept as a device
+    tensor), plus what speculation needs and transformers' `StaticCache` lacks: compaction to the
+    accepted path and rollback, both in place (no new buffer, no host sync)."""
+
+    def keep(self, start: int, keep: torch.Tensor) -> None:
+        """Rows `start + keep` move to start, start + 1, ...; the layer then ends at start + K. keep: (K,) long."""
+        if not self.is_initialized:
+            return
+        rows = start + keep  # (K,)
+        dest = torch.arange(start, start + keep.shape[0], device=rows.device)  # (K,)
+        self.keys.index_copy_(2, dest, self.keys.index_select(2, rows))  # (B, H, K, Dh), gathered first
+        self.values.index_copy_(2, dest, self.values.index_select(2, rows))
+        self.cumulative_length.fill_(start + keep.shape[0])
+
+    def truncate(self, length: int) -> None:
+        if self.is_initialized:
+            self.cumulative_length.fill_(length)
+
+
+def static_cache(model: PreTrainedModel, capacity: int) -> Cache:
+    """A cache of `capacity` preallocated positions per layer (allocated at the first forward)."""
+    layers = model.config.get_text_config().num_hidden_layers
+    return Cache(layers=[RollbackLayer(max_cache_len=capacity) for _ in range(layers)])
+
+
+def is_static(cache: Cache) -> bool:
+    return bool(cache.layers) and isinstance(cache.layers[0], RollbackLayer)
+
+
+def capacity(cache: Cache) -> int:
+    """How many positions a static cache holds (the key length of every forward over it)."""
+    return cache.layers[0].max_cache_len
+
+
 def last_logits_only(model: PreTrainedModel, rows: int = 1) -> dict:
     """Forward kwargs that compute logits for the last `rows` positions only, where the model supports
     it (a prompt's prefill needs few rows of the vocabulary projection, not one per token)."""
@@ -41,17 +79,20 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def cache_len(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
+def cache_len(cache: Cache) -> int:
+    return int(cache.get_seq_length())  # a static layer keeps its length as a tensor
 
 
-def compact(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+def compact(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """Keep positions [0, start) and the rows `start + keep` (moved to start, start + 1, ...); drop the rest.
 
     keep: (K,) long offsets relative to `start`, increasing. In place; the cache ends at start + K.
     """
     end = start + keep.shape[0]
     for layer in cache.layers:
+        if isinstance(layer, RollbackLayer):
+            layer.keep(start, keep)
+            continue
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         rows = start + keep
@@ -61,8 +102,12 @@ def compact(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
         layer.values = layer.values[..., :end, :]
 
 
-def truncate(cache: DynamicCache, length: int) -> None:
+def truncate(cache: Cache, length: int) -> None:
     """Drop everything at and after `length`."""
+    if is_static(cache):
+        for layer in cache.layers:
+            layer.truncate(length)
+        return
     extra = cache_len(cache) - length
     if extra > 0:
         cache.crop(-extra)

@@ -19,29 +19,31 @@ from typing import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import compact
-from .tree import position_ids, tree_attention_mask
-from .verify import masked_forward
+from .cache import compact, static_cache
+from .tree import DraftTree
+from .verify import verify_tree
 
 PROBE_MAX_LEN = 64  # the probe's sequence reaches min(max_len, this) positions (its bucket)
 # The probe's tree: root, then two branches of two nodes (r -> a -> b, r -> c -> d).
 PROBE_PARENTS = (-1, 0, -1, 2)
 PROBE_DEPTHS = (1, 2, 1, 2)
 PROBE_BRANCHES = ((0, 1, 2), (0, 3, 4))  # rows of [root] + nodes on each root -> leaf path
+PROBE_PADDED_WIDTH = 6  # the static path pads the 4 nodes to 6
 
 _certified: dict[tuple, str | None] = {}  # probe key -> reason of failure (None = exact)
 
 
-def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int) -> None:
+def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, static: bool = False) -> None:
     """Raise NotImplementedError naming the architecture and the reason if the engine cannot drive
-    `model` exactly up to `max_len` tokens, with up to `tree_rows` extra cache rows during a step."""
+    `model` exactly up to `max_len` tokens, with up to `tree_rows` extra cache rows during a step
+    (`static`: over the static path's preallocated cache, with padded trees)."""
     config = model.config.get_text_config()
     name = f"{role} model ({type(model).__name__}, model_type={config.model_type!r})"
     for check in KNOWN_REASONS:
         reason = check(model, config, max_len, tree_rows)
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
-    reason = probe(model, min(max_len, PROBE_MAX_LEN))
+    reason = probe(model, min(max_len, PROBE_MAX_LEN), static)
     if reason:
         raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
 
@@ -144,25 +146,26 @@ KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
 # ---- the numerical probe ------------------------------------------------------------------------
 
 
-def probe(model: PreTrainedModel, length: int) -> str | None:
+def probe(model: PreTrainedModel, length: int, static: bool = False) -> str | None:
     """Cached `run_probe`: the reason the tree forward is not exact for this configuration, or None."""
     # every attribute of the config (repr of its __dict__: 40x cheaper than to_json_string, which is
     # per-call overhead of every generate)
     key = (type(model), repr(vars(model.config)), model.config._attn_implementation, model.dtype,
-           str(model.device), length)
+           str(model.device), length, static)
     if key not in _certified:
         with torch.inference_mode():
             try:
-                _certified[key] = run_probe(model, length)
+                _certified[key] = run_probe(model, length, static)
             except Exception as error:  # a model that cannot run a tree forward: refuse it by name
                 _certified[key] = f"a tree forward raised {type(error).__name__}: {str(error)[:300]}"
     return _certified[key]
 
 
-def run_probe(model: PreTrainedModel, length: int) -> str | None:
+def run_probe(model: PreTrainedModel, length: int, static: bool = False) -> str | None:
     """Prefill, tree forward, compaction and one more step, each against causal forwards of the branch.
 
-    length: the probe sequence's last position + 1 (>= 6)."""
+    length: the probe sequence's last position + 1 (>= 6). static: over a preallocated cache, with the
+    tree padded (the static path's forwards, eager)."""
     device = model.device
     vocab = model.get_input_embeddings().weight.shape[0]
     prefix_len = max(length - 4, 2)  # root at prefix_len, the second branch's next token at prefix_len + 3
@@ -172,11 +175,12 @@ def run_probe(model: PreTrainedModel, length: int) -> str | None:
     parents = torch.tensor(PROBE_PARENTS, device=device)  # (4,)
     depths = torch.tensor(PROBE_DEPTHS, device=device)
 
-    cache = DynamicCache()
+    cache = static_cache(model, prefix_len + PROBE_PADDED_WIDTH + 1) if static else DynamicCache()
     model(input_ids=prefix[None], position_ids=torch.arange(prefix_len, device=device)[None],
           past_key_values=cache, use_cache=True)
-    allowed = tree_attention_mask(parents, prefix_len)  # (5, P + 5)
-    tree_logits = masked_forward(model, cache, tree_tokens, position_ids(depths, prefix_len), allowed)  # (5, V)
+    tree = DraftTree(tree_tokens[1:], parents, depths, torch.zeros(4, device=device), parents)
+    tree_logits = verify_tree(model, cache, tree_tokens[0], tree, prefix_len, width=PROBE_PADDED_WIDTH,
+                              compiled=False)  # (5, V)
     for branch in PROBE_BRANCHES:
         rows = torch.tensor(branch, device=device)
         reference = _causal_logits(model, torch.cat([prefix, tree_tokens[rows]]))[-3:]  # (3, V)
@@ -186,8 +190,7 @@ def run_probe(model: PreTrainedModel, length: int) -> str | None:
 
     keep = torch.tensor(PROBE_BRANCHES[1], device=device)
     compact(cache, prefix_len, keep)
-    step = masked_forward(model, cache, after, torch.tensor([prefix_len + 3], device=device),
-                          torch.ones(1, prefix_len + 4, dtype=torch.bool, device=device))  # (1, V)
+    step = verify_tree(model, cache, after[0], DraftTree.empty(device), prefix_len + 3, compiled=False)  # (1, V)
     reference = _causal_logits(model, torch.cat([prefix, tree_tokens[keep], after]))[-1:]
     if not _close(step, reference):
         return f"after compacting the cache to one branch, the next step differs (max |diff| {_diff(step, reference):.3g})"

@@ -49,11 +49,39 @@ class PhaseClock:
         return start.elapsed_time(end) / 1000 if self.events else end - start
 
 
-def compile_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Compile the model's forward with torch.compile (dynamic shapes: trees and caches change size
-    every step). In place; returns the model. The first calls compile (about a minute for the shipped
-    target on a 2-core CPU), so it pays for long runs (benchmarks, servers), not for one prompt."""
+def compile_model(model: PreTrainedModel, static: bool = False) -> PreTrainedModel:
+    """Compile the model's forward with torch.compile. In place; returns the model. The first calls
+    compile (about a minute for the shipped target on a 2-core CPU), so it pays for long runs
+    (benchmarks, servers), not for one prompt.
+
+    static=False: the forward itself, with dynamic shapes (trees and caches change size every step).
+    static=True: a separate step function for the static path's fixed-shape tree forwards (`static_step`),
+    compiled for fixed shapes, with CUDA graphs on a GPU; the forward stays eager for the prefill,
+    whose length changes with every prompt."""
+    if static:
+        if not hasattr(model, "_opttree_static_step"):
+            graphs = model_device(model).type == "cuda"
+            model._opttree_static_step = _fixed_shape_step(model.forward, graphs)
+        return model
     if not getattr(model, "_opttree_compiled", False):
         model.forward = torch.compile(model.forward, dynamic=True)
         model._opttree_compiled = True
     return model
+
+
+def static_step(model: PreTrainedModel):
+    """What runs a static-path tree forward: the compiled step of `compile_model(model, static=True)`,
+    else the model itself."""
+    return getattr(model, "_opttree_static_step", model)
+
+
+def _fixed_shape_step(forward, graphs: bool):
+    compiled = torch.compile(forward, dynamic=False, mode="reduce-overhead" if graphs else None)
+    if not graphs:
+        return compiled
+
+    def step(**inputs):
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
+        return compiled(**inputs)
+
+    return step

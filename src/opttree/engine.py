@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import check_model, compact, context_window, last_logits_only, new_cache
+from .cache import check_model, compact, context_window, last_logits_only, new_cache, static_cache
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
@@ -102,6 +102,8 @@ class Generation:
         self.device = model_device(target)  # every tensor of the loop lives here
         self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
+        # the static path pads every tree to this many nodes: one verify shape per generation
+        self.width = config.budget if policy.needs_drafter else 0
         self.stats = GenerationStats()
 
     @property
@@ -125,9 +127,10 @@ class Generation:
             yield chunk
         stats.time_s = _clock(device) - start
 
-    def _prefill(self) -> DynamicCache:
+    def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
-        cache = new_cache()
+        capacity = self.prompt_len + self.stopper.remaining + self.width  # the last step's rows included
+        cache = static_cache(self.target, capacity) if self.config.static else new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
         seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
@@ -147,7 +150,7 @@ class Generation:
             self.drafter.share_target_cache(cache)
         return cache
 
-    def _step(self, cache: DynamicCache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
+    def _step(self, cache: Cache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
         """One speculative step; returns (the emitted chunk (C,), whether generation ends with it)."""
         drafter, device = self.drafter, self.device
         prefix_len = self.committed.shape[0] - 1
@@ -159,7 +162,7 @@ class Generation:
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
-        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden)
+        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden, self.width)
         logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), ((N+1, H),) per layer
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
@@ -234,7 +237,7 @@ def stream(
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
-    certify(target, "target", max_len, config.budget + 1)
+    certify(target, "target", max_len, config.budget + 1, config.static)
     if rules is None:
         eos = None if eos_token_id is None else eos_list(eos_token_id)
         rules = prepare(target, generation_config, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
@@ -246,6 +249,10 @@ def stream(
     elif config.drafter is not None or config.datastore is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                          f"{config.datastore!r} do not apply")
+    if config.static and hasattr(drafter, "share_target_cache"):
+        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
+                         "drafts on the target's own growing cache, and the static path preallocates it; "
+                         "use static=False")
     if rules.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
     stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, tokenizer)

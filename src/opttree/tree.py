@@ -75,6 +75,25 @@ def tree_attention_mask(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return torch.cat([prefix, tree], dim=1)  # (N+1, P+N+1)
 
 
+def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int) -> torch.Tensor:
+    """The fixed-shape version of `tree_attention_mask`: [root] + N nodes padded to `width` nodes, over
+    a preallocated cache of `capacity` positions (where the W + 1 rows land at prefix_len, ...).
+    (W + 1, capacity) bool: the real rows as `tree_attention_mask`'s, False past them; a padding row
+    attends to itself only (its output is never read, and no row is all-masked)."""
+    n = parents.shape[0]
+    assert n <= width and prefix_len + width + 1 <= capacity, (n, width, prefix_len, capacity)
+    allowed = torch.zeros(width + 1, capacity, dtype=torch.bool, device=parents.device)  # (W+1, C)
+    allowed[: n + 1, : prefix_len + n + 1] = tree_attention_mask(parents, prefix_len)
+    pad = torch.arange(n + 1, width + 1, device=parents.device)  # (W-N,)
+    allowed[pad, prefix_len + pad] = True
+    return allowed
+
+
+def pad_nodes(values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """(N + 1,) values at [root] + nodes -> (W + 1,), padded with `fill`."""
+    return torch.cat([values, values.new_full((width + 1 - values.shape[0],), fill)])
+
+
 def position_ids(depths: torch.Tensor, root_position: int) -> torch.Tensor:
     """(N,) depths -> (N + 1,) positions of [root] + nodes: the root sits at `root_position`."""
     zero = torch.zeros(1, dtype=torch.long, device=depths.device)

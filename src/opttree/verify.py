@@ -10,9 +10,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
+from .cache import capacity, is_static
 from .config import SpecConfig
+from .device import static_step
 from .sampling import target_probs
-from .tree import DraftTree, leaf_paths, position_ids, tree_attention_mask
+from .tree import DraftTree, leaf_paths, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,16 @@ def masked_forward(
     positions: torch.Tensor,
     allowed: torch.Tensor,
     hidden: bool = False,
+    forward=None,
 ):
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
-    input_ids: (Q,), positions: (Q,), allowed: (Q, cache_len + Q) bool, True = attend.
+    input_ids: (Q,), positions: (Q,), allowed: (Q, K) bool, True = attend, K = cache_len + Q (or a
+    static cache's capacity). `forward`: what runs the model (default: the model itself).
     Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)).
     """
     with masked_attention_kernels(allowed.device):
-        out = model(
+        out = (forward or model)(
             input_ids=input_ids[None],
             position_ids=positions[None],
             attention_mask=attention_bias(model, allowed),
@@ -100,14 +104,32 @@ def masked_attention_kernels(device: torch.device):
 
 
 def verify_tree(
-    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int, hidden: bool = False
+    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int, hidden: bool = False,
+    width: int = 0, compiled: bool = True,
 ):
     """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
-    call and `prefix_len + N + 1` after it. Returns logits (N + 1, V): row 0 = root; with `hidden`,
-    (logits, every layer's hidden states ((N + 1, H), ...))."""
+    call and `prefix_len + N + 1` after it (a static cache: `prefix_len + W + 1`, compaction drops the
+    padding). Returns logits (N + 1, V): row 0 = root; with `hidden`, (logits, every layer's hidden
+    states ((N + 1, H), ...)).
+
+    Over a static cache (`opttree.cache.static_cache`) the forward has one shape per `width`: the tree is
+    padded to `width` nodes (padding rows attend to themselves only and are never read) and the keys
+    span the cache's whole capacity; it runs the model's compiled step if it has one (`static_step`)
+    and `compiled`."""
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
-    allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
-    return masked_forward(target, cache, tokens, position_ids(tree.depths, prefix_len), allowed, hidden)
+    positions = position_ids(tree.depths, prefix_len)  # (N+1,)
+    if not is_static(cache):
+        allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
+        return masked_forward(target, cache, tokens, positions, allowed, hidden)
+    n, width = len(tree), max(width, len(tree))  # a tree past the width gets a shape of its own
+    allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache))  # (W+1, C)
+    forward = static_step(target) if compiled and cache.is_initialized else target  # a first forward allocates: eager
+    out = masked_forward(target, cache, pad_nodes(tokens, width, 0), pad_nodes(positions, width, prefix_len),
+                         allowed, hidden, forward)
+    if not hidden:
+        return out[: n + 1].clone()  # (N+1, V); a copy: a CUDA graph's outputs are overwritten by its next replay
+    logits, states = out
+    return logits[: n + 1].clone(), tuple(h[: n + 1].clone() for h in states)
 
 
 def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
