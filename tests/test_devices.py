@@ -108,13 +108,14 @@ def test_inflated_target_computes_the_same_function():
 
 
 def test_compiled_models_stay_exact():
-    """`compile_model` (--compile): torch.compile'd forwards with trees of changing size, same tokens."""
+    """`compile_model(static=False)` (--compile --no-static): torch.compile'd forwards with trees of changing
+    size, same tokens (the static step: tests/test_static.py)."""
     from opttree.device import compile_model
 
     target = tiny_model("llama", seed=1, layers=2, hidden=64)
     draft = tiny_model("llama", seed=2, layers=1, hidden=32)
     refs = [(p, hf_greedy(target, p, 16)) for p in prompts(1, seed=9)]
-    compile_model(target), compile_model(draft)
+    compile_model(target, static=False), compile_model(draft, static=False)
     for prompt, ref in refs:
         out = opttree.generate(target, prompt, draft, budget=8, max_new_tokens=16, eos_token_id=[])
         assert torch.equal(out.sequences, ref)

@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "SpecConfig": "config",
     "demo_models": "demo",
+    "compile_model": ("device", "compile_model"),
     "Generation": "engine",
     "GenerationOutput": "engine",
     "generate": "engine",

@@ -41,8 +41,9 @@ class SpecConfig:
     depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.depth)
     length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
     # The static path: the target's tree forwards have one shape (the tree padded to the budget, keys over a
-    # preallocated cache compacted in place), what torch.compile and CUDA graphs need (`opttree.compile_model`)
-    static: bool = False
+    # preallocated cache compacted in place), what torch.compile and CUDA graphs need (`opttree.compile_model`).
+    # None = on for a target compiled by `compile_model`, else off (`opttree.engine.use_static`)
+    static: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget < 1:
@@ -68,8 +69,8 @@ class SpecConfig:
             raise ValueError(f"drafter must name draft sources joined by '+' (e.g. 'model+lookup'), got {self.drafter!r}")
         if self.depth_control not in DEPTH_CONTROL_NAMES:
             raise ValueError(f"depth_control must be one of {', '.join(DEPTH_CONTROL_NAMES)}, got {self.depth_control!r}")
-        if not isinstance(self.static, bool):
-            raise ValueError(f"static must be True or False, got {self.static!r}")
+        if self.static is not None and not isinstance(self.static, bool):
+            raise ValueError(f"static must be True, False or None (automatic), got {self.static!r}")
         if self.acceptance is not None:
             object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
 

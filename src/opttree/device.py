@@ -49,17 +49,19 @@ class PhaseClock:
         return start.elapsed_time(end) / 1000 if self.events else end - start
 
 
-def compile_model(model: PreTrainedModel, static: bool = False) -> PreTrainedModel:
+def compile_model(model: PreTrainedModel, static: bool = True) -> PreTrainedModel:
     """Compile the model's forward with torch.compile. In place; returns the model. The first calls
     compile (about a minute for the shipped target on a 2-core CPU), so it pays for long runs
     (benchmarks, servers), not for one prompt.
 
-    static=False: the forward itself, with dynamic shapes (trees and caches change size every step).
     static=True: a separate step function for the static path's fixed-shape tree forwards (`static_step`),
-    compiled for fixed shapes, with CUDA graphs on a GPU; the forward stays eager for the prefill,
-    whose length changes with every prompt."""
+    compiled for fixed shapes (one compilation per budget), with CUDA graphs on a GPU; the forward
+    stays eager for the prefill, whose length changes with every prompt. Generations with this target
+    then take the static path unless told otherwise.
+    static=False: the forward itself, with dynamic shapes (trees and caches change size every step;
+    for a draft model, whose shapes the static path does not fix)."""
     if static:
-        if not hasattr(model, "_opttree_static_step"):
+        if not has_static_step(model):
             graphs = model_device(model).type == "cuda"
             model._opttree_static_step = _fixed_shape_step(model.forward, graphs)
         return model
@@ -67,6 +69,10 @@ def compile_model(model: PreTrainedModel, static: bool = False) -> PreTrainedMod
         model.forward = torch.compile(model.forward, dynamic=True)
         model._opttree_compiled = True
     return model
+
+
+def has_static_step(model: PreTrainedModel) -> bool:
+    return hasattr(model, "_opttree_static_step")
 
 
 def static_step(model: PreTrainedModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
@@ -16,9 +17,9 @@ from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
 from .depth import DepthControl, make_depth_control
-from .device import PhaseClock, model_device, seeded_generator, synchronize
+from .device import PhaseClock, has_static_step, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
-from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources
+from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources, source_names
 from .policies import TreePolicy, make_policy
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -233,6 +234,7 @@ def stream(
     config = SpecConfig(**{**config_defaults(generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
+    config = replace(config, static=use_static(config.static, target))
     policy = make_policy(config)
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
@@ -249,7 +251,7 @@ def stream(
     elif config.drafter is not None or config.datastore is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                          f"{config.datastore!r} do not apply")
-    if config.static and hasattr(drafter, "share_target_cache"):
+    if config.static and drafter is not None and "early-exit" in source_names(config.drafter):
         raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
                          "drafts on the target's own growing cache, and the static path preallocates it; "
                          "use static=False")
@@ -257,6 +259,19 @@ def stream(
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
     stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, tokenizer)
     return Generation(target, ids, drafter, policy, config, stopper, rules.processors, depth)
+
+
+def use_static(static: bool | None, target: PreTrainedModel) -> bool:
+    """Whether a generation takes the static path: as asked, else the environment's OPTTREE_STATIC
+    (1 / 0: how the test suite runs it both ways), else where it measured faster: for a target with a
+    compiled fixed-shape step (`compile_model`). Eager, the padding costs about what the preallocated
+    cache saves (docs/BENCHMARKS.md, "Static shapes")."""
+    if static is not None:
+        return static
+    forced = os.environ.get("OPTTREE_STATIC", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"OPTTREE_STATIC must be 1 or 0 (or unset), got {forced!r}")
+    return forced == "1" if forced else has_static_step(target)
 
 
 def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):

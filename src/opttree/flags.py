@@ -49,8 +49,12 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
                         "('auto' = cuda when available, else cpu) (default: auto)")
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models' forwards: ~20%% "
-                        "faster steps on a CPU after ~1 minute of compilation (pays for long runs)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the models: the target's "
+                        "fixed-shape step of the static path (once per budget; CUDA graphs on a GPU) and the draft's "
+                        "forward; compiling takes ~20-90 s on a CPU, so it pays for long runs")
+    parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
+                        help="the static path: trees padded to the budget, a preallocated KV cache compacted in "
+                        "place, one verify shape (default: on with --compile, else off)")
     parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa",
                         help="attention kernels; eager for architectures without sdpa (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
@@ -203,8 +207,9 @@ def load_pair(args):
     attn = getattr(args, "attn_implementation", "sdpa")
     target = load_model(target_path, dtype, attn).to(device)
     draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
-    if args.compile:
-        target, draft = compile_model(target), draft and compile_model(draft)
+    if args.compile:  # the target's static step, unless --no-static; a draft's shapes are never fixed
+        target = compile_model(target, static=getattr(args, "static", None) is not False)
+        draft = draft and compile_model(draft, static=False)
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 
@@ -229,7 +234,7 @@ def tree_options(args, target, draft) -> dict:
                    **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
                    depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
                    length_predictor=args.length_predictor, max_depth=args.max_depth,
-                   delta=defaults.DEFAULT_DELTA)
+                   delta=defaults.DEFAULT_DELTA, static=getattr(args, "static", None))
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft, drafter)
     else:

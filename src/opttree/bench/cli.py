@@ -182,7 +182,7 @@ def cmd_bench(args) -> int:
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
                         trained={option: getattr(args, option) for option in
-                                 (*TRAINED_SOURCES.values(), "length_predictor")})
+                                 (*TRAINED_SOURCES.values(), "length_predictor")}, static=args.static)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
@@ -211,6 +211,7 @@ def cmd_bench(args) -> int:
 
 def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
+    from ..engine import use_static
     from . import report
     from .methods import find_method
 
@@ -224,6 +225,8 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
         "device": str(target.device),
         "draft_device": None if draft is None else str(draft.device),
         "draft_dtype": None if draft is None else str(draft.dtype).removeprefix("torch."),
+        "compiled": bool(args.compile),
+        "static": use_static(settings.static, target),
         "prompt_file": str(args.prompts),
         "prompts": prompts,
         "repeats": args.repeats,

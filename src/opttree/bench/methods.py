@@ -44,6 +44,7 @@ class Settings:
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
     trained: dict = field(default_factory=dict)  # TRAINED_SOURCES' options: the folders of trained parts (head=...)
+    static: bool | None = None  # opttree's static path (None: on for a target compiled with compile_model)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
+        static=settings.static,
     )
     for source, option in TRAINED_SOURCES.items():
         if drafter and source in source_names(drafter):

@@ -1,0 +1,146 @@
+"""The static path (static=True): padded trees over a preallocated cache, exact like the dynamic one."""
+
+import pytest
+import torch
+from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
+from transformers import DynamicCache
+
+import opttree
+from opttree.cache import compact, static_cache
+from opttree.engine import use_static
+from opttree.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
+from opttree.verify import verify_tree
+
+ARCHS = ["llama", "qwen2", "gpt_neox", "phi3"]
+
+
+def random_tree(n: int, g: torch.Generator) -> DraftTree:
+    parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)])
+    depths = torch.zeros(n, dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        depths[i] = 1 if p < 0 else depths[p] + 1
+    return DraftTree(torch.randint(3, 96, (n,), generator=g), parents, depths, torch.zeros(n), torch.arange(n))
+
+
+def prompts(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (1, int(torch.randint(1, 20, (1,), generator=g))), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n,width,prefix_len,capacity", [(0, 0, 5, 6), (0, 4, 3, 12), (5, 5, 7, 13), (6, 9, 2, 20)])
+def test_padded_mask_is_the_tree_mask_then_self_attending_padding(n, width, prefix_len, capacity):
+    tree = random_tree(n, torch.Generator().manual_seed(n + width))
+    allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity)
+    assert allowed.shape == (width + 1, capacity)
+    real = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
+    assert torch.equal(allowed[: n + 1, : prefix_len + n + 1], real)
+    assert not allowed[: n + 1, prefix_len + n + 1 :].any()
+    for row in range(n + 1, width + 1):  # brute force: a padding row sees its own slot, nothing else
+        expected = torch.zeros(capacity, dtype=torch.bool)
+        expected[prefix_len + row] = True
+        assert torch.equal(allowed[row], expected)
+    assert torch.equal(pad_nodes(torch.arange(n + 1), width, -7)[n + 1 :], torch.full((width - n,), -7))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_forward_and_in_place_compaction_match_the_dynamic_cache(arch):
+    """Logits of a padded tree forward, then of the next step after compaction, equal the dynamic path's."""
+    model = tiny_model(arch, seed=3, layers=2, hidden=64)
+    g = torch.Generator().manual_seed(1)
+    prefix, tree = torch.randint(3, 96, (11,), generator=g), random_tree(7, g)
+    keep = torch.tensor([0, 2, 5])  # rows of [root] + nodes: root, then two nodes (any increasing rows)
+    caches = {"dynamic": DynamicCache(), "static": static_cache(model, 13 + 12 + 1)}
+    logits = {}
+    with torch.inference_mode():
+        for name, cache in caches.items():
+            model(input_ids=prefix[None, :-1], position_ids=torch.arange(10)[None], past_key_values=cache)
+            first = verify_tree(model, cache, prefix[-1], tree, 10, width=12)
+            compact(cache, 10, keep)
+            second = verify_tree(model, cache, torch.tensor(5), tree, 13, width=12)
+            logits[name] = first, second
+    assert logits["static"][0].shape == (8, 96)
+    for a, b in zip(logits["static"], logits["dynamic"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    return tiny_model(request.param, seed=1, layers=2, hidden=64), tiny_model(request.param, seed=2, layers=1, hidden=32)
+
+
+@pytest.mark.parametrize("tree,budget", [("opt", 6), ("chain", 3), ("eagle2", 8), ("static", 10), ("sequoia", 8),
+                                         ("dyspec", 8), ("ar", 4)])
+def test_greedy_identity_on_the_static_path(pair, tree, budget):
+    target, draft = pair
+    for prompt in prompts(2, seed=budget):
+        ref = hf_greedy(target, prompt, 24)
+        out = opttree.generate(target, prompt, draft, tree=tree, budget=budget, max_new_tokens=24, eos_token_id=[],
+                               static=True)
+        assert torch.equal(out.sequences, ref), (tree, prompt)
+
+
+def test_greedy_identity_with_train_free_sources_on_the_static_path():
+    target = tiny_model("llama", seed=1, layers=2, hidden=64)
+    for prompt in prompts(3, seed=4):
+        prompt = torch.cat([prompt, prompt], dim=1)  # repeats, so lookup proposes
+        out = opttree.generate(target, prompt, drafter="recycling+lookup", budget=8, max_new_tokens=24,
+                               eos_token_id=[], static=True)
+        assert torch.equal(out.sequences, hf_greedy(target, prompt, 24))
+
+
+@pytest.mark.parametrize("tree,budget", [("opt", 5), ("sequoia", 6), ("chain", 3)])
+def test_sampling_is_the_same_draw_with_and_without_the_static_path(tree, budget):
+    """Same logits, same verifier, same generator: seeded samples coincide, token for token."""
+    target, draft = tiny_model("llama", seed=5, layers=2, hidden=64), tiny_model("llama", seed=6, layers=1, hidden=32)
+    for seed in range(4):
+        prompt = prompts(1, seed=seed)[0]
+        runs = [opttree.generate(target, prompt, draft, tree=tree, budget=budget, max_new_tokens=20, temperature=0.9,
+                                 top_k=40, seed=seed, eos_token_id=[], static=static).sequences for static in (False, True)]
+        assert torch.equal(*runs), (tree, seed)
+
+
+def test_static_sampling_follows_the_target_distribution():
+    vocab, steps, runs = 5, 3, 1000
+    target = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=11, init=0.6)
+    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=12, init=0.6)
+    prompt = torch.tensor([[1, 3, 0, 4]])
+    exact = exact_joint(target, prompt, steps, temperature=1.0)
+    counts = sample_counts(target, draft, prompt, steps, runs, tree="opt", budget=4, delta=0.0, max_depth=3,
+                           temperature=1.0, static=True)
+    assert chi_square_pvalue(counts, exact, runs) > 1e-3
+
+
+def test_compiled_static_step_is_exact_and_turns_the_static_path_on():
+    target = tiny_model("llama", seed=1, layers=2, hidden=64)
+    draft = tiny_model("llama", seed=2, layers=1, hidden=32)
+    refs = [(p, hf_greedy(target, p, 16)) for p in prompts(2, seed=9)]
+    assert use_static(None, target) is False
+    opttree.compile_model(target)  # the fixed-shape step; the forward stays eager
+    opttree.compile_model(draft, static=False)
+    assert use_static(None, target) is True and use_static(False, target) is False
+    for prompt, ref in refs:
+        out = opttree.generate(target, prompt, draft, budget=6, max_new_tokens=16, eos_token_id=[])
+        assert torch.equal(out.sequences, ref)
+
+
+def test_the_environment_forces_the_static_path_both_ways(monkeypatch):
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
+    monkeypatch.setenv("OPTTREE_STATIC", "1")
+    assert use_static(None, target) is True and use_static(False, target) is False
+    monkeypatch.setenv("OPTTREE_STATIC", "0")
+    assert use_static(None, target) is False
+    monkeypatch.setenv("OPTTREE_STATIC", "yes")
+    with pytest.raises(ValueError, match="OPTTREE_STATIC must be 1 or 0"):
+        use_static(None, target)
+
+
+def test_bad_static_values_and_the_early_exit_source_are_refused(tmp_path):
+    target = tiny_model("llama", seed=1, layers=2, hidden=64)
+    prompt = prompts(1, seed=0)[0]
+    with pytest.raises(ValueError, match="static must be True, False or None"):
+        opttree.generate(target, prompt, drafter="lookup", static="yes")
+    from opttree.drafters.early_exit import ExitLayer
+
+    ExitLayer(target, 1).save(tmp_path, target)
+    with pytest.raises(ValueError, match="static=True does not combine with drafter='early-exit'"):
+        opttree.generate(target, prompt, drafter="early-exit", early_exit=str(tmp_path), static=True)
