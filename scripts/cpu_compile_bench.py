@@ -1,18 +1,23 @@
-"""Plain vs torch.compile'd models on the CPU, one interleaved run (issue: a leaner CPU step).
+"""Eager vs static vs torch.compile'd steps on the CPU, one interleaved run (issue: a leaner CPU step).
 
-python scripts/cpu_compile_bench.py [--prompts FILE.jsonl] [--limit 20] [--max-new-tokens 128] [--dtype bfloat16]
+python scripts/cpu_compile_bench.py [--prompts FILE.jsonl] [--limit 20] [--max-new-tokens 128] [--dtype float32]
 
 Methods, per prompt in rotated order: `hf-ar` (transformers' greedy generate), `ar` and `opt` (opttree,
-the shipped profile's budget / delta / draft temperature), and `ar+compile`, `opt+compile` on a second
-copy of the pair whose forwards are torch.compile'd (compiled before timing). Prints tokens/s,
-speedup over `ar` and whether every output equals `ar`'s.
+the shipped profile's budget / delta / draft temperature), each also with `+static` (the static path:
+padded trees over a preallocated cache), `+compile` (a second copy of the pair whose forwards are
+torch.compile'd with dynamic shapes) and `+static+compile` (a third copy: the target's fixed-shape
+step compiled, the draft's forward as in `+compile`). Compilation happens before timing (its time
+is printed). Prints tokens/s, speedup over `ar` and whether every output equals `ar`'s.
 """
 
 import argparse
 import json
 import time
 
-import torch
+from opttree.threads import choose_openmp_wait_policy, set_torch_threads
+
+choose_openmp_wait_policy()  # as the CLI does, before torch loads OpenMP
+import torch  # noqa: E402
 
 import opttree
 from opttree.device import compile_model
@@ -21,13 +26,16 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")
 parser.add_argument("--limit", type=int, default=20)
 parser.add_argument("--max-new-tokens", type=int, default=128)
-parser.add_argument("--dtype", default="bfloat16")
+parser.add_argument("--dtype", default="float32")
 args = parser.parse_args()
 
+set_torch_threads()
 dtype = getattr(torch, args.dtype)
 target, draft, tok = opttree.demo_models(dtype)
 c_target, c_draft, _ = opttree.demo_models(dtype)
-compile_model(c_target), compile_model(c_draft)
+compile_model(c_target, static=False), compile_model(c_draft, static=False)
+s_target, s_draft, _ = opttree.demo_models(dtype)
+compile_model(s_target), compile_model(s_draft, static=False)
 opt = dict(tree="opt", budget=8, delta=0.6, draft_temperature=0.537)
 prompts = [json.loads(line)["prompt"] for line in open(args.prompts)][: args.limit]
 encoded = [tok(p, return_tensors="pt").input_ids for p in prompts]
@@ -38,17 +46,23 @@ def hf(ids):
         return target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens, attention_mask=torch.ones_like(ids))
 
 
-methods = {
-    "hf-ar": hf,
-    "ar": lambda ids: opttree.generate(target, ids, tree="ar", max_new_tokens=args.max_new_tokens).sequences,
-    "opt": lambda ids: opttree.generate(target, ids, draft, max_new_tokens=args.max_new_tokens, **opt).sequences,
-    "ar+compile": lambda ids: opttree.generate(c_target, ids, tree="ar", max_new_tokens=args.max_new_tokens).sequences,
-    "opt+compile": lambda ids: opttree.generate(c_target, ids, c_draft, max_new_tokens=args.max_new_tokens, **opt).sequences,
-}
-start = time.time()
+def ours(pair, tree, static):
+    t, d = pair
+    options = opt if tree == "opt" else dict(tree="ar")
+    return lambda ids: opttree.generate(t, ids, d if tree == "opt" else None, max_new_tokens=args.max_new_tokens,
+                                        static=static, **options).sequences
+
+
+methods = {"hf-ar": hf}
+for tree in ("ar", "opt"):
+    methods[tree] = ours((target, draft), tree, False)
+    methods[f"{tree}+static"] = ours((target, draft), tree, True)
+    methods[f"{tree}+compile"] = ours((c_target, c_draft), tree, False)
+    methods[f"{tree}+static+compile"] = ours((s_target, s_draft), tree, True)
 for name, fn in methods.items():  # warm-up; compiles the compiled copies
+    start = time.time()
     fn(encoded[0][:, :32])
-print(f"warm-up (compilation included): {time.time() - start:.0f} s", flush=True)
+    print(f"warm-up {name} (compilation included): {time.time() - start:.0f} s", flush=True)
 times, tokens, same = ({name: 0.0 for name in methods} for _ in range(3))
 names = list(methods)
 for i, ids in enumerate(encoded):

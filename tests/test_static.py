@@ -144,3 +144,17 @@ def test_bad_static_values_and_the_early_exit_source_are_refused(tmp_path):
     ExitLayer(target, 1).save(tmp_path, target)
     with pytest.raises(ValueError, match="static=True does not combine with drafter='early-exit'"):
         opttree.generate(target, prompt, drafter="early-exit", early_exit=str(tmp_path), static=True)
+
+
+def test_compiled_step_compiles_once_per_width_and_capacity_bucket():
+    """Prompts of different lengths share a capacity bucket: the fixed-shape step is not compiled again."""
+    import torch._dynamo
+
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
+    draft = tiny_model("llama", seed=2, layers=1, hidden=32)
+    opttree.compile_model(target)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for length in (3, 9, 17):
+        opttree.generate(target, torch.arange(3, 3 + length)[None], draft, budget=4, max_new_tokens=12, eos_token_id=[])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

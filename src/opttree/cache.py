@@ -53,6 +53,16 @@ class RollbackLayer(StaticLayer):
             self.cumulative_length.fill_(length)
 
 
+MIN_STATIC_CAPACITY = 256
+
+
+def static_capacity(positions: int) -> int:
+    """The capacity a static cache gets for a generation that needs `positions`: the next power of two
+    (at least 256), so that generations of different lengths share the compiled step's shapes (a
+    compilation per bucket, not per prompt), at the price of attention over up to 2x masked keys."""
+    return max(MIN_STATIC_CAPACITY, 1 << (positions - 1).bit_length())
+
+
 def static_cache(model: PreTrainedModel, capacity: int) -> Cache:
     """A cache of `capacity` preallocated positions per layer (allocated at the first forward)."""
     layers = model.config.get_text_config().num_hidden_layers

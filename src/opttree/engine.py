@@ -12,7 +12,7 @@ from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import check_model, compact, context_window, last_logits_only, new_cache, static_cache
+from .cache import check_model, compact, context_window, last_logits_only, new_cache, static_cache, static_capacity
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
@@ -130,7 +130,7 @@ class Generation:
 
     def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
-        capacity = self.prompt_len + self.stopper.remaining + self.width  # the last step's rows included
+        capacity = static_capacity(self.prompt_len + self.stopper.remaining + self.width)  # the last step's rows too
         cache = static_cache(self.target, capacity) if self.config.static else new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
