@@ -1,6 +1,7 @@
 """`opttree generate` end to end on tiny models saved to disk."""
 
 import json
+import os
 
 import pytest
 from helpers import char_tokenizer, hf_greedy, tiny_model
@@ -18,12 +19,14 @@ def model_dirs(tmp_path_factory):
     return root / "target", root / "draft"
 
 
-def test_generate_json_matches_greedy_decoding(model_dirs, capsys):
+@pytest.mark.parametrize("static", [None, "--static", "--no-static"])
+def test_generate_json_matches_greedy_decoding(model_dirs, capsys, static):
     target, draft = model_dirs
     rc = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abcdef", "--dtype", "float32",
-               "--max-new-tokens", "20", "--budget", "8", "--json"])
+               "--max-new-tokens", "20", "--budget", "8", "--json", *([static] if static else [])])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["static"] is {"--static": True, "--no-static": False}.get(static, os.environ.get("OPTTREE_STATIC") == "1")
     tok = char_tokenizer()
     model = tiny_model("llama", seed=1)
     ids = tok("abcdef", return_tensors="pt").input_ids

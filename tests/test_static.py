@@ -110,17 +110,24 @@ def test_static_sampling_follows_the_target_distribution():
     assert chi_square_pvalue(counts, exact, runs) > 1e-3
 
 
-def test_compiled_static_step_is_exact_and_turns_the_static_path_on():
-    target = tiny_model("llama", seed=1, layers=2, hidden=64)
+def test_compiled_static_step_is_exact_compiles_once_per_bucket_and_turns_the_static_path_on(monkeypatch):
+    """Prompts of different lengths share a capacity bucket: one compiled graph, the same tokens."""
+    import torch._dynamo
+
+    monkeypatch.delenv("OPTTREE_STATIC", raising=False)
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
     draft = tiny_model("llama", seed=2, layers=1, hidden=32)
-    refs = [(p, hf_greedy(target, p, 16)) for p in prompts(2, seed=9)]
+    ids = [torch.arange(3, 3 + length)[None] for length in (3, 9, 17)]
+    refs = [hf_greedy(target, prompt, 12) for prompt in ids]
     assert use_static(None, target) is False
     opttree.compile_model(target)  # the fixed-shape step; the forward stays eager
-    opttree.compile_model(draft, static=False)
     assert use_static(None, target) is True and use_static(False, target) is False
-    for prompt, ref in refs:
-        out = opttree.generate(target, prompt, draft, budget=6, max_new_tokens=16, eos_token_id=[])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for prompt, ref in zip(ids, refs):
+        out = opttree.generate(target, prompt, draft, budget=4, max_new_tokens=12, eos_token_id=[])
         assert torch.equal(out.sequences, ref)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_the_environment_forces_the_static_path_both_ways(monkeypatch):
@@ -146,15 +153,12 @@ def test_bad_static_values_and_the_early_exit_source_are_refused(tmp_path):
         opttree.generate(target, prompt, drafter="early-exit", early_exit=str(tmp_path), static=True)
 
 
-def test_compiled_step_compiles_once_per_width_and_capacity_bucket():
-    """Prompts of different lengths share a capacity bucket: the fixed-shape step is not compiled again."""
+def test_compiling_allows_more_than_dynamos_eight_versions_per_code_object():
+    """Every model's forward is one code object to dynamo, which runs calls eager, silently, past its
+    limit of compiled versions (8): a target's steps and a draft's call patterns exceed it (measured:
+    scripts/cpu_compile_bench.py ran its third compiled pair eager before this)."""
     import torch._dynamo
 
-    target = tiny_model("llama", seed=1, layers=1, hidden=32)
-    draft = tiny_model("llama", seed=2, layers=1, hidden=32)
-    opttree.compile_model(target)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    for length in (3, 9, 17):
-        opttree.generate(target, torch.arange(3, 3 + length)[None], draft, budget=4, max_new_tokens=12, eos_token_id=[])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.config.recompile_limit = 8
+    opttree.compile_model(tiny_model("llama", seed=1, layers=1, hidden=32))
+    assert torch._dynamo.config.recompile_limit >= 64

@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
             "time_s": s.time_s, "tree": args.tree, "drafter": run.config.drafter, "budget": tree["budget"],
             "delta": tree["delta"],
-            "draft_temperature": tree["draft_temperature"],
+            "draft_temperature": tree["draft_temperature"], "static": run.config.static,
             "stats": s.to_dict(),
         }))
     else:

@@ -49,6 +49,9 @@ class PhaseClock:
         return start.elapsed_time(end) / 1000 if self.events else end - start
 
 
+COMPILED_VERSIONS = 64
+
+
 def compile_model(model: PreTrainedModel, static: bool = True) -> PreTrainedModel:
     """Compile the model's forward with torch.compile. In place; returns the model. The first calls
     compile (about a minute for the shipped target on a 2-core CPU), so it pays for long runs
@@ -60,6 +63,10 @@ def compile_model(model: PreTrainedModel, static: bool = True) -> PreTrainedMode
     then take the static path unless told otherwise.
     static=False: the forward itself, with dynamic shapes (trees and caches change size every step;
     for a draft model, whose shapes the static path does not fix)."""
+    # dynamo keeps at most `recompile_limit` (8) compiled versions per code object, and every model's
+    # forward is the same code: a target's step per budget and capacity bucket, a draft's few call
+    # patterns, a second model... past 8, every call silently runs eager. Allow many more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VERSIONS)
     if static:
         if not has_static_step(model):
             graphs = model_device(model).type == "cuda"

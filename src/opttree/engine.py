@@ -12,7 +12,8 @@ from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import check_model, compact, context_window, last_logits_only, new_cache, static_cache, static_capacity
+from .cache import (check_model, compact, context_window, last_logits_only, new_cache, static_cache, static_capacity,
+                    truncate)
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
@@ -170,7 +171,10 @@ class Generation:
         # 3. accept: the longest branch the target agrees with, plus its bonus token
         accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
         # 4. compact both caches to the root + accepted path
-        compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
+        if accepted.shape[0]:
+            compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
+        else:  # the root alone stays, where it is
+            truncate(cache, prefix_len + 1)
         t3 = phases.mark()
         result = Verification(self.committed[-1], tree, logits, accepted, bonus, hidden)
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates

@@ -62,21 +62,22 @@ def masked_forward(
     cache: Cache,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     hidden: bool = False,
     forward=None,
 ):
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
     input_ids: (Q,), positions: (Q,), allowed: (Q, K) bool, True = attend, K = cache_len + Q (or a
-    static cache's capacity). `forward`: what runs the model (default: the model itself).
+    static cache's capacity); None = causal (the model's own mask). `forward`: what runs the model
+    (default: the model itself).
     Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)).
     """
-    with masked_attention_kernels(allowed.device):
+    with masked_attention_kernels(input_ids.device):
         out = (forward or model)(
             input_ids=input_ids[None],
             position_ids=positions[None],
-            attention_mask=attention_bias(model, allowed),
+            attention_mask=None if allowed is None else attention_bias(model, allowed),
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=hidden,
@@ -118,8 +119,8 @@ def verify_tree(
     and `compiled`."""
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
     positions = position_ids(tree.depths, prefix_len)  # (N+1,)
-    if not is_static(cache):
-        allowed = tree_attention_mask(tree.parents, prefix_len)  # (N+1, P+N+1)
+    if not is_static(cache):  # no tree: one token after the cache, the model's own causal mask
+        allowed = tree_attention_mask(tree.parents, prefix_len) if len(tree) else None  # (N+1, P+N+1)
         return masked_forward(target, cache, tokens, positions, allowed, hidden)
     n, width = len(tree), max(width, len(tree))  # a tree past the width gets a shape of its own
     allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache))  # (W+1, C)
