@@ -162,3 +162,24 @@ def test_compiling_allows_more_than_dynamos_eight_versions_per_code_object():
     torch._dynamo.config.recompile_limit = 8
     opttree.compile_model(tiny_model("llama", seed=1, layers=1, hidden=32))
     assert torch._dynamo.config.recompile_limit >= 64
+
+
+def test_capacity_buckets_stay_inside_the_context_window():
+    from opttree.cache import static_capacity
+
+    assert [static_capacity(n) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
+    assert static_capacity(100, limit=128) == 128  # a bucket past the window is cut to it
+    assert static_capacity(300, limit=128) == 512  # positions past the window: refused elsewhere, not here
+
+
+def test_a_model_the_static_path_cannot_drive_is_refused_when_asked_and_skipped_when_chosen(monkeypatch):
+    """GPT-Neo's local window counts cache rows: a preallocated cache longer than it is not exact."""
+    from arch_configs import tiny_any_attention
+
+    model = tiny_any_attention("gpt_neo", window_size=32)  # layers: global, local
+    prompt = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    with pytest.raises(NotImplementedError, match="window_size=32"):
+        opttree.generate(model, prompt, model, max_new_tokens=8, eos_token_id=[], budget=4, static=True)
+    monkeypatch.setenv("OPTTREE_STATIC", "1")
+    out = opttree.generate(model, prompt, model, max_new_tokens=8, eos_token_id=[], budget=4)
+    assert torch.equal(out.sequences, hf_greedy(model, prompt, 8))

@@ -56,11 +56,14 @@ class RollbackLayer(StaticLayer):
 MIN_STATIC_CAPACITY = 256
 
 
-def static_capacity(positions: int) -> int:
+def static_capacity(positions: int, limit: int | None = None) -> int:
     """The capacity a static cache gets for a generation that needs `positions`: the next power of two
     (at least 256), so that generations of different lengths share the compiled step's shapes (a
-    compilation per bucket, not per prompt), at the price of attention over up to 2x masked keys."""
-    return max(MIN_STATIC_CAPACITY, 1 << (positions - 1).bit_length())
+    compilation per bucket, not per prompt), at the price of attention over up to 2x masked keys;
+    never past `limit` (the model's context window: some models index buffers of that many keys)
+    when the positions fit in it."""
+    bucket = max(MIN_STATIC_CAPACITY, 1 << (positions - 1).bit_length())
+    return limit if limit is not None and positions <= limit < bucket else bucket
 
 
 def static_cache(model: PreTrainedModel, capacity: int) -> Cache:

@@ -36,14 +36,15 @@ _certified: dict[tuple, str | None] = {}  # probe key -> reason of failure (None
 def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, static: bool = False) -> None:
     """Raise NotImplementedError naming the architecture and the reason if the engine cannot drive
     `model` exactly up to `max_len` tokens, with up to `tree_rows` extra cache rows during a step
-    (`static`: over the static path's preallocated cache, with padded trees)."""
+    (`static`: over the static path's preallocated cache of max_len + tree_rows positions, with padded
+    trees)."""
     config = model.config.get_text_config()
     name = f"{role} model ({type(model).__name__}, model_type={config.model_type!r})"
     for check in KNOWN_REASONS:
         reason = check(model, config, max_len, tree_rows)
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
-    reason = probe(model, min(max_len, PROBE_MAX_LEN), static)
+    reason = probe(model, min(max_len, PROBE_MAX_LEN), max_len + tree_rows if static else None)
     if reason:
         raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
 
@@ -146,26 +147,26 @@ KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
 # ---- the numerical probe ------------------------------------------------------------------------
 
 
-def probe(model: PreTrainedModel, length: int, static: bool = False) -> str | None:
+def probe(model: PreTrainedModel, length: int, capacity: int | None = None) -> str | None:
     """Cached `run_probe`: the reason the tree forward is not exact for this configuration, or None."""
     # every attribute of the config (repr of its __dict__: 40x cheaper than to_json_string, which is
     # per-call overhead of every generate)
     key = (type(model), repr(vars(model.config)), model.config._attn_implementation, model.dtype,
-           str(model.device), length, static)
+           str(model.device), length, capacity)
     if key not in _certified:
         with torch.inference_mode():
             try:
-                _certified[key] = run_probe(model, length, static)
+                _certified[key] = run_probe(model, length, capacity)
             except Exception as error:  # a model that cannot run a tree forward: refuse it by name
                 _certified[key] = f"a tree forward raised {type(error).__name__}: {str(error)[:300]}"
     return _certified[key]
 
 
-def run_probe(model: PreTrainedModel, length: int, static: bool = False) -> str | None:
+def run_probe(model: PreTrainedModel, length: int, capacity: int | None = None) -> str | None:
     """Prefill, tree forward, compaction and one more step, each against causal forwards of the branch.
 
-    length: the probe sequence's last position + 1 (>= 6). static: over a preallocated cache, with the
-    tree padded (the static path's forwards, eager)."""
+    length: the probe sequence's last position + 1 (>= 6). capacity: the static path's (a preallocated
+    cache of that many positions, the tree padded: its forwards, eager); None: the dynamic cache."""
     device = model.device
     vocab = model.get_input_embeddings().weight.shape[0]
     prefix_len = max(length - 4, 2)  # root at prefix_len, the second branch's next token at prefix_len + 3
@@ -175,7 +176,8 @@ def run_probe(model: PreTrainedModel, length: int, static: bool = False) -> str 
     parents = torch.tensor(PROBE_PARENTS, device=device)  # (4,)
     depths = torch.tensor(PROBE_DEPTHS, device=device)
 
-    cache = static_cache(model, prefix_len + PROBE_PADDED_WIDTH + 1) if static else DynamicCache()
+    static = capacity is not None
+    cache = static_cache(model, max(capacity, prefix_len + PROBE_PADDED_WIDTH + 1)) if static else DynamicCache()
     model(input_ids=prefix[None], position_ids=torch.arange(prefix_len, device=device)[None],
           past_key_values=cache, use_cache=True)
     tree = DraftTree(tree_tokens[1:], parents, depths, torch.zeros(4, device=device), parents)

@@ -131,8 +131,8 @@ class Generation:
 
     def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
-        capacity = static_capacity(self.prompt_len + self.stopper.remaining + self.width)  # the last step's rows too
-        cache = static_cache(self.target, capacity) if self.config.static else new_cache()
+        rows = static_rows(self.target, self.prompt_len + self.stopper.remaining, self.width)
+        cache = static_cache(self.target, rows) if self.config.static else new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
         seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
@@ -238,12 +238,22 @@ def stream(
     config = SpecConfig(**{**config_defaults(generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
-    config = replace(config, static=use_static(config.static, target))
     policy = make_policy(config)
+    self_drafts = policy.needs_drafter and bool(config.drafter) and "early-exit" in source_names(config.drafter)
+    if config.static and self_drafts:
+        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
+                         "drafts on the target's own growing cache, and the static path preallocates it; "
+                         "use static=False")
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
-    certify(target, "target", max_len, config.budget + 1, config.static)
+    static = use_static(config.static, target) and not self_drafts
+    if static and config.static is None:  # chosen for the user: only where it is certified exact
+        static = _certified_static(target, max_len, config.budget if policy.needs_drafter else 0)
+    config = replace(config, static=static)
+    rows = static_rows(target, max_len, config.budget if policy.needs_drafter else 0) if static else \
+        max_len + config.budget + 1  # the keys a step spans
+    certify(target, "target", max_len, rows - max_len, static=static)
     if rules is None:
         eos = None if eos_token_id is None else eos_list(eos_token_id)
         rules = prepare(target, generation_config, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
@@ -255,21 +265,35 @@ def stream(
     elif config.drafter is not None or config.datastore is not None:
         raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                          f"{config.datastore!r} do not apply")
-    if config.static and drafter is not None and "early-exit" in source_names(config.drafter):
-        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
-                         "drafts on the target's own growing cache, and the static path preallocates it; "
-                         "use static=False")
     if rules.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
     stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, tokenizer)
     return Generation(target, ids, drafter, policy, config, stopper, rules.processors, depth)
 
 
+def static_rows(target: PreTrainedModel, max_len: int, width: int) -> int:
+    """The static cache's capacity for a generation of `max_len` tokens whose trees are padded to `width`
+    (its last step's rows included): the keys every static-path forward spans."""
+    return static_capacity(max_len + width, context_window(target))
+
+
+def _certified_static(target: PreTrainedModel, max_len: int, width: int) -> bool:
+    """Whether `certify` passes the static path for this generation (a local window shorter than the
+    preallocated cache, for one, does not)."""
+    try:
+        certify(target, "target", max_len, static_rows(target, max_len, width) - max_len, static=True)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def use_static(static: bool | None, target: PreTrainedModel) -> bool:
     """Whether a generation takes the static path: as asked, else the environment's OPTTREE_STATIC
     (1 / 0: how the test suite runs it both ways), else where it measured faster: for a target with a
     compiled fixed-shape step (`compile_model`). Eager, the padding costs about what the preallocated
-    cache saves (docs/BENCHMARKS.md, "Static shapes")."""
+    cache saves (docs/BENCHMARKS.md, "Static shapes"). Where it is not asked for, the early-exit
+    source (which cannot take it yet) and models the static path is not certified for run on the
+    dynamic path."""
     if static is not None:
         return static
     forced = os.environ.get("OPTTREE_STATIC", "")
