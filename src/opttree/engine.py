@@ -104,8 +104,7 @@ class Generation:
         self.device = model_device(target)  # every tensor of the loop lives here
         self.committed = input_ids.to(self.device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = input_ids.shape[0]
-        # the static path pads every tree to this many nodes: one verify shape per generation
-        self.width = config.budget if policy.needs_drafter else 0
+        self.width = tree_width(config, policy)  # the static path's padded tree size
         self.stats = GenerationStats()
 
     @property
@@ -239,21 +238,13 @@ def stream(
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
     policy = make_policy(config)
-    self_drafts = policy.needs_drafter and bool(config.drafter) and "early-exit" in source_names(config.drafter)
-    if config.static and self_drafts:
-        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
-                         "drafts on the target's own growing cache, and the static path preallocates it; "
-                         "use static=False")
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)
-    static = use_static(config.static, target) and not self_drafts
-    if static and config.static is None:  # chosen for the user: only where it is certified exact
-        static = _certified_static(target, max_len, config.budget if policy.needs_drafter else 0)
+    static = _static_choice(target, config, policy, max_len)
     config = replace(config, static=static)
-    rows = static_rows(target, max_len, config.budget if policy.needs_drafter else 0) if static else \
-        max_len + config.budget + 1  # the keys a step spans
-    certify(target, "target", max_len, rows - max_len, static=static)
+    rows = static_rows(target, max_len, tree_width(config, policy)) if static else max_len + config.budget + 1
+    certify(target, "target", max_len, rows - max_len, static=static)  # rows: the keys a step spans
     if rules is None:
         eos = None if eos_token_id is None else eos_list(eos_token_id)
         rules = prepare(target, generation_config, ids, config, eos, _stop_strings(stop), tokenizer, logits_processor)
@@ -277,11 +268,28 @@ def static_rows(target: PreTrainedModel, max_len: int, width: int) -> int:
     return static_capacity(max_len + width, context_window(target))
 
 
-def _certified_static(target: PreTrainedModel, max_len: int, width: int) -> bool:
-    """Whether `certify` passes the static path for this generation (a local window shorter than the
-    preallocated cache, for one, does not)."""
+def tree_width(config: SpecConfig, policy: TreePolicy) -> int:
+    """The static path pads every tree to this many nodes: one verify shape per generation."""
+    return config.budget if policy.needs_drafter else 0
+
+
+def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePolicy, max_len: int) -> bool:
+    """Whether this generation takes the static path (`use_static`). Asked for, it must be possible;
+    chosen for the user, it is skipped where it is not certified exact (a local window shorter than the
+    preallocated cache, for one) and for the early-exit source, which drafts on the target's own
+    growing cache."""
+    self_drafts = policy.needs_drafter and bool(config.drafter) and "early-exit" in source_names(config.drafter)
+    if config.static and self_drafts:
+        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
+                         "drafts on the target's own growing cache, and the static path preallocates it; "
+                         "use static=False")
+    if config.static is not None:
+        return config.static
+    if self_drafts or not use_static(None, target):
+        return False
     try:
-        certify(target, "target", max_len, static_rows(target, max_len, width) - max_len, static=True)
+        rows = static_rows(target, max_len, tree_width(config, policy))
+        certify(target, "target", max_len, rows - max_len, static=True)
     except NotImplementedError:
         return False
     return True
@@ -291,9 +299,7 @@ def use_static(static: bool | None, target: PreTrainedModel) -> bool:
     """Whether a generation takes the static path: as asked, else the environment's OPTTREE_STATIC
     (1 / 0: how the test suite runs it both ways), else where it measured faster: for a target with a
     compiled fixed-shape step (`compile_model`). Eager, the padding costs about what the preallocated
-    cache saves (docs/BENCHMARKS.md, "Static shapes"). Where it is not asked for, the early-exit
-    source (which cannot take it yet) and models the static path is not certified for run on the
-    dynamic path."""
+    cache saves (docs/BENCHMARKS.md, "Static shapes"). `_static_choice` adds what a generation allows."""
     if static is not None:
         return static
     forced = os.environ.get("OPTTREE_STATIC", "")
