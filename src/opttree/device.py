@@ -95,6 +95,11 @@ def _fixed_shape_step(forward, graphs: bool):
 
     def step(**inputs):
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
-        return compiled(**inputs)
+        out = compiled(**inputs)
+        # copies: a graph's outputs are overwritten by its next replay, and a drafter may keep them
+        out.logits = out.logits.clone()
+        if out.hidden_states is not None:
+            out.hidden_states = tuple(h.clone() for h in out.hidden_states)
+        return out
 
     return step

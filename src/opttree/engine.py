@@ -130,8 +130,11 @@ class Generation:
 
     def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
-        rows = static_rows(self.target, self.prompt_len + self.stopper.remaining, self.width)
-        cache = static_cache(self.target, rows) if self.config.static else new_cache()
+        if self.config.static:
+            cache = static_cache(self.target, static_rows(self.target, self.prompt_len + self.stopper.remaining,
+                                                          self.width))
+        else:
+            cache = new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
         seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits

@@ -88,9 +88,14 @@ def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
                         "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
+    add_trained_part_args(parser, "; given alone it means --drafter {source}")
+
+
+def add_trained_part_args(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """--head, --early-exit, ...: the folders of the parts TRAINED_SOURCES read."""
     for source, option in TRAINED_SOURCES.items():
-        parser.add_argument(f"--{source}", dest=option, help=f"{TRAINED_HELP[source]} for the '{source}' source; "
-                            f"given alone it means --drafter {source}")
+        parser.add_argument(f"--{source}", dest=option, help=f"{TRAINED_HELP[source]} for the '{source}' source"
+                            + note.format(source=source))
 
 
 def uses_draft_model(args) -> bool:

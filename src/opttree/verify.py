@@ -128,9 +128,9 @@ def verify_tree(
     out = masked_forward(target, cache, pad_nodes(tokens, width, 0), pad_nodes(positions, width, prefix_len),
                          allowed, hidden, forward)
     if not hidden:
-        return out[: n + 1].clone()  # (N+1, V); a copy: a CUDA graph's outputs are overwritten by its next replay
+        return out[: n + 1]  # (N+1, V)
     logits, states = out
-    return logits[: n + 1].clone(), tuple(h[: n + 1].clone() for h in states)
+    return logits[: n + 1], tuple(h[: n + 1] for h in states)
 
 
 def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

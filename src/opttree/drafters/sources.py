@@ -153,9 +153,6 @@ _trained("head", "a feature head", _head)
 _trained("early-exit", "an exit layer", _early_exit)
 
 
-
-
-
 class TrieDrafter:
     """A candidate source as the step's only distribution source: a node's children get
     log(child score) - log(node score) for the trie's continuations, -inf for every other token."""

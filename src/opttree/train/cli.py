@@ -15,6 +15,9 @@ from pathlib import Path
 # Training runs long, often beside other work: wait passively (threads.py has the measurements).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # python -m opttree.train.cli ...: before torch is imported
 
+from ..flags import add_trained_part_args  # noqa: E402 (no torch import)
+from ..names import TRAINED_SOURCES  # noqa: E402
+
 DEFAULT_INSTALL_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
@@ -200,7 +203,7 @@ def cmd_length(args) -> None:
     drafter = args.drafter or ("model" if draft is not None else "recycling+lookup")
     options = dict(tree=args.tree, drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                    max_new_tokens=args.new_tokens, temperature=args.temperature, eos_token_id=tok.eos_token_id,
-                   **{option: getattr(args, option) for option in ("head", "early_exit") if getattr(args, option)})
+                   **{option: getattr(args, option) for option in TRAINED_SOURCES.values() if getattr(args, option)})
     rng = np.random.default_rng(args.seed)
     logged = {}
     for split, corpus, count in (("train", train, args.prompts), ("heldout", heldout, max(args.prompts // 4, 8))):
@@ -389,8 +392,7 @@ def register(subparsers) -> None:
     p.add_argument("--draft", type=Path, default=None, help="draft model dir, for drafters with 'model'")
     p.add_argument("--drafter", default=None, help="draft sources of the logged runs (default: model with --draft, "
                    "else recycling+lookup)")
-    p.add_argument("--head", default=None, help="feature head folder, for a drafter with 'head'")
-    p.add_argument("--early-exit", dest="early_exit", default=None, help="exit layer folder, for 'early-exit'")
+    add_trained_part_args(p)
     p.add_argument("--tree", default="opt", help="tree policy of the logged runs (default: opt)")
     p.add_argument("--budget", type=int, default=16, help="draft nodes per step (default: 16)")
     p.add_argument("--max-depth", type=int, default=8, help="the fixed depth D of the logged runs; the predictor "
