@@ -69,12 +69,12 @@ def main() -> None:
 
     hidden = target.config.hidden_size
     head_cache = DynamicCache()
-    features, embeds = torch.zeros(1, 200, hidden), target.get_input_embeddings()(ids)
+    features, embeds = torch.zeros(1, 200, len(head.layers) * hidden), target.get_input_embeddings()(ids)
     head(features, embeds, torch.arange(200)[None], torch.ones(200, 200, dtype=torch.bool).tril(), head_cache)
 
-    def head_step():
-        f = head(features[:, -1:], embeds[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool),
-                 head_cache)
+    def head_step():  # a tree node: it reads its parent's output (H wide), not the target's fused layers
+        f = head(features[:, -1:, :hidden], embeds[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool),
+                 head_cache, own=True)
         target.get_output_embeddings()(f)
         truncate(head_cache, 200)
 

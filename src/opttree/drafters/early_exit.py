@@ -24,7 +24,7 @@ from ..cache import new_cache, truncate
 from ..device import model_device
 from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
-from .head import drafted_log_probs
+from .head import DraftLMHead
 from .model import SlotTree
 
 
@@ -115,7 +115,7 @@ class EarlyExitDrafter:
     def __init__(self, exit_layer: ExitLayer, target: PreTrainedModel, vocab: int):
         self.exit, self.vocab = exit_layer, vocab
         self.hidden_layer = exit_layer.exit_after  # transformers' numbering: the output of layer L-1
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab)
         self.device = model_device(target)
         self.target_cache: DynamicCache | None = None
         self.start(torch.empty(0, dtype=torch.long))
@@ -169,4 +169,4 @@ class EarlyExitDrafter:
         self.lower_cache = None  # the target's cache moved on
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return drafted_log_probs(self.lm_head, features, self.vocab, self.exit.temperature)
+        return self.lm_head(features, self.exit.temperature)

@@ -130,7 +130,9 @@ def cmd_draft(args) -> None:
 
 
 def _written(target, tok, args) -> dict:
-    """{"train", "heldout"}: text the target wrote from corpus prompts (cached in RUN_DIR/data)."""
+    """{"train", "heldout"}: text the target wrote from corpus prompts (cached in RUN_DIR/data); with
+    --corpus-share S, the training text is that share corpus text after the written text (the held-out
+    text stays the target's)."""
     import numpy as np
 
     from .head import written_text
@@ -147,6 +149,12 @@ def _written(target, tok, args) -> dict:
             np.save(cache, tokens)
             _log(f"the target wrote {texts} {split} texts, {len(tokens):,} tokens, in {time.perf_counter() - t0:.0f}s")
         written[split] = np.load(cache)
+    if args.corpus_share:
+        if not 0 < args.corpus_share < 1:
+            raise SystemExit(f"--corpus-share must be in (0, 1), got {args.corpus_share}")
+        extra = min(len(train), round(len(written["train"]) * args.corpus_share / (1 - args.corpus_share)))
+        written["train"] = np.concatenate([written["train"], train[:extra]])
+        _log(f"training text: {len(written['train']) - extra:,} written + {extra:,} corpus tokens")
     return written
 
 
@@ -156,20 +164,27 @@ def _self_distilled(sub, name: str, what: str) -> argparse.ArgumentParser:
     p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
     p.add_argument("--out", type=Path, default=None, help="where it is saved (default: RUN_DIR/final)")
     p.add_argument("--texts", type=int, default=256, help="texts the target writes for training (default: 256)")
+    p.add_argument("--corpus-share", type=float, default=0.0, help="share of corpus text (labelled by the target "
+                   "like the written text) in the training text, in [0, 1) (default: 0, written text only)")
     return p
 
 
 def cmd_head(args) -> None:
     """A feature head for --target: the target writes the training text, the head learns its features."""
     from .distill import load_target
-    from .head import train_head
+    from dataclasses import replace
+
+    from .head import RECIPES, train_head
     from .tokenizer import load_tokenizer
 
     target = load_target(args.target)
     written = _written(target, load_tokenizer(args.target), args)
     out = args.out or args.run_dir / "final"
-    _, metrics = train_head(target, written["train"], written["heldout"], _train_config(args), out,
-                            args.cls_weight, _log)
+    recipe = RECIPES[args.recipe]
+    if args.layers:
+        recipe = replace(recipe, layers=tuple(int(i) for i in args.layers.split(",")))
+    _, metrics = train_head(target, written["train"], written["heldout"], _train_config(args), out, recipe,
+                            args.draft_vocab, _log)
     _log(f"saved {out}: {json.dumps(metrics)}")
 
 
@@ -376,8 +391,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_draft)
 
     p = _self_distilled(sub, "head", "an EAGLE-style feature head for a target (drafter 'head')")
-    p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the distribution loss vs the feature "
-                   "regression (default: 0.1)")
+    p.add_argument("--recipe", choices=["eagle3", "eagle1"], default="eagle3",
+                   help="eagle3: fused low/middle/last layers, distribution loss, 3-pass training-time test; eagle1: "
+                   "the last layer, feature regression + 0.1 x distribution loss, 2 passes (default: eagle3)")
+    p.add_argument("--layers", default=None, help="the target's hidden_states the head reads, comma-separated "
+                   "(0 = embeddings, -1 = the last layer; default: the recipe's)")
+    p.add_argument("--draft-vocab", type=int, default=0, help="draft only the N token ids most frequent in the "
+                   "training text, as EAGLE-3 does: a cheaper LM head per drafting call (default: 0, all)")
     _add_train_args(p, lr=1e-3, batch_size=8)
     p.set_defaults(func=cmd_head, seq_len=256, eval_every=100, eval_windows=32)
 
