@@ -19,18 +19,19 @@ import torch
 
 from opttree.cache import truncate
 from opttree.demo import demo_paths
-from opttree.drafters.head import load_head
+from opttree.drafters.head import DraftLMHead, load_head
 from opttree.train.distill import load_target
 from opttree.train.head import held_out_acceptance
 from opttree.train.lm import eval_windows, n_params
 
 
 @torch.no_grad()
-def draft_agreement(target, draft, windows: torch.Tensor, batch: int = 8) -> float:
+def draft_agreement(target, draft, windows: torch.Tensor, batch: int = 8, skip: int = 3) -> float:
+    """Top-1 agreement at the positions the head's figures score (from `skip` on: its three passes)."""
     agree = count = 0
     for i in range(0, len(windows), batch):
         w = windows[i : i + batch]
-        t, d = target(input_ids=w).logits.argmax(-1)[:, 1:], draft(input_ids=w).logits.argmax(-1)[:, 1:]
+        t, d = target(input_ids=w).logits.argmax(-1)[:, skip:], draft(input_ids=w).logits.argmax(-1)[:, skip:]
         agree, count = agree + int((t == d).sum()), count + t.numel()
     return agree / count
 
@@ -63,11 +64,12 @@ def main() -> None:
     draft(input_ids=ids, past_key_values=cache)
     one = ids[:, -1:]
 
-    def draft_step():
-        draft(input_ids=one, past_key_values=cache)
+    def draft_step():  # as ModelDrafter: the draft's logits -> log-probabilities
+        torch.log_softmax(draft(input_ids=one, past_key_values=cache).logits.float(), dim=-1)
         truncate(cache, 200)
 
     hidden = target.config.hidden_size
+    drafted = DraftLMHead(target.get_output_embeddings(), target.config.vocab_size, head.draft_vocab)
     head_cache = DynamicCache()
     features, embeds = torch.zeros(1, 200, len(head.layers) * hidden), target.get_input_embeddings()(ids)
     head(features, embeds, torch.arange(200)[None], torch.ones(200, 200, dtype=torch.bool).tril(), head_cache)
@@ -75,7 +77,7 @@ def main() -> None:
     def head_step():  # a tree node: it reads its parent's output (H wide), not the target's fused layers
         f = head(features[:, -1:, :hidden], embeds[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool),
                  head_cache, own=True)
-        target.get_output_embeddings()(f)
+        drafted(f)  # the target's LM head (over the head's draft vocabulary) -> log-probabilities
         truncate(head_cache, 200)
 
     result = {
@@ -106,7 +108,7 @@ def early_exit_figures(target, folder: Path, windows: torch.Tensor, ids: torch.T
     def exit_step():
         state = exit_layer.lower(input_ids=one, position_ids=position, past_key_values=lower,
                                  use_cache=True).last_hidden_state
-        target.get_output_embeddings()(exit_layer(state, position, allowed, exit_cache))
+        torch.log_softmax(target.get_output_embeddings()(exit_layer(state, position, allowed, exit_cache)), dim=-1)
         truncate(lower, 200), truncate(exit_cache, 200)
 
     return {"layers": exit_layer.exit_after, "params": n_params(exit_layer),
