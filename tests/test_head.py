@@ -79,6 +79,9 @@ def test_refusals_name_the_problem(setup, tmp_path):
         opttree.generate(target, torch.tensor([[1, 2, 3]]), drafter="head", head=tmp_path, max_new_tokens=4)
     with pytest.raises(ValueError, match="opttree train head"):
         opttree.generate(target, torch.tensor([[1, 2, 3]]), drafter="head", max_new_tokens=4)
+    wrong = FeatureHead(head_config(target), layers=(1, 9)).save(tmp_path / "deep", target)  # the target has 2
+    with pytest.raises(ValueError, match=r"reads layers \[1, 9\], past the target's 2"):
+        opttree.generate(target, torch.tensor([[1, 2, 3]]), drafter="head", head=wrong, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("recipe", ["eagle3", "eagle1"])

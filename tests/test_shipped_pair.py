@@ -31,6 +31,19 @@ def test_shipped_pair_is_exact_in_float32():
     assert out.stats.mean_accepted_length > 1.0
 
 
+def test_the_shipped_target_ships_its_head():
+    """drafter="head" with no head named uses the head shipped for the shipped target: exact, and it
+    drafts (mean accepted length above 1); a head saved for it is found by its fingerprint only."""
+    from opttree.parts import shipped_part
+
+    target, _, tokenizer = opttree.demo_models(dtype=torch.float32)
+    assert shipped_part("head", target) is not None and shipped_part("early_exit", target) is None
+    ids = tokenizer("def add(a, b):\n", return_tensors="pt").input_ids
+    out = opttree.generate(target, ids, drafter="head+lookup", max_new_tokens=24)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 24, eos_token_id=tokenizer.eos_token_id))
+    assert out.stats.mean_accepted_length > 1.5
+
+
 def test_demo_runs_and_reports_a_table(capsys):
     assert main(["demo", "--max-new-tokens", "12", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out

@@ -28,6 +28,17 @@ def same_target(expected: dict, found: dict) -> bool:
     return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2
 
 
+def shipped_part(stem: str, target) -> Path | None:
+    """The folder of a part shipped inside the package (`models/<stem>`: the shipped target's feature
+    head) when it was trained for `target`; else None."""
+    from .demo import MODELS_DIR
+
+    meta = MODELS_DIR / stem / f"{stem}.json"
+    if not meta.is_file():
+        return None
+    return meta.parent if same_target(json.loads(meta.read_text())["target"], target_fingerprint(target)) else None
+
+
 def save_part(module: nn.Module, folder: str | Path, name: str, target, meta: dict) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

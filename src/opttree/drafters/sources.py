@@ -25,6 +25,7 @@ import torch
 
 from ..config import DEFAULT_MAX_DEPTH, SpecConfig
 from ..names import TRAINED_SOURCES
+from ..parts import shipped_part
 from ..tree import DraftTree, merge, node_paths, top_nodes
 from ..verify import Verification
 from . import Drafter
@@ -114,16 +115,17 @@ register_source("datastore", distribution=False)(_datastore)
 _LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -> None:
-    """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option).
+def _trained(name: str, stem: str, what: str, parts: Callable[[], tuple[Callable, type]]) -> None:
+    """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option;
+    without one, the part shipped for the shipped target, `models/<stem>`, if this is that target).
     A part is loaded once per target and folder (until its files change); each generation gets its own
     drafter over it (the drafter holds the per-generation state)."""
     option = TRAINED_SOURCES[name]
 
     def factory(context: SourceContext) -> Drafter:
-        folder = getattr(context.config, option)
+        folder = getattr(context.config, option) or shipped_part(stem, context.target)
         if folder is None:
-            raise ValueError(f"drafter {name!r} needs {what} trained for this target: {option}=DIR / --{name} DIR "
+            raise ValueError(f"drafter {name!r} needs {what} trained for this target (none ships for it): {option}=DIR / --{name} DIR "
                              f"(train one with `opttree train {name} --target PATH`)")
         path, target = Path(folder).resolve(), context.target
         changed = max((f.stat().st_mtime_ns for f in path.glob("*")), default=0) if path.is_dir() else 0
@@ -149,8 +151,8 @@ def _early_exit():
     return load_early_exit, EarlyExitDrafter
 
 
-_trained("head", "a feature head", _head)
-_trained("early-exit", "an exit layer", _early_exit)
+_trained("head", "head", "a feature head", _head)
+_trained("early-exit", "early_exit", "an exit layer", _early_exit)
 
 
 class TrieDrafter:
