@@ -8,6 +8,7 @@ BUILTIN_POLICIES = ("ar", "chain", "dyspec", "eagle2", "opt", "recycling-templat
 BUILTIN_SOURCES = ("datastore", "early-exit", "head", "lookup", "model", "recycling")
 # The sources that load a trained part: source name -> the option (SpecConfig field, --flag) naming its folder.
 TRAINED_SOURCES = {"head": "head", "early-exit": "early_exit"}
-TRAINED_HELP = {"head": "a folder from `opttree train head`: the EAGLE-style feature head",
+TRAINED_HELP = {"head": "a folder from `opttree train head`: the EAGLE-style feature head (default: the shipped "
+                        "head, for the shipped target)",
                 "early-exit": "a folder from `opttree train early-exit`: the target's first layers and a trained exit layer"}
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
