@@ -125,8 +125,8 @@ def _trained(name: str, stem: str, what: str, parts: Callable[[], tuple[Callable
     def factory(context: SourceContext) -> Drafter:
         folder = getattr(context.config, option) or shipped_part(stem, context.target)
         if folder is None:
-            raise ValueError(f"drafter {name!r} needs {what} trained for this target (none ships for it): {option}=DIR / --{name} DIR "
-                             f"(train one with `opttree train {name} --target PATH`)")
+            raise ValueError(f"drafter {name!r} needs {what} trained for this target (none ships for it): "
+                             f"{option}=DIR / --{name} DIR (train one with `opttree train {name} --target PATH`)")
         path, target = Path(folder).resolve(), context.target
         changed = max((f.stat().st_mtime_ns for f in path.glob("*")), default=0) if path.is_dir() else 0
         key = (name, str(path), changed, str(context.device), target.get_output_embeddings().weight.dtype)

@@ -171,9 +171,9 @@ def _self_distilled(sub, name: str, what: str) -> argparse.ArgumentParser:
 
 def cmd_head(args) -> None:
     """A feature head for --target: the target writes the training text, the head learns its features."""
-    from .distill import load_target
     from dataclasses import replace
 
+    from .distill import load_target
     from .head import RECIPES, train_head
     from .tokenizer import load_tokenizer
 

@@ -84,7 +84,7 @@ def head_inputs(head: FeatureHead, target, batch: torch.Tensor):
     return head.target_features(hidden), hidden[-1], log_p, target.get_input_embeddings()(batch).detach()
 
 
-def test_time_mask(length: int, k: int, device=None) -> torch.Tensor:
+def training_time_mask(length: int, k: int, device=None) -> torch.Tensor:
     """(L, (k + 1) L) bool: what pass k's queries attend to in the training-time test. Pass k at
     position t stands for a tree node k levels below a root at t - k: it sees pass 0's keys at
     positions <= t - k (the committed prefix, fed true features) and pass j's key at t - k + j for
@@ -98,7 +98,7 @@ def test_time_mask(length: int, k: int, device=None) -> torch.Tensor:
 def unrolled(head: FeatureHead, target, batch: torch.Tensor, passes: int = 2):
     """EAGLE-3's training-time test: [(pass k's outputs (B, L, H))], with the target's last features and
     log-probabilities. Pass 0 reads the target's features (f[t-1], token t) under a causal mask; pass
-    k > 0 reads its own pass k-1 output at t-1 and attends as a node k levels deep (`test_time_mask`),
+    k > 0 reads its own pass k-1 output at t-1 and attends as a node k levels deep (`training_time_mask`),
     through a KV cache that keeps every pass. Outputs at t < k have no root and are not scored."""
     from transformers import DynamicCache
 
@@ -108,7 +108,7 @@ def unrolled(head: FeatureHead, target, batch: torch.Tensor, passes: int = 2):
     inputs = torch.cat([features.new_zeros(features.shape[0], 1, features.shape[2]), features[:, :-1]], dim=1)
     cache, outputs = DynamicCache(), []
     for k in range(passes):
-        out = head(inputs, embeds, positions, test_time_mask(length, k, batch.device), cache, own=k > 0)
+        out = head(inputs, embeds, positions, training_time_mask(length, k, batch.device), cache, own=k > 0)
         outputs.append(out)
         inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)
     return outputs, last, log_p
