@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
 from ..names import TRAINED_HELP, TRAINED_SOURCES
+from ..parts import shipped_part
 
 BENCH_METHODS = "all"
 BENCH_BUDGETS = "4,8,16"
@@ -178,11 +179,14 @@ def cmd_bench(args) -> int:
     target, draft, tokenizer = load_pair(args)
     names, chosen = profile_defaults(args, target, draft, names)
     specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen))
+    trained = {option: getattr(args, option) for option in (*TRAINED_SOURCES.values(), "length_predictor")}
+    for option in TRAINED_SOURCES.values():  # a part shipped for this target: recorded by its folder
+        if trained[option] is None and (shipped := shipped_part(option, target)) is not None:
+            trained[option] = str(shipped)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
-                        trained={option: getattr(args, option) for option in
-                                 (*TRAINED_SOURCES.values(), "length_predictor")}, static=args.static)
+                        trained=trained, static=args.static)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)

@@ -115,15 +115,15 @@ register_source("datastore", distribution=False)(_datastore)
 _LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _trained(name: str, stem: str, what: str, parts: Callable[[], tuple[Callable, type]]) -> None:
+def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -> None:
     """Register a source that reads a part trained for the target (TRAINED_SOURCES: its folder's option;
-    without one, the part shipped for the shipped target, `models/<stem>`, if this is that target).
+    without one, the part shipped for the shipped target, `models/<option>`, if this is that target).
     A part is loaded once per target and folder (until its files change); each generation gets its own
     drafter over it (the drafter holds the per-generation state)."""
     option = TRAINED_SOURCES[name]
 
     def factory(context: SourceContext) -> Drafter:
-        folder = getattr(context.config, option) or shipped_part(stem, context.target)
+        folder = getattr(context.config, option) or shipped_part(option, context.target)
         if folder is None:
             raise ValueError(f"drafter {name!r} needs {what} trained for this target (none ships for it): "
                              f"{option}=DIR / --{name} DIR (train one with `opttree train {name} --target PATH`)")
@@ -151,8 +151,8 @@ def _early_exit():
     return load_early_exit, EarlyExitDrafter
 
 
-_trained("head", "head", "a feature head", _head)
-_trained("early-exit", "early_exit", "an exit layer", _early_exit)
+_trained("head", "a feature head", _head)
+_trained("early-exit", "an exit layer", _early_exit)
 
 
 class TrieDrafter:
