@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
 from ..names import TRAINED_HELP, TRAINED_SOURCES
-from ..parts import shipped_part
 
 BENCH_METHODS = "all"
 BENCH_BUDGETS = "4,8,16"
@@ -179,6 +178,8 @@ def cmd_bench(args) -> int:
     target, draft, tokenizer = load_pair(args)
     names, chosen = profile_defaults(args, target, draft, names)
     specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen))
+    from ..parts import shipped_part
+
     trained = {option: getattr(args, option) for option in (*TRAINED_SOURCES.values(), "length_predictor")}
     for option in TRAINED_SOURCES.values():  # a part shipped for this target: recorded by its folder
         if trained[option] is None and (shipped := shipped_part(option, target)) is not None:
