@@ -4,6 +4,7 @@ refused, when loaded, for any other target."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -28,15 +29,22 @@ def same_target(expected: dict, found: dict) -> bool:
     return same_shape and max(abs(a - b) for a, b in zip(expected["lm_head_probe"], found["lm_head_probe"])) < 1e-2
 
 
+@functools.cache
+def _shipped_fingerprint(stem: str) -> dict | None:
+    """The target fingerprint of the part shipped as `models/<stem>` (read once), None if none ships."""
+    from .demo import MODELS_DIR
+
+    meta = MODELS_DIR / stem / f"{stem}.json"
+    return json.loads(meta.read_text())["target"] if meta.is_file() else None
+
+
 def shipped_part(stem: str, target) -> Path | None:
     """The folder of a part shipped inside the package (`models/<stem>`: the shipped target's feature
     head) when it was trained for `target`; else None."""
     from .demo import MODELS_DIR
 
-    meta = MODELS_DIR / stem / f"{stem}.json"
-    if not meta.is_file():
-        return None
-    return meta.parent if same_target(json.loads(meta.read_text())["target"], target_fingerprint(target)) else None
+    expected = _shipped_fingerprint(stem)
+    return MODELS_DIR / stem if expected is not None and same_target(expected, target_fingerprint(target)) else None
 
 
 def save_part(module: nn.Module, folder: str | Path, name: str, target, meta: dict) -> Path:
