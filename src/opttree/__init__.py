@@ -23,6 +23,7 @@ _EXPORTS = {
     "DraftTree": "tree",
     "profile_options": ("profiles", "calibrated_options"),
     "custom_generate": ("hf_generate", "custom_generate"),
+    "shipped_path": "shipped",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -239,6 +239,21 @@ def cmd_datastore_build(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from .shipped import shipped_names, shipped_path
+
+    if args.path is not None:
+        print(shipped_path(args.path))
+        return 0
+    rows = [{"name": name, "path": str(shipped_path(name))} for name in shipped_names()]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            print(f"{row['name']:8} {row['path']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", required=True, help="the datastore folder (created)")
     build.add_argument("--target", help="the model whose tokenizer to use (default: the shipped pair)")
     build.set_defaults(func=cmd_datastore_build)
+
+    models = sub.add_parser("models", help="the shipped models' folders (unpacked into the user cache on first use), "
+                            "for --target/--draft/--head: --target \"$(opttree models --path target)\"")
+    models.add_argument("--path", choices=("target", "draft", "head"), help="print only this model's folder")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(func=cmd_models)
 
     for module in ("opttree.train.cli", "opttree.bench.cli", "opttree.server"):
         try:

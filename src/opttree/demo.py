@@ -1,4 +1,5 @@
-"""The embedded default pair (trained by `opttree train pair`): where it is and how to load it."""
+"""The embedded default pair (trained by `opttree train pair`, shipped packed: `opttree.shipped`): where it
+is unpacked and how to load it."""
 
 from __future__ import annotations
 
@@ -6,18 +7,12 @@ from pathlib import Path
 
 import torch
 
-MODELS_DIR = Path(__file__).parent / "models"
+from .shipped import shipped_path
 
 
 def demo_paths() -> tuple[Path, Path]:
-    target, draft = MODELS_DIR / "target", MODELS_DIR / "draft"
-    for path in (target, draft):
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"the shipped model pair is missing ({path}); reinstall opttree or rebuild it with "
-                "`opttree train pair` (see docs/TRAINING.md)"
-            )
-    return target, draft
+    """The folders of the shipped target and draft (unpacked into the user cache on first use)."""
+    return shipped_path("target"), shipped_path("draft")
 
 
 def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):

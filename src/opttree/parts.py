@@ -32,7 +32,7 @@ def same_target(expected: dict, found: dict) -> bool:
 @functools.cache
 def _shipped_fingerprint(stem: str) -> dict | None:
     """The target fingerprint of the part shipped as `models/<stem>` (read once), None if none ships."""
-    from .demo import MODELS_DIR
+    from .shipped import MODELS_DIR
 
     meta = MODELS_DIR / stem / f"{stem}.json"
     return json.loads(meta.read_text())["target"] if meta.is_file() else None
@@ -41,10 +41,10 @@ def _shipped_fingerprint(stem: str) -> dict | None:
 def shipped_part(stem: str, target) -> Path | None:
     """The folder of a part shipped inside the package (`models/<stem>`: the shipped target's feature
     head) when it was trained for `target`; else None."""
-    from .demo import MODELS_DIR
+    from .shipped import shipped_path
 
     expected = _shipped_fingerprint(stem)
-    return MODELS_DIR / stem if expected is not None and same_target(expected, target_fingerprint(target)) else None
+    return shipped_path(stem) if expected is not None and same_target(expected, target_fingerprint(target)) else None
 
 
 def save_part(module: nn.Module, folder: str | Path, name: str, target, meta: dict) -> Path:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from .demo import MODELS_DIR
 from .hardware import describe, hardware_key
 from .policies import sequoia
+from .shipped import MODELS_DIR, cache_root, shipped_location
 
 PROFILE_VERSION = 2  # 2: draft temperature
 SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json
@@ -42,11 +41,8 @@ def profile_key(target, draft) -> str:
 
 
 def profile_dir() -> Path:
-    """$OPTTREE_CACHE_DIR, else $XDG_CACHE_HOME/opttree, else ~/.cache/opttree; profiles/ inside."""
-    root = os.environ.get("OPTTREE_CACHE_DIR")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "opttree"
-    return Path(root) / "profiles"
+    """profiles/ in the user cache (`opttree.shipped.cache_root`)."""
+    return cache_root() / "profiles"
 
 
 def profile_path(target, draft) -> Path:
@@ -67,7 +63,7 @@ def save_profile(profile: dict, out_dir: Path | None = None) -> list[Path]:
 def shipped_profile_path(target, draft) -> Path | None:
     """The reference machine's profile, if these are the shipped models at a dtype it was measured in."""
     def is_shipped(model, name):
-        return Path(model.config._name_or_path).resolve() == (MODELS_DIR / name).resolve()
+        return Path(model.config._name_or_path).resolve() == shipped_location(name).resolve()
 
     path = SHIPPED_PROFILES / f"{str(target.dtype).removeprefix('torch.')}.json"
     if not (is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists()):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -344,13 +343,12 @@ def cmd_pair(args) -> None:
     _log(json.dumps(metrics, indent=2))
 
     if args.install_dir is not None:
+        from ..shipped import pack_folder
+
         for name, d in (("target", target_dir), ("draft", draft_dir)):
-            dest = Path(args.install_dir) / name
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(d / "final", dest)
+            pack_folder(d / "final", Path(args.install_dir) / name)  # weights lzma-packed, unpacked on first use
         (Path(args.install_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        _log(f"installed target and draft into {args.install_dir}")
+        _log(f"installed target and draft into {args.install_dir} (packed)")
 
 
 def cmd_inflate(args) -> None:
