@@ -96,7 +96,8 @@ class RetrievalSource:
         self.proposed = None
         if n == 0:
             return DraftTree.empty(committed.device)
-        log_rates = self.rates.mean[n - 1, :max_depth].log()
+        rows = torch.arange(max_depth).clamp(max=DEPTHS - 1)  # depths past DEPTHS share the last rate (as in observe)
+        log_rates = self.rates.mean[n - 1, rows].log()  # (max_depth,)
         trie = top_nodes(continuation_trie(continuations, log_rates), max_nodes)
         self.proposed = (n, node_paths(trie))
         return trie.to(committed.device)
