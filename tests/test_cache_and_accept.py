@@ -8,7 +8,7 @@ from test_tree import depths_of, random_parents
 from opttree.cache import compact, new_cache
 from opttree.drafters import ModelDrafter
 from opttree.tree import DraftTree, leaf_paths
-from opttree.verify import Verification, accept_matching, verify_tree
+from opttree.verify import Verification, matching_path, verify_tree
 
 
 def brute_force_accept(tree, choice):
@@ -39,9 +39,10 @@ def test_accept_matching_equals_walking_the_tree(seed):
     g = torch.Generator().manual_seed(100 + seed)
     # choices biased toward the drafted tokens so that long paths get accepted
     choice = torch.where(torch.rand(16, generator=g) < 0.7, torch.cat([tree.tokens[:1], tree.tokens]), torch.randint(0, 6, (16,), generator=g))
-    accepted, bonus = accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
+    path, length, bonus = matching_path(tree, choice)
     expected, expected_bonus = brute_force_accept(tree, choice)
-    assert accepted.tolist() == expected and int(bonus) == expected_bonus
+    assert path[: int(length)].tolist() == expected and int(bonus) == expected_bonus
+    assert path.shape == (15,)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])

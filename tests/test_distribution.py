@@ -39,17 +39,17 @@ def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp)
 def test_the_check_detects_a_biased_acceptance_rule(pair, monkeypatch):
     """Test of the test: accepting the draft's first child a little too often is caught."""
     target, draft, prompt = pair
-    original = opttree.engine.accept
+    original = opttree.engine.accept_path
     coin = torch.Generator().manual_seed(0)
 
-    def biased(tree, logits, config, generator):
+    def biased(tree, logits, config, generator, noise, root_position):
         if len(tree) and float(torch.rand((), generator=coin)) < 0.15:
             # take the top draft token as if the target had sampled it, then a correct bonus after it
             bonus = torch.multinomial(target_probs(logits[1], config.temperature, 0, 1.0), 1, generator=generator)
-            return torch.tensor([0]), bonus.squeeze(0)
-        return original(tree, logits, config, generator)
+            return torch.zeros(len(tree), dtype=torch.long), torch.tensor(1), bonus.squeeze(0)
+        return original(tree, logits, config, generator, noise, root_position)
 
-    monkeypatch.setattr(opttree.engine, "accept", biased)
+    monkeypatch.setattr(opttree.engine, "accept_path", biased)
     exact = exact_joint(target, prompt, STEPS, temperature=1.0)
     counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree="opt", budget=4, delta=0.0, max_depth=3, temperature=1.0)
     assert chi_square_pvalue(counts, exact, RUNS) < 1e-3

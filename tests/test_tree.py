@@ -32,12 +32,25 @@ def depths_of(parents):
     return torch.tensor([len(branch(parents, i)) for i in range(len(parents))])
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_ancestor_mask_matches_brute_force(seed):
-    parents = random_parents(25, seed)
+def chain_with_twigs(n: int) -> torch.Tensor:
+    """A path of n // 2 + 1 levels with a one-node twig on every other node: depth about n / 2."""
+    parents, spine = [-1], 0
+    while len(parents) < n:
+        parents.append(spine)
+        spine = len(parents) - 1
+        if len(parents) < n:
+            parents.append(spine)  # a twig
+    return torch.tensor(parents)
+
+
+@pytest.mark.parametrize("parents", [random_parents(25, seed) for seed in range(6)]
+                         + [torch.tensor([-1]), torch.tensor([-1, 0]), torch.tensor([-1, -1]),
+                            torch.arange(-1, 36), chain_with_twigs(33), chain_with_twigs(64)])
+def test_ancestor_mask_matches_brute_force(parents):
+    n = parents.shape[0]
     mask = ancestor_mask(parents)
-    for i in range(25):
-        expected = torch.zeros(25, dtype=torch.bool)
+    for i in range(n):
+        expected = torch.zeros(n, dtype=torch.bool)
         expected[branch(parents, i)] = True
         assert torch.equal(mask[i], expected)
 

@@ -22,9 +22,10 @@ from .device import PhaseClock, has_static_step, model_device, seeded_generator,
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources, source_names
 from .policies import TreePolicy, make_policy
+from .sampling import PositionNoise
 from .stats import GenerationStats
 from .tree import DraftTree
-from .verify import Verification, accept, verify_tree
+from .verify import StepReadout, Verification, accept_path, verify_tree
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
@@ -51,7 +52,7 @@ class Stopper:
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], prompt: torch.Tensor, stop: Sequence[str] = (),
                  tokenizer=None):
         self.remaining = max_new_tokens
-        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+        self.eos = frozenset(eos_ids)
         self.stop = StopStringCriteria(tokenizer, list(stop)) if stop else None
         if self.stop is not None:
             # the W last tokens of the sequence, all transformers looks at; ids past the vocabulary (padding
@@ -60,19 +61,20 @@ class Stopper:
             padding = torch.full((width,), _NO_TOKEN, dtype=torch.long)
             self.tail = torch.cat([padding, prompt.cpu()])[-width:]  # (W,)
 
-    def cut(self, chunk: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(C,) accepted tokens + bonus -> (the part to emit, whether generation ends with it)."""
-        end, hit = min(chunk.shape[0], self.remaining), False
-        is_eos = torch.isin(chunk[:end], self.eos.to(chunk.device)).nonzero()
-        if is_eos.numel():
-            end, hit = int(is_eos[0]) + 1, True  # the EOS token itself is emitted, as transformers does
+    def cut(self, chunk: Sequence[int]) -> tuple[int, bool]:
+        """The C accepted tokens + bonus, on the host -> (how many to emit, whether generation ends with them)."""
+        end, hit = min(len(chunk), self.remaining), False
+        first_eos = next((i for i, token in enumerate(chunk[:end]) if token in self.eos), None)
+        if first_eos is not None:
+            end, hit = first_eos + 1, True  # the EOS token itself is emitted, as transformers does
         if self.stop is not None:
-            stop_end = self._stop_string_end(chunk[:end].cpu())
+            tokens = torch.tensor(chunk[:end], dtype=torch.long)  # (C,) on the host
+            stop_end = self._stop_string_end(tokens)
             if stop_end is not None:
                 end, hit = stop_end, True
-            self.tail = torch.cat([self.tail, chunk[:end].cpu()])[-self.tail.shape[0] :]
+            self.tail = torch.cat([self.tail, tokens[:end]])[-self.tail.shape[0] :]
         self.remaining -= end
-        return chunk[:end], hit or self.remaining == 0
+        return end, hit or self.remaining == 0
 
     def _stop_string_end(self, tokens: torch.Tensor) -> int | None:
         """How many of the (C,) `tokens` to emit so that the last one completes a stop string; None if none does."""
@@ -114,6 +116,7 @@ class Generation:
     def __iter__(self) -> Iterator[torch.Tensor]:
         device, stats = self.device, self.stats
         generator, phases = seeded_generator(self.config.seed, device), PhaseClock(device)
+        noise = PositionNoise(generator, device)  # the sampled verifier's noise, by position
         start = _clock(device)
         # Inference mode is entered per step and never held across a yield: streams interleaved in
         # one thread stay independent, and the caller's code between chunks keeps its own grad mode.
@@ -123,7 +126,7 @@ class Generation:
         finished = False
         while not finished:
             with torch.inference_mode():
-                chunk, finished = self._step(cache, generator, phases)
+                chunk, finished = self._step(cache, generator, noise, phases)
             stats.time_s = time.perf_counter() - start  # the step has synchronised
             yield chunk
         stats.time_s = _clock(device) - start
@@ -154,7 +157,8 @@ class Generation:
             self.drafter.share_target_cache(cache)
         return cache
 
-    def _step(self, cache: Cache, generator: torch.Generator, phases: PhaseClock) -> tuple[torch.Tensor, bool]:
+    def _step(self, cache: Cache, generator: torch.Generator, noise: PositionNoise, phases: PhaseClock
+              ) -> tuple[torch.Tensor, bool]:
         """One speculative step; returns (the emitted chunk (C,), whether generation ends with it)."""
         drafter, device = self.drafter, self.device
         prefix_len = self.committed.shape[0] - 1
@@ -170,29 +174,34 @@ class Generation:
         logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), ((N+1, H),) per layer
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
-        # 3. accept: the longest branch the target agrees with, plus its bonus token
-        accepted, bonus = accept(tree, logits, self.config, generator)  # (A,), ()
+        # 3. accept: the longest branch the target agrees with, plus its bonus token; the step's one
+        #    host sync reads what the host needs (how many were accepted, the emitted tokens, the depth)
+        path, length, bonus = accept_path(tree, logits, self.config, generator, noise, prefix_len)  # (N,), (), ()
+        readout = StepReadout.read(tree, path, length, bonus)
+        accepted = path[: readout.accepted]  # (A,)
+        emitted = torch.cat([tree.tokens[accepted], bonus.view(1)])  # (A + 1,) on the device
         # 4. compact both caches to the root + accepted path
-        if accepted.shape[0]:
+        if readout.accepted:
             compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
         else:  # the root alone stays, where it is
             truncate(cache, prefix_len + 1)
         t3 = phases.mark()
-        result = Verification(self.committed[-1], tree, logits, accepted, bonus, hidden)
+        result = Verification(self.committed[-1], tree, logits, accepted, bonus, hidden, readout)
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
             drafter.observe(result)
         if self.wants_hidden:
             self.feature = result.accepted_hidden()[-1]  # (H,) at the last accepted token
         t4 = phases.mark()
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
-        chunk, finished = self.stopper.cut(torch.cat([tree.tokens[accepted], bonus.view(1)]))
+        end, finished = self.stopper.cut(readout.emitted)
+        chunk = emitted[:end]
         self.committed = torch.cat([self.committed, chunk])
         # the step has synchronised: reading marks stalls nothing; drafting = building the tree + observing
         draft_s, verify_s = phases.seconds(t0, t1) + phases.seconds(t3, t4), phases.seconds(t1, t2)
-        self.depth.observe(accepted.shape[0], tree.max_depth, draft_s, verify_s)
+        self.depth.observe(readout.accepted, readout.depth, draft_s, verify_s)
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
-        self.stats.observe_step(drafted=len(tree), accepted=accepted.shape[0], emitted=chunk.shape[0])
+        self.stats.observe_step(drafted=len(tree), accepted=readout.accepted, emitted=end)
         return chunk, finished
 
 

@@ -29,6 +29,38 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One sample from each row of `probs` (..., V) -> (...,) long, with nothing read back: the
+    exponential race argmax(p / E), E ~ Exp(1) i.i.d. (`noise`, same shape), picks token i with
+    probability p_i. No `multinomial`, whose CUDA kernel synchronises. Rows must have positive mass."""
+    return (probs / noise).argmax(dim=-1)
+
+
+class PositionNoise:
+    """The exponential race's noise, one (V,) row per sequence position, drawn from `generator` in
+    position order and each drawn once: the token sampled at a position depends on the seed, the
+    position and the target's distribution there, never on the tree around it. So a seeded sampled
+    generation emits the same tokens whatever tree the drafter offered (and as plain decoding with the
+    same seed), and every emitted token still uses noise of its own."""
+
+    def __init__(self, generator: torch.Generator | None, device: torch.device):
+        self.generator, self.device = generator, device
+        self.start = 0  # the position of rows[0]
+        self.rows = torch.empty(0, 0, device=device)  # (R, V) noise of positions start, start + 1, ...
+
+    def at(self, position: int, count: int, vocab: int) -> torch.Tensor:
+        """(count, V) noise of positions position .. position + count - 1; positions before `position`
+        are dropped (generation only moves forward)."""
+        assert position >= self.start, (position, self.start)
+        self.rows = self.rows[position - self.start :]
+        self.start = position
+        missing = count - self.rows.shape[0]
+        if missing > 0:
+            fresh = torch.empty(missing, vocab, device=self.device).exponential_(generator=self.generator)
+            self.rows = torch.cat([self.rows.view(-1, vocab), fresh])
+        return self.rows[:count]
+
+
 def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """k successive draws without replacement from each row of exp(logp), in draw order (Gumbel-top-k).
 

@@ -47,17 +47,21 @@ class DraftTree:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """(N,) parents -> (N, N) bool, [i, j] True iff node j is node i or one of its ancestors.
 
-    Loops over depth (at most N times, in practice the tree depth), never over nodes.
+    Pointer jumping: after round k every row holds the ancestors within 2^k levels, so ceil(log2 N)
+    rounds suffice for any tree. A fixed number of rounds, known from the shape: nothing is read back.
     """
     n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)  # (N, N)
+    if n == 0:
+        return torch.zeros(0, 0, dtype=torch.bool, device=parents.device)
     rows = torch.arange(n, device=parents.device)
-    current = parents.clone()  # (N,) the ancestor reached so far, -1 once past the root
-    while bool((current >= 0).any()):
-        live = current >= 0
-        mask[rows[live], current[live]] = True
-        current = torch.where(live, parents[current.clamp(min=0)], current)
-    return mask
+    mask = torch.zeros(n, n + 1, dtype=torch.bool, device=parents.device)  # (N, N+1), column N = "past the root"
+    mask[rows, rows] = True
+    jump = torch.where(parents >= 0, parents, n)  # (N,) the ancestor 2^k levels up, n once past the root
+    mask[rows, jump] = True
+    for _ in range(max(n - 1, 1).bit_length()):
+        mask[:, :n] |= mask[jump.clamp(max=n - 1), :n] & (jump < n)[:, None]  # add the ancestors of the one 2^k up
+        jump = torch.where(jump < n, torch.cat([jump, jump.new_full((1,), n)])[jump], n)
+    return mask[:, :n]
 
 
 def tree_attention_mask(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
@@ -165,7 +169,7 @@ def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     new_index = torch.full((n + 1,), -1, dtype=torch.long, device=tree.tokens.device)  # [i + 1] = new index of i
     new_index[keep + 1] = torch.arange(keep.shape[0], device=keep.device)
     parents = new_index[tree.parents[keep] + 1]
-    assert bool((parents >= 0).eq(tree.parents[keep] >= 0).all()), "the kept nodes are not a tree"
+    torch._assert_async((parents >= 0).eq(tree.parents[keep] >= 0).all(), "the kept nodes are not a tree")  # no sync
     probs = None
     if tree.draft_probs is not None:
         probs = tree.draft_probs[torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), keep + 1])]
@@ -175,10 +179,10 @@ def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
 def top_nodes(tree: DraftTree, n: int) -> DraftTree:
     """The best tree of at most n nodes by score, where a node counts at the lowest score on its path
     (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
-    path_min = tree.scores.clone()  # (N,)
-    for i, parent in enumerate(tree.parents.tolist()):  # parents come first
-        if parent >= 0:
-            path_min[i] = torch.minimum(path_min[i], path_min[parent])
+    if len(tree) == 0:
+        return tree
+    on_path = ancestor_mask(tree.parents)  # (N, N)
+    path_min = torch.where(on_path, tree.scores[None, :], float("inf")).amin(dim=1)  # (N,)
     order = torch.sort(path_min, descending=True, stable=True).indices
     order = order[path_min[order] > float("-inf")][:n]
     return subtree(tree, order.sort().values)

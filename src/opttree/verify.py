@@ -13,8 +13,28 @@ from transformers import Cache, PreTrainedModel
 from .cache import capacity, is_static
 from .config import SpecConfig
 from .device import static_step
-from .sampling import target_probs
-from .tree import DraftTree, leaf_paths, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
+from .sampling import PositionNoise, race, target_probs
+from .tree import DraftTree, ancestor_mask, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
+
+
+@dataclass(frozen=True)
+class StepReadout:
+    """What the host learns of a step, in the step's one read from the device (`read`)."""
+
+    accepted: int  # draft nodes accepted
+    emitted: list[int]  # the accepted tokens and the bonus
+    slots: list[int]  # the drafter's slots of the accepted nodes (-1 = never run by the drafter)
+    depth: int  # the tree's depth (0 for an empty tree)
+
+    @staticmethod
+    def read(tree: DraftTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> "StepReadout":
+        """One `.tolist()` of (length, depth, bonus, tokens and slots along the path). path: (N,) from
+        `accept_path`, its first `length` entries the accepted nodes."""
+        n = len(tree)
+        depth = tree.depths.max().view(1) if n else tree.depths.new_zeros(1)
+        values = torch.cat([length.view(1), depth, bonus.view(1), tree.tokens[path], tree.draft_slots[path]]).tolist()
+        a = values[0]
+        return StepReadout(a, values[3 : 3 + a] + [values[2]], values[3 + n : 3 + n + a], values[1])
 
 
 @dataclass(frozen=True)
@@ -31,6 +51,12 @@ class Verification:
     # numbers them (0 = the embeddings, -1 = the last layer's output), for a drafter or a depth control
     # that reads the target (`wants_hidden = True`; None otherwise).
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    readout: StepReadout | None = None  # the same, as the host read it (read here if not given)
+
+    def __post_init__(self):
+        if self.readout is None:
+            path, length, bonus = _as_path(len(self.tree), self.accepted, self.bonus)
+            object.__setattr__(self, "readout", StepReadout.read(self.tree, path, length, bonus))
 
     def accepted_hidden(self, layer: int = -1) -> torch.Tensor:
         """(A + 1, H) the target's hidden states of `layer` at the root and the accepted nodes: the
@@ -133,59 +159,81 @@ def verify_tree(
     return logits[: n + 1], tuple(h[: n + 1] for h in states)
 
 
-def accept_matching(tree: DraftTree, choice: torch.Tensor, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Follow, from the root, the children whose token equals the target's choice at their parent.
+def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Follow, from the root, the children whose token equals the target's choice at their parent; on
+    the device, nothing read back.
 
     choice: (N + 1,) the target's token at [root] + nodes (argmax for greedy, one sample per node for
-    stochastic verification of deterministic candidates). paths: (L, D) from `leaf_paths`.
-    Returns (accepted node indices root->leaf (A,), bonus token ()).
+    stochastic verification of deterministic candidates). A node is reached when it and every ancestor
+    match; siblings carry distinct tokens, so the reached nodes form one path, and its deepest node is
+    the accepted leaf. Returns (path (N,): accepted node indices root->leaf in the first `length`
+    entries, the rest 0; length () long; bonus token ()).
     """
-    if len(tree) == 0:
-        return tree.tokens, choice[0]
-    valid = paths >= 0  # (L, D)
-    nodes = paths.clamp(min=0)
-    parent_choice = choice[tree.parents[nodes] + 1]  # (L, D): target's token at each node's parent
-    match = valid & (tree.tokens[nodes] == parent_choice)  # (L, D)
-    accepted_len = match.long().cumprod(dim=1).sum(dim=1)  # (L,)
-    best = int(accepted_len.argmax())
-    length = int(accepted_len[best])
-    accepted = paths[best, :length]  # (A,)
-    bonus = choice[accepted[-1] + 1] if length else choice[0]
-    return accepted, bonus
+    n = len(tree)
+    if n == 0:
+        return tree.parents, torch.zeros((), dtype=torch.long, device=choice.device), choice[0]
+    match = tree.tokens == choice[tree.parents + 1]  # (N,) the token the target chose at the parent
+    ancestors = ancestor_mask(tree.parents)  # (N, N)
+    reached = ~(ancestors & ~match[None, :]).any(dim=1)  # (N,) every node on the root->node path matches
+    length, leaf = torch.where(reached, tree.depths, 0).max(dim=0)  # (), (): the deepest reached node
+    on_path = ancestors[leaf] & (length > 0)  # (N,)
+    slots = torch.where(on_path, tree.depths - 1, n)  # (N,) position on the path; n = off it
+    path = torch.zeros(n + 1, dtype=torch.long, device=choice.device).scatter_(
+        0, slots, torch.arange(n, device=choice.device))[:n]  # (N,)
+    bonus = choice[torch.where(length > 0, leaf + 1, 0)]
+    return path, length, bonus
 
 
 def accept_sampled(
-    tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stochastic verification of deterministic (top-k) candidates: sample y from the target at the
-    current node (root first); descend to the child whose token is y, else y is the bonus.
+    tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastic verification of deterministic (top-k) candidates: at every node, one sample y of the
+    target's warped distribution (the exponential race with the noise of the position y would take),
+    then the walk from the root that descends to the child whose token is its parent's y
+    (`matching_path`); the bonus is the y of the deepest node reached.
 
-    Exact: every emitted token is a sample of the target's warped distribution. Samples only along the
-    accepted path (one row per level), never the whole (N + 1, V) block. logits: (N + 1, V).
+    Exact: the walk visits one node per depth and so uses each position's noise once; every emitted
+    token is a fresh sample of the target at its prefix, as plain sampling draws it. logits: (N + 1, V);
+    noise: (N + 1, V) Exp(1) rows for the positions after the root, 1 .. N + 1 deep (`PositionNoise`).
+    Returns (path (N,), length (), bonus ()) as `matching_path`, on the device.
     """
-    accepted: list[int] = []
-    node = -1
-    while True:
-        y = torch.multinomial(target_probs(logits[node + 1], temperature, top_k, top_p), 1, generator=generator)
-        child = ((tree.parents == node) & (tree.tokens == y)).nonzero()  # (0 or 1, 1)
-        if child.numel() == 0:
-            return torch.tensor(accepted, dtype=torch.long, device=logits.device), y.squeeze(0)
-        node = int(child[0, 0])
-        accepted.append(node)
+    depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
+    choice = race(target_probs(logits, temperature, top_k, top_p), noise[depths])  # (N+1,)
+    return matching_path(tree, choice)
+
+
+def accept_path(
+    tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None,
+    noise: PositionNoise | None = None, root_position: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier that is exact for the way the tree's candidates were chosen (DESIGN.md section 6).
+    logits: (N + 1, V) at [root] + nodes; the root sits at `root_position`; `noise` serves sampled
+    verification of deterministic candidates (made from `generator` if not given). Returns (path (N,):
+    the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
+    Verification of deterministic candidates reads nothing back."""
+    if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
+        target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
+        return _as_path(len(tree), *accept_rejection_sampling(tree, target_p, generator))
+    if config.greedy:
+        choice = logits.float().argmax(dim=-1)  # (N+1,) fp32, like transformers' greedy search
+        return matching_path(tree, choice)
+    noise = noise or PositionNoise(generator, logits.device)
+    rows = noise.at(root_position + 1, len(tree) + 1, logits.shape[-1])  # (N+1, V)
+    return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, rows)
 
 
 def accept(
     tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verifier that is exact for the way the tree's candidates were chosen (DESIGN.md section 6).
-    logits: (N + 1, V) at [root] + nodes. Returns (accepted node indices root->leaf (A,), bonus ())."""
-    if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
-        target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
-        return accept_rejection_sampling(tree, target_p, generator)
-    if config.greedy:
-        choice = logits.float().argmax(dim=-1)  # (N+1,) fp32, like transformers' greedy search
-        return accept_matching(tree, choice, leaf_paths(tree.parents, tree.depths))
-    return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, generator)
+    """`accept_path` with the path cut to its length: (accepted node indices root->leaf (A,), bonus ())."""
+    path, length, bonus = accept_path(tree, logits, config, generator)
+    return path[: int(length)], bonus
+
+
+def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A,) accepted nodes -> (path (N,) padded with 0, length (), bonus ())."""
+    path = torch.cat([accepted, accepted.new_zeros(n - accepted.shape[0])])
+    return path, torch.tensor(accepted.shape[0], device=accepted.device), bonus
 
 
 def accept_rejection_sampling(

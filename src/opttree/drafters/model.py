@@ -107,7 +107,7 @@ class ModelDrafter:
 
     def observe(self, result: Verification) -> None:
         slots = result.accepted_slots.to(self.device)
-        run = slots >= 0  # the drafted nodes of an accepted path form a prefix of it
-        kept = slots[: int(run.long().cumprod(0).sum())]
+        drafted = next((i for i, slot in enumerate(result.readout.slots) if slot < 0), len(result.readout.slots))
+        kept = slots[:drafted]  # the drafted nodes of an accepted path form a prefix of it
         compact(self.cache, self.base, kept)
         self.committed_len = self.base + kept.shape[0]

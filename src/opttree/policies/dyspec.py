@@ -70,7 +70,8 @@ class DySpec:
             size += row.numel()
             expand = (child_score.exp() > self.threshold) & (depth < max_depth) & (size < self.n)
             child_slots = torch.full_like(row, -1)
-            if bool(expand.any()):
+            deeper = bool(expand.any())  # the layer's one read: is any child worth a draft forward
+            if deeper:
                 run = expand.nonzero().squeeze(1)
                 parent_tree = frontier[row[run]]
                 parent_slots = torch.where(parent_tree >= 0, torch.cat(slots + [child_slots])[parent_tree.clamp(min=0)], -1)
@@ -81,7 +82,7 @@ class DySpec:
                 probs.append(dists.exp())
                 prob_nodes.append(frontier)
             slots.append(child_slots)
-            if not bool(expand.any()):
+            if not deeper:
                 break
         if not tokens:
             return DraftTree.empty(device)

@@ -212,5 +212,5 @@ def select_best(
     new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
     new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
     tree_parents = new_index[parents[chosen] + 1]
-    assert bool((tree_parents >= 0).eq(parents[chosen] >= 0).all()), "selected set is not a tree"
+    torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
     return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])

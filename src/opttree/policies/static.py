@@ -3,7 +3,7 @@
 A path (0, 2) is "the 3rd-ranked child of the 1st-ranked child of the root". At run time the
 shape is grown layer by layer (one drafter forward per layer, over the nodes that have children)
 and a node's children are the top-ranked tokens of its draft distribution, so the candidates are
-deterministic and `verify.accept_matching` is exact at any temperature.
+deterministic and `verify.matching_path` is exact at any temperature.
 
 Built-in shapes, registered by name:
 - `static`: an EAGLE-1 / Medusa-style tree, heavy on the draft's first choice. It is the `budget`
