@@ -67,6 +67,8 @@ def summary_row(runs: list[dict], baseline: list[dict], category: str) -> dict:
         "speedup_max": max(per_prompt) if per_prompt else None,
         "draft_ms_per_step": per_step_ms(runs, "draft_s"),
         "verify_ms_per_step": per_step_ms(runs, "verify_s"),
+        "host_syncs_per_step": first.get("host_syncs_per_step"),  # counted once per method (runner.host_costs)
+        "ops_per_step": first.get("ops_per_step"),
     }
 
 
@@ -175,7 +177,9 @@ def markdown(results: dict) -> str:
         f"repeats {meta['repeats']}; tree policies: delta {meta['settings']['delta']:g} (unless shown), "
         f"max depth {meta['settings']['max_depth']}",
         "- mean accepted length = new tokens / target steps, bonus token included (plain decoding: 1.00); "
-        "speedup = tokens/s over `ar`'s in this run (prefill included); per-prompt speedup: min / median / max",
+        "speedup = tokens/s over `ar`'s in this run (prefill included); per-prompt speedup: min / median / max; "
+        "host syncs and dispatched ops per step counted in one untimed run of at most 64 tokens on the first prompt "
+        "(prefill included; per token for peers whose steps are not observable)",
     ]
     mismatched = sum(r["mismatches"] or 0 for r in results["summary"] if r["category"] == ALL)
     if meta["settings"]["temperature"] == 0:
@@ -204,17 +208,18 @@ def markdown(results: dict) -> str:
 def table(rows: list[dict], default_delta: float | None = None) -> str:
     """Markdown rows; a budget shows its delta when it is not `default_delta`."""
     out = ["| method | budget | prompts | mean accepted length | tokens/s | speedup | per-prompt speedup "
-           "(min / median / max) | draft / verify ms per step | mismatches |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "(min / median / max) | draft / verify ms per step | host syncs / ops per step | mismatches |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         budget = "" if r["budget"] is None else str(r["budget"])
         if r["delta"] is not None and r["delta"] != default_delta:
             budget += f" (δ {r['delta']:g})"
         spread = " / ".join(fmt(r[k], ".2f") for k in ("speedup_min", "speedup_median", "speedup_max"))
         step_ms = f"{fmt(r.get('draft_ms_per_step'), '.1f')} / {fmt(r.get('verify_ms_per_step'), '.1f')}"
+        costs = f"{fmt(r.get('host_syncs_per_step'), '.1f')} / {fmt(r.get('ops_per_step'), '.0f')}"
         out.append(f"| {r['method']} | {budget} | {r['prompts']} | {fmt(r['mean_accepted_length'], '.2f')} | "
                    f"{fmt(r['tokens_per_second'], '.1f')} | {fmt(r['speedup'], '.2f')}x | {spread} | {step_ms} | "
-                   f"{fmt(r['mismatches'], 'd')} |")
+                   f"{costs} | {fmt(r['mismatches'], 'd')} |")
     return "\n".join(out)
 
 

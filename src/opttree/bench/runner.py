@@ -1,7 +1,8 @@
 """Run methods over prompts, interleaved, and record every run.
 
 For each repeat and prompt, every method runs once, in an order rotated from prompt to prompt, so
-machine drift and order effects fall on all methods alike. One short warm-up per method comes first.
+machine drift and order effects fall on all methods alike. One short warm-up per method comes first,
+then one untimed run per method that counts its host syncs and device ops (`host_costs`).
 At temperature 0 every run's tokens are compared with `ar`'s on the same prompt and repeat.
 """
 
@@ -14,10 +15,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import context_window
+from ..counters import StepCounter
 from .methods import MethodSpec, Run, RunFn, Settings, find_method
 from .prompts import Prompt
 
 WARMUP_TOKENS = 16
+COUNTED_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
     assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
     runners = build_runners(target, draft, specs, settings)
     warm_up(target, draft, specs, settings, cases[0].ids)
+    costs = host_costs(target, draft, specs, settings, cases[0].ids)
     records = []
     bar = tqdm(total=repeats * len(cases) * len(specs), desc="bench", unit="run", disable=not progress)
     for repeat in range(repeats):
@@ -71,7 +75,8 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
                 runs[spec.label] = runners[spec.label](case.ids)
                 bar.update()
             reference = runs[specs[0].label].token_ids if settings.temperature == 0 else None
-            records += [record(case, spec, settings, repeat, runs[spec.label], reference) for spec in specs]
+            records += [{**record(case, spec, settings, repeat, runs[spec.label], reference), **costs[spec.label]}
+                        for spec in specs]
     bar.close()
     return records
 
@@ -81,6 +86,21 @@ def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: tor
     short = Settings(**{**asdict(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
     for runner in build_runners(target, draft, specs, short).values():
         runner(ids)
+
+
+def host_costs(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> dict[str, dict]:
+    """Per method, from one untimed run on the first prompt (at most COUNTED_TOKENS tokens, prefill
+    included) under `opttree.counters.StepCounter`: host syncs, shape syncs and dispatched ops per step
+    (per token for a peer whose steps are not observable)."""
+    short = Settings(**{**asdict(settings), "max_new_tokens": min(COUNTED_TOKENS, settings.max_new_tokens)})
+    costs = {}
+    for label, runner in build_runners(target, draft, specs, short).items():
+        with StepCounter() as counter:
+            run = runner(ids)
+        per = max(run.steps or len(run.token_ids), 1)
+        costs[label] = {"host_syncs_per_step": counter.host_syncs / per, "shape_syncs_per_step": counter.shape_syncs / per,
+                        "ops_per_step": counter.ops / per}
+    return costs
 
 
 def record(case: Case, spec: MethodSpec, settings: Settings, repeat: int, run: Run, reference: list[int] | None
