@@ -34,17 +34,21 @@ class HitRates:
     """Beta posteriors of hit probabilities on a grid of `shape`: each cell starts at `prior` (a tensor
     broadcastable to `shape`) worth `strength` observations, and counts hits among trials."""
 
-    def __init__(self, shape: tuple[int, ...], prior: torch.Tensor | float, strength: float = 4.0):
-        self.trials = torch.full(shape, float(strength))
-        self.hits = torch.as_tensor(prior, dtype=torch.float32).expand(shape) * strength
+    def __init__(self, shape: tuple[int, ...], prior: torch.Tensor | float, strength: float = 4.0,
+                 device: torch.device | str = "cpu"):
+        self.trials = torch.full(shape, float(strength), device=device)
+        self.hits = torch.as_tensor(prior, dtype=torch.float32, device=device).expand(shape) * strength
 
-    def update(self, index: tuple[torch.Tensor, ...], hit: torch.Tensor) -> None:
-        """One trial per row of `index` (cell coordinates, each (B,)); `hit` (B,) bool says which hit."""
-        index = tuple(i.cpu() for i in index)
-        self.trials.index_put_(index, torch.ones(hit.shape[0]), accumulate=True)
-        self.hits.index_put_(index, hit.float().cpu(), accumulate=True)
+    def update(self, index: tuple[torch.Tensor, ...], hit: torch.Tensor, counted: torch.Tensor | None = None) -> None:
+        """One trial per row of `index` (cell coordinates, each (B,)); `hit` (B,) bool says which hit;
+        `counted` (B,) bool, if given, leaves the other rows out (a fixed shape: nothing is read back)."""
+        device = self.trials.device
+        index = tuple(i.to(device) for i in index)
+        weight = torch.ones(hit.shape[0], device=device) if counted is None else counted.to(device).float()
+        self.trials.index_put_(index, weight, accumulate=True)
+        self.hits.index_put_(index, hit.to(device).float() * weight, accumulate=True)
 
     @property
     def mean(self) -> torch.Tensor:
-        """The posterior mean of every cell (float32, on the CPU)."""
+        """The posterior mean of every cell (float32, on the device the estimates live on)."""
         return self.hits / self.trials

@@ -111,7 +111,7 @@ class RetrievalSource:
             return
         n, paths = self.proposed
         tree, choice = result.tree, result.choice.tolist()
-        emitted = tree.tokens[result.accepted].tolist() + [int(result.bonus)]
+        emitted = result.readout.emitted  # accepted tokens + bonus, as the host read them
         found, parents, tokens = locate(tree, paths), tree.parents.tolist(), tree.tokens.tolist()
         depths, hits = [], []
         for path, node in zip(paths, found):
@@ -138,9 +138,14 @@ class LookupSource(RetrievalSource):
         self.index.extend(input_ids.tolist())
 
     def retrieve(self, committed: torch.Tensor, depth: int) -> tuple[int, list[list[int]]]:
-        self.index.extend(committed[len(self.index.tokens) :].tolist())
+        if committed.shape[0] > len(self.index.tokens):  # tokens not heard of in `observe` (none in the engine)
+            self.index.extend(committed[len(self.index.tokens) :].tolist())
         n, starts = self.index.matches()
         return n, [self.index.tokens[s : s + depth] for s in starts]
+
+    def observe(self, result) -> None:
+        super().observe(result)
+        self.index.extend(result.readout.emitted)  # the step's tokens, read once by the engine
 
 
 class DatastoreSource(RetrievalSource):

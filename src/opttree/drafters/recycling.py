@@ -27,7 +27,7 @@ class RecyclingMatrix:
         self.next = torch.zeros(vocab, self.width, dtype=torch.int32, device=device)  # (V, k) M
         self.filled = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,) rows written at least once
         prior = 0.5 * 0.5 ** torch.arange(self.width, dtype=torch.float32)  # rank r: 0.5, 0.25, ...
-        self.rates = HitRates((DEPTHS, self.width), prior)  # P(the target's choice = M[t, r]) by depth
+        self.rates = HitRates((DEPTHS, self.width), prior, device=device)  # P(the target's choice = M[t, r]) by depth
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
@@ -37,17 +37,16 @@ class RecyclingMatrix:
     def observe_hits(self, tokens: torch.Tensor, depths: torch.Tensor, choice: torch.Tensor) -> None:
         """Score M before it is rewritten: at positions reading `tokens` (P,) at `depths` (P,), which rank
         of M[token] (if any) was the target's `choice` (P,)."""
-        seen = self.filled[tokens]  # (P,)
-        rows = self.next[tokens[seen]].long()  # (S, k)
-        hit = rows == choice[seen, None]  # (S, k)
-        depth = depths[seen].clamp(max=DEPTHS - 1)[:, None].expand_as(hit)
+        seen = self.filled[tokens][:, None].expand(-1, self.width)  # (P, k) rows written before: scored
+        hit = self.next[tokens].long() == choice[:, None]  # (P, k)
+        depth = depths.clamp(max=DEPTHS - 1)[:, None].expand_as(hit)
         rank = torch.arange(self.width, device=hit.device).expand_as(hit)
-        self.rates.update((depth.flatten(), rank.flatten()), hit.flatten())
+        self.rates.update((depth.flatten(), rank.flatten()), hit.flatten(), seen.flatten())
 
     def log_dist(self, tokens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """(R,) tokens at (R,) depths -> (R, V) log-probabilities of the next token: M[t]'s ranks get
         their hit rates (at most MAX_LISTED_MASS together), the rest is uniform; uniform if M[t] is unset."""
-        rates = self.rates.mean[depths.cpu().clamp(max=DEPTHS - 1)].to(self.next.device)  # (R, k)
+        rates = self.rates.mean[depths.to(self.next.device).clamp(max=DEPTHS - 1)]  # (R, k)
         rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
         rates = rates * self.filled[tokens, None]  # an unset row lists nothing
         spread = (1 - rates.sum(dim=1, keepdim=True)) / self.vocab  # (R, 1) each token's share of the rest
@@ -65,24 +64,29 @@ class RecyclingDrafter:
 
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
         self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))
-        self.slot_depths: list[int] = []
+        self.device = self.matrix.next.device
+        self.slot_depths = torch.empty(0, dtype=torch.long, device=self.device)  # (S,) depth of each slot
 
     def start(self, input_ids: torch.Tensor) -> None:
-        self.slot_depths = []
+        self.slot_depths = self.slot_depths[:0]
 
     def seed(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """The target's logits (P, V) at the prompt's positions reading `tokens` (P,) (cold start)."""
         self.matrix.record(tokens, logits)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
-        self.slot_depths = []
-        device = self.matrix.next.device
-        return self.matrix.log_dist(committed[-1:].to(device), torch.zeros(1, dtype=torch.long))[0]
+        self.slot_depths = self.slot_depths[:0]
+        root = committed[-1:].to(self.device)
+        return self.matrix.log_dist(root, torch.zeros(1, dtype=torch.long, device=self.device))[0]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        depths = [self.slot_depths[p] + 1 if p >= 0 else 1 for p in parent_slots.tolist()]
-        self.slot_depths += depths
-        return self.matrix.log_dist(tokens.to(self.matrix.next.device), torch.tensor(depths))
+        parent_slots = parent_slots.to(self.device)
+        if self.slot_depths.numel():
+            depths = torch.where(parent_slots >= 0, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1)  # (K,)
+        else:
+            depths = torch.ones_like(parent_slots)
+        self.slot_depths = torch.cat([self.slot_depths, depths])
+        return self.matrix.log_dist(tokens.to(self.device), depths)
 
     def observe(self, result) -> None:
         tokens = result.tokens  # (N + 1,) [root] + nodes
