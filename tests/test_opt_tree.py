@@ -98,3 +98,28 @@ def test_ties_prefer_the_shallower_node():
     assert len(tree) == 4
     assert bool((tree.parents < torch.arange(4)).all())
     assert tree.tokens[:4].tolist()[0] == 0 and tree.max_depth == 4
+
+
+def test_the_delta_stop_decided_on_the_device_gives_the_same_tree(monkeypatch):
+    """Drafting every layer and masking those past the stop (nothing read back) builds the tree the
+    host-side stop builds, layer by layer, at every delta; and the mask matters (without it, deeper
+    nodes would get in)."""
+    from opttree.policies.opt import OptTree
+
+    mattered = 0
+    for seed, delta, n, max_depth in itertools.product(range(25), (0.02, 0.1, 0.3), (5, 12), (1, 3, 6)):
+        policy = make_policy(SpecConfig(tree="opt", budget=n, delta=delta, max_depth=max_depth))
+        trees, calls = {}, {}
+        for on_device in (False, True):
+            monkeypatch.setattr(OptTree, "stop_on_device", on_device)
+            drafter = ScriptedDrafter(4, seed=seed, sharpness=3.0)
+            trees[on_device] = policy.build(drafter, torch.tensor([1, 2]), max_depth)
+            calls[on_device] = len(drafter.expand_calls)
+        host, device = trees[False], trees[True]
+        for field in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(host, field), getattr(device, field)), (field, seed, n, max_depth, delta)
+        assert calls[True] == max_depth - 1 and calls[False] <= calls[True]
+        policy.delta = float("-inf")  # no stop at all
+        unmasked = policy.build(ScriptedDrafter(4, seed=seed, sharpness=3.0), torch.tensor([1, 2]), max_depth)
+        mattered += not torch.equal(unmasked.depths, host.depths)
+    assert mattered >= 10
