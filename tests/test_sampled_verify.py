@@ -21,11 +21,11 @@ def test_the_exponential_race_samples_exactly_and_the_check_sees_a_small_bias():
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
     draws = 100_000
-    noise = torch.empty(draws, 8).exponential_(generator=g)
+    noise = torch.empty(draws, 8).exponential_(generator=g).log()
     exact = {(i,): p for i, p in enumerate(probs.tolist())}
 
     def pvalue(p):
-        counts = race(p.expand(draws, 8), noise).bincount(minlength=8)
+        counts = race(p.log().expand(draws, 8), noise).bincount(minlength=8)
         return chi_square_pvalue({(i,): int(c) for i, c in enumerate(counts)}, exact, draws)
 
     assert pvalue(probs) > 1e-3
@@ -62,11 +62,11 @@ def first_two(draws: int, temperature: float, bias: float = 0.0) -> Counter:
     g = torch.Generator().manual_seed(1)
     counts = Counter()
     for _ in range(draws):
-        noise = torch.empty(5, 4).exponential_(generator=g)
+        noise = torch.empty(5, 4).exponential_(generator=g).log()
         logits = LOGITS
         if bias and float(torch.rand((), generator=g)) < bias:
             noise = noise.clone()
-            noise[0] = torch.tensor([1e-9, 1.0, 1.0, 1.0])  # the bug: the root "samples" token 0
+            noise[0] = torch.tensor([-30.0, 0.0, 0.0, 0.0])  # the bug: the root "samples" token 0
         path, length, bonus = accept_sampled(TREE, logits, temperature, 0, 1.0, noise)
         emitted = TREE.tokens[path[: int(length)]].tolist() + [int(bonus)]
         counts[(emitted[0], emitted[1] if len(emitted) > 1 else None)] += 1
@@ -105,10 +105,12 @@ def test_a_seed_gives_the_same_tokens_whatever_the_tree():
 def test_position_noise_is_drawn_once_per_position():
     g = torch.Generator().manual_seed(3)
     noise = PositionNoise(g, torch.device("cpu"))
-    first = noise.at(10, 3, 5).clone()  # positions 10, 11, 12
-    again = noise.at(11, 4, 5)  # 11, 12 kept; 13, 14 new
-    assert torch.equal(again[:2], first[1:])
-    reference = torch.empty(5, 5).exponential_(generator=torch.Generator().manual_seed(3))
-    assert torch.equal(again, reference[1:5])
+    first = noise.rows(10, torch.arange(3), 3, 5).clone()  # positions 10, 11, 12
+    again = noise.rows(11, torch.tensor([0, 1, 2, 3, 1]), 20, 5)  # 11, 12 kept; 13, 14 new; the ring grows
+    assert torch.equal(again[:2], first[1:]) and torch.equal(again[4], again[1])
+    reference = torch.empty(40, 5).exponential_(generator=torch.Generator().manual_seed(3)).log()
+    assert torch.equal(again[:4], reference[1:5])
+    later = noise.rows(29, torch.tensor([0, 1, 7]), 8, 5)  # positions 29, 30 and 36: drawn in order, wrapped
+    assert torch.equal(later, reference[[19, 20, 26]])
     with pytest.raises(AssertionError):
-        noise.at(5, 1, 5)  # no going back
+        noise.rows(5, torch.arange(1), 1, 5)  # no going back

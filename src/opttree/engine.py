@@ -108,6 +108,12 @@ class Generation:
         self.prompt_len = input_ids.shape[0]
         self.width = tree_width(config, policy)  # the static path's padded tree size
         self.stats = GenerationStats()
+        self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
+
+    def _settle_observing(self, phases: PhaseClock) -> float:
+        """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
+        marks, self.observing = self.observing, None
+        return phases.seconds(*marks) if marks else 0.0
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -127,9 +133,10 @@ class Generation:
         while not finished:
             with torch.inference_mode():
                 chunk, finished = self._step(cache, generator, noise, phases)
-            stats.time_s = time.perf_counter() - start  # the step has synchronised
+            stats.time_s = time.perf_counter() - start  # the step has synchronised (its readout)
             yield chunk
         stats.time_s = _clock(device) - start
+        stats.draft_s += self._settle_observing(phases)
 
     def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
@@ -185,19 +192,19 @@ class Generation:
             compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
         else:  # the root alone stays, where it is
             truncate(cache, prefix_len + 1)
+        # the readout waited for the marks so far, and for the previous step's observing: reading them stalls nothing
+        draft_s, verify_s = phases.seconds(t0, t1) + self._settle_observing(phases), phases.seconds(t1, t2)
         t3 = phases.mark()
         result = Verification(self.committed[-1], tree, logits, accepted, bonus, hidden, readout)
         if drafter is not None:  # the drafter learns what the target did: its cache, its estimates
             drafter.observe(result)
         if self.wants_hidden:
             self.feature = result.accepted_hidden()[-1]  # (H,) at the last accepted token
-        t4 = phases.mark()
+        self.observing = (t3, phases.mark())  # read at the next readout (drafting = building the tree + observing)
         # 5. emit, cutting at EOS / stop string / max_new_tokens inside the chunk
         end, finished = self.stopper.cut(readout.emitted)
         chunk = emitted[:end]
         self.committed = torch.cat([self.committed, chunk])
-        # the step has synchronised: reading marks stalls nothing; drafting = building the tree + observing
-        draft_s, verify_s = phases.seconds(t0, t1) + phases.seconds(t3, t4), phases.seconds(t1, t2)
         self.depth.observe(readout.accepted, readout.depth, draft_s, verify_s)
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s

@@ -29,36 +29,48 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One sample from each row of `probs` (..., V) -> (...,) long, with nothing read back: the
-    exponential race argmax(p / E), E ~ Exp(1) i.i.d. (`noise`, same shape), picks token i with
-    probability p_i. No `multinomial`, whose CUDA kernel synchronises. Rows must have positive mass."""
-    return (probs / noise).argmax(dim=-1)
+def race(scores: torch.Tensor, log_noise: torch.Tensor) -> torch.Tensor:
+    """One sample from each row of softmax(`scores`) (..., V) -> (...,) long, with nothing read back:
+    the exponential race argmax(p / E) = argmax(scores - log E), E ~ Exp(1) i.i.d. (`log_noise` = log E,
+    same shape), picks token i with probability p_i; no softmax is needed (a row's normaliser does not
+    move its argmax). No `multinomial`, whose CUDA kernel synchronises. -inf scores are never picked."""
+    return (scores - log_noise).argmax(dim=-1)
 
 
 class PositionNoise:
-    """The exponential race's noise, one (V,) row per sequence position, drawn from `generator` in
-    position order and each drawn once: the token sampled at a position depends on the seed, the
-    position and the target's distribution there, never on the tree around it. So a seeded sampled
-    generation emits the same tokens whatever tree the drafter offered (and as plain decoding with the
-    same seed), and every emitted token still uses noise of its own."""
+    """The exponential race's noise, one (V,) row of log E (E ~ Exp(1)) per sequence position, drawn
+    from `generator` in position order and each drawn once: the token sampled at a position depends on
+    the seed, the position and the target's distribution there, never on the tree around it. So a
+    seeded sampled generation emits the same tokens whatever tree the drafter offered (and as plain
+    decoding with the same seed), and every emitted token still uses noise of its own. Rows live in a
+    ring buffer indexed by position (generation only moves forward)."""
 
     def __init__(self, generator: torch.Generator | None, device: torch.device):
         self.generator, self.device = generator, device
-        self.start = 0  # the position of rows[0]
-        self.rows = torch.empty(0, 0, device=device)  # (R, V) noise of positions start, start + 1, ...
+        self.ring = torch.empty(0, 0, device=device)  # (C, V): the row of position t at t % C
+        self.start = self.end = 0  # positions start .. end - 1 are drawn and held
 
-    def at(self, position: int, count: int, vocab: int) -> torch.Tensor:
-        """(count, V) noise of positions position .. position + count - 1; positions before `position`
-        are dropped (generation only moves forward)."""
+    def rows(self, position: int, offsets: torch.Tensor, span: int, vocab: int) -> torch.Tensor:
+        """(K, V) log-noise of positions position + offsets (K,), every offset < span (for `race`);
+        positions before `position` are let go."""
+        if self.end == 0:
+            self.start = self.end = position
         assert position >= self.start, (position, self.start)
-        self.rows = self.rows[position - self.start :]
         self.start = position
-        missing = count - self.rows.shape[0]
+        if span > self.ring.shape[0]:  # grow: keep the held rows, by position
+            held = torch.arange(self.start, max(self.end, self.start), device=self.device)
+            ring = torch.empty(max(2 * self.ring.shape[0], span, 8), vocab, device=self.device)
+            if held.numel():
+                ring[held % ring.shape[0]] = self.ring[held % self.ring.shape[0]]
+            self.ring = ring
+        missing = position + span - max(self.end, position)
         if missing > 0:
             fresh = torch.empty(missing, vocab, device=self.device).exponential_(generator=self.generator)
-            self.rows = torch.cat([self.rows.view(-1, vocab), fresh])
-        return self.rows[:count]
+            fresh = fresh.clamp_(min=torch.finfo(fresh.dtype).tiny).log_()  # an exact 0 would beat a -inf score
+            new = torch.arange(max(self.end, position), position + span, device=self.device)
+            self.ring.index_copy_(0, new % self.ring.shape[0], fresh)
+            self.end = position + span
+        return self.ring[(position + offsets) % self.ring.shape[0]]
 
 
 def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ not yet in the target's cache) is implicit: it is not one of the N nodes, and `p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -25,6 +26,11 @@ class DraftTree:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """(N, N) bool `ancestor_mask` of this tree, computed once (the verify mask and acceptance share it)."""
+        return ancestor_mask(self.parents)
 
     @property
     def max_depth(self) -> int:
@@ -64,22 +70,23 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask[:, :n]
 
 
-def tree_attention_mask(parents: torch.Tensor, prefix_len: int) -> torch.Tensor:
+def tree_attention_mask(parents: torch.Tensor, prefix_len: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """Mask for one forward over [root] + nodes: (N + 1, prefix_len + N + 1) bool, True = attend.
 
     Every query sees the committed prefix (already cached) and the root; a node also sees its
-    ancestors and itself. Row 0 is the root.
+    ancestors and itself. Row 0 is the root. `ancestors`: `ancestor_mask(parents)` if already known.
     """
     n = parents.shape[0]
     device = parents.device
     tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)  # (N+1, N+1) over [root] + nodes
     tree[:, 0] = True
-    tree[1:, 1:] = ancestor_mask(parents)
+    tree[1:, 1:] = ancestor_mask(parents) if ancestors is None else ancestors
     prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=device)  # (N+1, P)
     return torch.cat([prefix, tree], dim=1)  # (N+1, P+N+1)
 
 
-def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int) -> torch.Tensor:
+def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int,
+                     ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """The fixed-shape version of `tree_attention_mask`: [root] + N nodes padded to `width` nodes, over
     a preallocated cache of `capacity` positions (where the W + 1 rows land at prefix_len, ...).
     (W + 1, capacity) bool: the real rows as `tree_attention_mask`'s, False past them; a padding row
@@ -87,7 +94,7 @@ def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacit
     n = parents.shape[0]
     assert n <= width and prefix_len + width + 1 <= capacity, (n, width, prefix_len, capacity)
     allowed = torch.zeros(width + 1, capacity, dtype=torch.bool, device=parents.device)  # (W+1, C)
-    allowed[: n + 1, : prefix_len + n + 1] = tree_attention_mask(parents, prefix_len)
+    allowed[: n + 1, : prefix_len + n + 1] = tree_attention_mask(parents, prefix_len, ancestors)
     pad = torch.arange(n + 1, width + 1, device=parents.device)  # (W-N,)
     allowed[pad, prefix_len + pad] = True
     return allowed
@@ -181,7 +188,7 @@ def top_nodes(tree: DraftTree, n: int) -> DraftTree:
     (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
     if len(tree) == 0:
         return tree
-    on_path = ancestor_mask(tree.parents)  # (N, N)
+    on_path = tree.ancestors  # (N, N)
     path_min = torch.where(on_path, tree.scores[None, :], float("inf")).amin(dim=1)  # (N,)
     order = torch.sort(path_min, descending=True, stable=True).indices
     order = order[path_min[order] > float("-inf")][:n]

@@ -13,8 +13,8 @@ from transformers import Cache, PreTrainedModel
 from .cache import capacity, is_static
 from .config import SpecConfig
 from .device import static_step
-from .sampling import PositionNoise, race, target_probs
-from .tree import DraftTree, ancestor_mask, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
+from .sampling import PositionNoise, race, target_probs, warp_logits
+from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,10 @@ def verify_tree(
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
     positions = position_ids(tree.depths, prefix_len)  # (N+1,)
     if not is_static(cache):  # no tree: one token after the cache, the model's own causal mask
-        allowed = tree_attention_mask(tree.parents, prefix_len) if len(tree) else None  # (N+1, P+N+1)
+        allowed = tree_attention_mask(tree.parents, prefix_len, tree.ancestors) if len(tree) else None  # (N+1, P+N+1)
         return masked_forward(target, cache, tokens, positions, allowed, hidden)
     n, width = len(tree), max(width, len(tree))  # a tree past the width gets a shape of its own
-    allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache))  # (W+1, C)
+    allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache), tree.ancestors)  # (W+1, C)
     forward = static_step(target) if compiled and cache.is_initialized else target  # a first forward allocates: eager
     out = masked_forward(target, cache, pad_nodes(tokens, width, 0), pad_nodes(positions, width, prefix_len),
                          allowed, hidden, forward)
@@ -173,7 +173,7 @@ def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, 
     if n == 0:
         return tree.parents, torch.zeros((), dtype=torch.long, device=choice.device), choice[0]
     match = tree.tokens == choice[tree.parents + 1]  # (N,) the token the target chose at the parent
-    ancestors = ancestor_mask(tree.parents)  # (N, N)
+    ancestors = tree.ancestors  # (N, N), shared with the verify mask
     reached = ~(ancestors & ~match[None, :]).any(dim=1)  # (N,) every node on the root->node path matches
     length, leaf = torch.where(reached, tree.depths, 0).max(dim=0)  # (), (): the deepest reached node
     on_path = ancestors[leaf] & (length > 0)  # (N,)
@@ -194,11 +194,13 @@ def accept_sampled(
 
     Exact: the walk visits one node per depth and so uses each position's noise once; every emitted
     token is a fresh sample of the target at its prefix, as plain sampling draws it. logits: (N + 1, V);
-    noise: (N + 1, V) Exp(1) rows for the positions after the root, 1 .. N + 1 deep (`PositionNoise`).
+    noise: (N + 1, V) log Exp(1) noise of the position each row's sample would take (`PositionNoise`).
     Returns (path (N,), length (), bonus ()) as `matching_path`, on the device.
     """
-    depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
-    choice = race(target_probs(logits, temperature, top_k, top_p), noise[depths])  # (N+1,)
+    if top_k or top_p < 1:
+        choice = race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
+    else:  # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
+        choice = torch.sub(logits, noise, alpha=temperature).argmax(dim=-1)  # (N+1,)
     return matching_path(tree, choice)
 
 
@@ -218,7 +220,8 @@ def accept_path(
         choice = logits.float().argmax(dim=-1)  # (N+1,) fp32, like transformers' greedy search
         return matching_path(tree, choice)
     noise = noise or PositionNoise(generator, logits.device)
-    rows = noise.at(root_position + 1, len(tree) + 1, logits.shape[-1])  # (N+1, V)
+    depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
+    rows = noise.rows(root_position + 1, depths, len(tree) + 1, logits.shape[-1])  # (N+1, V)
     return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, rows)
 
 
