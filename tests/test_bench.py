@@ -179,6 +179,19 @@ def test_results_schema_and_exactness(pair, cases, tmp_path):
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_compiled_peer_is_exact_and_compiles_in_the_warm_up(pair, cases):
+    """hf-compiled: transformers' static cache and torch.compile, compiled before the timed runs; every
+    method's warm-up time and host costs are recorded."""
+    target, draft = pair
+    specs = expand_methods(["hf-compiled", "opt"], [(4, None)])
+    records = run_bench(target, draft, cases[:2], specs, Settings(max_new_tokens=12, eos_token_id=2), progress=False)
+    assert all(r["mismatch"] is False for r in records)
+    for r in records:
+        assert r["warmup_s"] > 0 and r["host_syncs_per_step"] >= 0 and r["ops_per_step"] > 0
+    compiled = [r for r in records if r["label"] == "hf-compiled"]
+    assert compiled[0]["warmup_s"] > 5 * max(r["time_s"] for r in compiled)  # the compilation happened there
+
+
 def meta(temperature=0.0):
     return {"command": "opttree bench ...", "date": report.now(), "machine": report.machine_info(), "target": "t",
             "draft": "d", "dtype": "float32", "prompt_file": "p", "prompts": 3, "repeats": 1,

@@ -134,8 +134,10 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
 # ---- transformers peers --------------------------------------------------------------------------
 
 
-def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int | None = None) -> Factory:
-    """A factory for `target.generate(...)`, with the draft as assistant and/or prompt lookup."""
+def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int | None = None,
+              compiled: bool = False) -> Factory:
+    """A factory for `target.generate(...)`, with the draft as assistant and/or prompt lookup, or with
+    transformers' static cache and its own `torch.compile` of the forward (`compiled`)."""
 
     def make(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         kwargs = hf_sampling_kwargs(settings)
@@ -146,6 +148,8 @@ def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int 
 
         def run(prompt_ids: torch.Tensor) -> Run:
             prompt_len = prompt_ids.shape[1]
+            if compiled:
+                kwargs.update(compiled_kwargs(target, prompt_len + settings.max_new_tokens))
             with count_forwards(target) as cache_lens, assistant_schedule(draft if assistant else None, schedule):
                 torch.manual_seed(settings.seed)
                 start = time.perf_counter()
@@ -159,6 +163,20 @@ def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int 
         return run
 
     return make
+
+
+def compiled_kwargs(target, length: int) -> dict:
+    """generate's arguments for its compiled static-cache path: a preallocated cache of the power-of-two
+    bucket that holds `length` tokens (prompts of one bucket share the compiled graph, as opttree's static
+    path does), compiled on any device (transformers compiles by itself only on accelerators)."""
+    from transformers import CompileConfig
+
+    from ..cache import context_window, static_capacity
+
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' switch for compiling off CUDA / XPU
+    return {"cache_implementation": "static", "cache_config": {"max_cache_len": static_capacity(length, context_window(target))},
+            "compile_config": config}
 
 
 def hf_sampling_kwargs(settings: Settings) -> dict:
@@ -233,6 +251,9 @@ PEERS: dict[str, Method] = {
     "hf-lookup": Method(hf_method(lookup=HF_LOOKUP_TOKENS), False, False,
                         f"transformers prompt lookup decoding, prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}"),
     "hf-ar": Method(hf_method(), False, False, "transformers plain decoding (target.generate)"),
+    "hf-compiled": Method(hf_method(compiled=True), False, False,
+                          "transformers plain decoding with its static cache and torch.compile (compiled in the "
+                          "warm-up)"),
 }
 
 

@@ -67,6 +67,7 @@ def summary_row(runs: list[dict], baseline: list[dict], category: str) -> dict:
         "speedup_max": max(per_prompt) if per_prompt else None,
         "draft_ms_per_step": per_step_ms(runs, "draft_s"),
         "verify_ms_per_step": per_step_ms(runs, "verify_s"),
+        "warmup_s": first.get("warmup_s"),  # the untimed warm-up (compilation, for a compiled method)
         "host_syncs_per_step": first.get("host_syncs_per_step"),  # counted once per method (runner.host_costs)
         "ops_per_step": first.get("ops_per_step"),
     }
@@ -195,6 +196,10 @@ def markdown(results: dict) -> str:
                      f"{worst['label']} on {worst['prompt_id']}, {worst['times_median']:.0f}x); they are included in "
                      "the figures: was the machine busy? (`slow_runs` in results.json lists them)")
     lines += ["- methods: " + "; ".join(f"`{name}`: {about}" for name, about in meta.get("methods", {}).items())]
+    warmups = {r["label"]: r.get("warmup_s") for r in results["summary"] if r["category"] == ALL}
+    if any(w is not None for w in warmups.values()):
+        lines.append("- untimed warm-up before the timed runs (two short runs each; compilation happens here): "
+                     + ", ".join(f"{label} {fmt(w, '.1f')} s" for label, w in warmups.items()))
     categories = list(dict.fromkeys(r["category"] for r in results["summary"]))
     if len(categories) == 2:  # one category: its table would repeat 'all'
         lines.append(f"- every prompt is in one category ({categories[1]}): one table")

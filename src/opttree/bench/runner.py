@@ -8,6 +8,7 @@ At temperature 0 every run's tokens are compared with `ar`'s on the same prompt 
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -62,8 +63,10 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
         raise ValueError("no prompts to run (all filtered out or too long for the target's context)")
     assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
     runners = build_runners(target, draft, specs, settings)
-    warm_up(target, draft, specs, settings, cases[0].ids)
+    warmup_s = warm_up(target, draft, specs, settings, cases[0].ids)
     costs = host_costs(target, draft, specs, settings, cases[0].ids)
+    for label, seconds in warmup_s.items():
+        costs[label]["warmup_s"] = seconds
     records = []
     bar = tqdm(total=repeats * len(cases) * len(specs), desc="bench", unit="run", disable=not progress)
     for repeat in range(repeats):
@@ -81,11 +84,18 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
     return records
 
 
-def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> None:
-    """One short untimed run per method (allocations, lazy inits, caches of the kernels)."""
+def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> dict[str, float]:
+    """Short untimed runs per method, on the prompt and on its first half (allocations, lazy inits,
+    caches of the kernels; a compiled method compiles here, its dynamic-shape graph included).
+    Returns each method's warm-up seconds."""
     short = Settings(**{**asdict(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
-    for runner in build_runners(target, draft, specs, short).values():
+    seconds = {}
+    for label, runner in build_runners(target, draft, specs, short).items():
+        start = time.perf_counter()
         runner(ids)
+        runner(ids[:, : max(ids.shape[1] // 2, 1)])
+        seconds[label] = time.perf_counter() - start
+    return seconds
 
 
 def host_costs(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> dict[str, dict]:
