@@ -142,13 +142,20 @@ def profile_sources(target, draft) -> dict:
 
 
 def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
-    """Every setting this pair's calibration profile holds for `tree` at `temperature`, ready for
-    `opttree.generate(**...)`: budget, delta, draft temperature (and Sequoia's acceptance vector; for
-    tree 'opt', the draft sources measured fastest, when the profile measured them).
-    {} without a profile (the defaults apply). Exported as `opttree.profile_options`."""
+    """Every setting this pair's calibration profile holds for decoding with the draft model, `tree` and
+    `temperature`, ready for `opttree.generate(target, ids, draft, **options)`: budget, delta, draft
+    temperature (and Sequoia's acceptance vector; for tree 'opt', the draft sources the profile measured
+    fastest when they use the draft model, e.g. 'model+lookup', with the budget measured for them).
+    Where the profile found that sources without the draft model (or plain decoding) beat it on this
+    machine, the result is still the draft model's settings: the call passes the draft, and a source
+    that does not use it refuses it (`opttree generate` follows that choice and leaves the draft out;
+    without a draft, `opttree.generate(target, ids)` drafts with `recycling+lookup`).
+    {} without a profile or a draft (the defaults apply). Exported as `opttree.profile_options`."""
     options = profile_options(target, draft, tree, temperature)
     if options:
         drafter = profile_sources(target, draft).get("drafter") if tree == "opt" else None
+        if drafter and "model" not in drafter.split("+"):
+            drafter = None  # measured without the draft model: not what a call with the draft can run
         options["budget"], options["delta"] = auto_settings(target, draft, drafter)
         if drafter:
             options["drafter"] = drafter
