@@ -1,4 +1,5 @@
-"""Command line: `opttree demo | generate | datastore | train | bench | calibrate | serve`."""
+"""opttree: lossless speculative decoding over draft trees. Commands: demo, generate, datastore, models,
+train, bench, calibrate, serve, load-test; `opttree COMMAND --help` describes each."""
 
 from __future__ import annotations
 

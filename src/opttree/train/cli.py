@@ -368,7 +368,11 @@ def cmd_inflate(args) -> None:
 
 def register(subparsers) -> None:
     """Add ``train {tokenizer,lm,draft,pair}`` to an argparse subparsers object."""
-    train = subparsers.add_parser("train", help="train the tokenizer, target LM and draft model")
+    train = subparsers.add_parser(
+        "train", help="train models: tokenizer, lm, draft, head, early-exit, length-predictor, pair, inflate",
+        description="Train a tokenizer, a target LM and its draft (or the whole shipped pair at once), a draft "
+        "part that reads a target (feature head, early-exit layer), a draft length predictor, or inflate a "
+        "target for GPU tests. `opttree train COMMAND --help` describes each.")
     sub = train.add_subparsers(dest="train_command", required=True)
 
     p = sub.add_parser("tokenizer", help="byte-level BPE on the corpus' train split")
@@ -427,10 +431,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_length)
 
     p = sub.add_parser("pair", help="tokenizer + target + draft + eval + install: reproduces the shipped pair "
-                       "(about 77 minutes on 2 cores; by default REPLACES the shipped models: see --no-install)")
+                       "(the defaults train the target 70 and the draft 20 minutes, over 90 minutes in all; by default "
+                       "REPLACES the shipped models: see --no-install)")
     p.add_argument("--out", type=Path, required=True, help="work dir (restartable)")
-    p.add_argument("--minutes-target", type=float, default=70.0)
-    p.add_argument("--minutes-draft", type=float, default=20.0)
+    p.add_argument("--minutes-target", type=float, default=70.0, help="the target's training budget (default: 70)")
+    p.add_argument("--minutes-draft", type=float, default=20.0, help="the draft's training budget (default: 20)")
     p.add_argument("--steps-target", type=int, default=None)
     p.add_argument("--steps-draft", type=int, default=None)
     p.add_argument("--target-shape", default=None, help="hidden,layers,heads,intermediate (default 512,8,8,1376)")
