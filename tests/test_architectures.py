@@ -1,4 +1,4 @@
-"""Architecture sweep (issue 9): every causal LM transformers ships, tiny, random, fp32. Each case is
+"""Architecture sweep: every causal LM transformers ships, tiny, random, fp32. Each case is
 token-identical to `target.generate(do_sample=False)` or refused by opttree with a clear error; never
 a different output, never an error from inside the model.
 

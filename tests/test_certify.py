@@ -1,4 +1,4 @@
-"""Certification (issue 9): every model the engine accepts is exact; the rest is refused by name, up front."""
+"""Certification: every model the engine accepts is exact; the rest is refused by name, up front."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Depth control (issue 11, item 4): delta, fixed, Thompson sampling and AdaEAGLE's length predictor,
+"""Depth control: delta, fixed, Thompson sampling and AdaEAGLE's length predictor,
 exact with every policy and source, the Thompson and predictor rules against brute force, and a
 predictor that learns what decides the accepted length."""
 

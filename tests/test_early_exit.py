@@ -1,4 +1,4 @@
-"""EESD early-exit self-drafting (issue 11, item 3): exact output with every policy and source it combines
+"""EESD early-exit self-drafting: exact output with every policy and source it combines
 with, the target's own first layers and cache (never written), clear refusals, and training that learns."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The target's generation_config is honoured as target.generate honours it (issue 9, item 2): its
+"""The target's generation_config is honoured as target.generate honours it: its
 logits processors are applied at every tree node with that node's own context, its sampling settings
 fill in what the caller left out, and what opttree cannot apply exactly is refused by name."""
 

@@ -1,4 +1,4 @@
-"""The EAGLE-style feature head (issue 11): exact output with every policy and source it combines with,
+"""The EAGLE-style feature head: exact output with every policy and source it combines with,
 the target's features handed over as the engine promises, clear refusals, and training that learns."""
 
 import numpy as np

@@ -130,7 +130,8 @@ def _drafter(draft, prompt):
 
 def test_the_check_detects_a_top_k_tree_verified_by_rejection_sampling(small_pair, monkeypatch):
     """Test of the test: Sequoia's tree with its children taken as the draft's top-ranked tokens
-    instead of sampled, still verified with min(1, p/q), is biased (DESIGN.md section 6), and caught."""
+    instead of sampled, still verified with min(1, p/q), is biased (rejection sampling is exact only for candidates
+    sampled from the draft), and caught."""
     target, draft, prompt = small_pair
 
     def top_ranked(self, log_dist, k):

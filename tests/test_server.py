@@ -218,7 +218,7 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
             references[prompt] = reference(pair, ids, 6)  # greedy: shorter answers are its prefixes
         return tok.decode(references[prompt][:n], skip_special_tokens=True)
 
-    # 8 clients x 10 requests here (CI time); `opttree load-test` runs 8 x 20 against a served pair (README)
+    # 8 clients x 10 requests here (CI time); `opttree load-test` runs 8 x 20 against a served pair (docs/USAGE.md)
     report = run_load(url, clients=8, requests=10, max_tokens=4, cancel_tokens=48, expected=expected)
     summary = report.summary()
     print(report.table())

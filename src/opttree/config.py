@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# CPU defaults (2-core machine, the shipped pair): see README "Choosing budget, delta and depth".
+# CPU defaults (2-core machine, the shipped pair): see docs/METHODS.md, "Choosing budget, delta, depth
+# and draft temperature".
 DEFAULT_BUDGET = 16
 DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8

@@ -1,4 +1,5 @@
-"""Depth control: how deep each step drafts, a choice of its own for every policy and source (DESIGN.md section 15).
+"""Depth control: how deep each step drafts, a choice of its own for every policy and source (docs/METHODS.md,
+"Depth control").
 
 - `delta` (default): the policy's own rule; OPT-Tree stops deepening once a layer adds <= delta
   expected tokens.

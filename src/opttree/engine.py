@@ -1,4 +1,4 @@
-"""The speculative decoding loop: draft -> verify -> accept -> compact -> emit (DESIGN.md section 3)."""
+"""The speculative decoding loop: draft -> verify -> accept -> compact -> emit (docs/USAGE.md, "How a step works")."""
 
 from __future__ import annotations
 

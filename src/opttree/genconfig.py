@@ -1,4 +1,4 @@
-"""What `target.generate` would apply beyond the model's logits, applied node by node (DESIGN.md section 6).
+"""What `target.generate` would apply beyond the model's logits, applied node by node (docs/USAGE.md, "Python").
 
 transformers builds logits processors (repetition penalty, suppressed tokens, forced EOS, ...) and
 stopping criteria from the model's generation_config and the call's settings. opttree lets transformers

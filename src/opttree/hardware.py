@@ -2,8 +2,8 @@
 the measured choice between bfloat16 and float32 (`--dtype auto`).
 
 A profile measured on one CPU must not be applied on another: with hardware bf16 (avx512_bf16 /
-AMX) a bf16 forward over 17 tokens costs ~1.1x one token; restricted to AVX2 it costs ~5x (DESIGN.md
-section 9). `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reproduce such a CPU, and the key
+AMX) a bf16 forward over 17 tokens costs ~1.1x one token; restricted to AVX2 it costs ~5x (docs/BENCHMARKS.md,
+"Other CPUs"). `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` reproduce such a CPU, and the key
 follows them.
 """
 

@@ -1,4 +1,5 @@
-"""AdaEAGLE's draft length predictor as a depth control (`depth_control="predictor"`, DESIGN.md section 15).
+"""AdaEAGLE's draft length predictor as a depth control (`depth_control="predictor"`; docs/METHODS.md, "Depth
+control").
 
 Before a step drafts, a small MLP reads the target's last hidden state (at the token before the root)
 and the root's embedding, and returns a distribution over how many drafted tokens the step will

@@ -126,7 +126,7 @@ def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     return paths  # (L, D)
 
 
-# --- tries: trees from several sources (DESIGN.md section 13.2) ---
+# --- tries: trees from several sources (opttree.drafters.sources) ---
 
 def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     """The token path from the root to each node (the node's own token last), in node order."""

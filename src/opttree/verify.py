@@ -208,7 +208,7 @@ def accept_path(
     tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None,
     noise: PositionNoise | None = None, root_position: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verifier that is exact for the way the tree's candidates were chosen (DESIGN.md section 6).
+    """The verifier that is exact for the way the tree's candidates were chosen (docs/METHODS.md, "Tree policies").
     logits: (N + 1, V) at [root] + nodes; the root sits at `root_position`; `noise` serves sampled
     verification of deterministic candidates (made from `generator` if not given). Returns (path (N,):
     the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).

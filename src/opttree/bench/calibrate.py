@@ -1,4 +1,4 @@
-"""Hardware-aware budget (DESIGN.md section 9): `opttree calibrate` and `--budget auto`.
+"""Hardware-aware budget (docs/BENCH_USAGE.md, "opttree calibrate"): `opttree calibrate` and `--budget auto`.
 
 0. Alignment of the pair: on text the target writes from the calibration prompts, the draft
    temperature that calibrates p-hat (`opttree.alignment.fit_draft_temperature`) and Sequoia's
@@ -308,7 +308,8 @@ def fitted_overhead(grid: list[Tally], t_target: list[float], t_draft: list[floa
 
 
 def estimated_tps(tally: Tally, t_target: list[float], t_draft: list[float], overhead: float) -> float:
-    """DESIGN.md section 9: new tokens / (steps * (modelled forwards + overhead) + prefill)."""
+    """Estimated tokens/s (docs/BENCH_USAGE.md, "An estimate"): new tokens / (steps * (modelled
+    forwards + overhead) + prefill)."""
     step_s = forward_seconds_per_step(tally, t_target, t_draft) + overhead
     return tally.new_tokens / (tally.steps * step_s + tally.prefill_s)
 

@@ -1,4 +1,4 @@
-"""A retrieval datastore built once from files (REST-style; DESIGN.md section 14).
+"""A retrieval datastore built once from files (REST-style; docs/METHODS.md, "Draft sources").
 
 `build_datastore(files, tokenizer, out)` tokenizes text files (documents joined by the EOS token)
 and writes, to a folder: `tokens.npy` (int32), for each n-gram length n an index of every position's

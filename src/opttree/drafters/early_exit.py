@@ -1,4 +1,5 @@
-"""EESD-style self-drafting: the target's own first layers draft (DESIGN.md section 15).
+"""EESD-style self-drafting: the target's own first layers draft (docs/METHODS.md, "Self-drafting
+with the target's first layers").
 
 The draft of token t+1 is: the target's first L decoder layers over the tokens up to t, then a trained
 exit layer (one decoder layer of the target's own kind, started as a copy of its layer L) and its

@@ -1,8 +1,8 @@
 """What train-free sources learn online: hit-rate estimates, and state kept per target model.
 
 `HitRates` holds Beta posteriors of hit probabilities on a small grid (e.g. depth x rank): a source
-scores its candidates with them, so its scores are calibrated estimates of acceptance (DESIGN.md
-section 13.2) and compare with other sources'. `per_model` keeps such state, and Token Recycling's
+scores its candidates with them, so its scores are calibrated estimates of acceptance
+(docs/METHODS.md, "Draft sources") and compare with other sources'. `per_model` keeps such state, and Token Recycling's
 matrix, across generations with the same target ("hot start"); `forget(target)` drops it.
 """
 

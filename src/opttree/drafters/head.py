@@ -1,4 +1,5 @@
-"""An EAGLE-style feature head: a draft that reads the target (DESIGN.md section 15).
+"""An EAGLE-style feature head: a draft that reads the target (docs/METHODS.md, "A draft that reads
+the target").
 
 The target's hidden states at position t-1 (its "feature" f[t-1]) and the embedding of token t go
 through one linear layer and one decoder layer; the target's own (frozen) LM head turns the layer's

@@ -1,4 +1,4 @@
-"""Token Recycling (Luo et al. 2024; DESIGN.md section 14): the target's own top-k guesses, recycled.
+"""Token Recycling (Luo et al. 2024; docs/METHODS.md, "Draft sources"): the target's own top-k guesses, recycled.
 
 `RecyclingMatrix` M (V, k): M[t] holds the target's k most likely next tokens the last time it read
 token t, rewritten from every verified position of every step (accepted or not; last write wins),

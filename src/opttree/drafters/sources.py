@@ -1,4 +1,4 @@
-"""Several draft sources, one tree (DESIGN.md section 13.2).
+"""Several draft sources, one tree (docs/METHODS.md, "Draft sources").
 
 A source is either a `Drafter` (answers distribution queries for tree nodes: the draft model, Token
 Recycling) or a `CandidateSource` (proposes a ready trie of continuations with scores: lookup). A
@@ -286,15 +286,16 @@ def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> D
 
 
 def default_drafter(has_draft: bool, has_datastore: bool = False) -> str:
-    """`model` with a draft model, else the train-free `recycling+lookup` (DESIGN.md section 13); with a
-    datastore, `+datastore`."""
+    """`model` with a draft model, else the train-free `recycling+lookup`; with a datastore,
+    `+datastore`."""
     return ("model" if has_draft else "recycling+lookup") + ("+datastore" if has_datastore else "")
 
 
 def default_max_depth(config, has_draft: bool) -> int:
     """max_depth when the caller gives none: DEFAULT_MAX_DEPTH (8) when a draft model drafts (a layer
     costs a draft forward); otherwise the budget, at least 8: recycled and retrieved layers cost no
-    forward pass, and a retrieved copy is as long as the budget lets it be (measured: README)."""
+    forward pass, and a retrieved copy is as long as the budget lets it be (measured: docs/BENCHMARKS.md,
+    "Depth: train-free layers are free")."""
     spec = config.drafter or default_drafter(has_draft, config.datastore is not None)
     if {"model", "head", "early-exit"} & set(source_names(spec)):  # a layer costs a forward of a network
         return DEFAULT_MAX_DEPTH

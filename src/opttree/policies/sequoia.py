@@ -14,8 +14,9 @@ verified by recursive rejection sampling (acc[k] = how often the k-th draw is ac
 The vector is measured on calibration prompts (`acceptance_vector`; `opttree calibrate`
 saves the greedy one and the sampled one, at temperature 1, under PROFILE_FIELD of the profile)
 and reaches the policy as `SpecConfig.acceptance` (the CLI and `opttree bench` pass the calibrated
-one for the pair when a profile exists). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice agreement of 0.7 (DESIGN.md section 12
-measured 0.74 greedy agreement for a small distilled draft) and a tail falling by about half per rank.
+one for the pair when a profile exists). Without one, `DEFAULT_ACCEPTANCE` is used: a first-choice
+agreement of 0.7 (the shipped draft's measured greedy vector starts at 0.71: docs/BENCHMARKS.md, "Tree
+policies at equal budgets") and a tail falling by about half per rank.
 """
 
 from __future__ import annotations

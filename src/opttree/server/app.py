@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (DESIGN.md section 17).
+"""The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (docs/USAGE.md, "Serving").
 
 One request decodes at a time (batch 1); the others wait their turn in arrival order in a bounded
 queue (429 when it is full). Decoding runs in a worker thread so the event loop keeps answering; a

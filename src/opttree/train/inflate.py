@@ -1,6 +1,6 @@
 """Function-preserving inflation: a Llama target made wider and deeper, computing the same function.
 
-A realistic GPU testbed without a model hub (DESIGN.md section 16): the shipped 29.5M target is
+A realistic GPU testbed without a model hub: the shipped 29.5M target is
 launch-bound on a GPU, so its speedups say nothing about a 1B model. Inflating it keeps its tokens
 (and so the shipped draft's acceptance) while every forward pays a 1B model's matrix products:
 
