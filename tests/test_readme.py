@@ -1,4 +1,5 @@
-"""Every command and Python snippet in README.md runs, with small sizes, so that the README cannot go stale.
+"""Every command and Python snippet in README.md, docs/USAGE.md and docs/METHODS.md runs, with small sizes, so
+that they cannot go stale.
 
 What is run: each ```bash / ```sh / ```console block (a line is a command; `\\` continues it; `&&` splits
 it into parts run in order) and each ```python block. Untagged ``` blocks are synopses (`[--flag X]`),
@@ -28,8 +29,9 @@ import torch
 from opttree.cli import main
 from opttree.demo import demo_paths
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-ROOT = README.parent
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, ROOT / "docs" / "USAGE.md", ROOT / "docs" / "METHODS.md"]  # whose commands and snippets run
 SHELL_TAGS = ("bash", "sh", "console")
 SERVER_ADDRESS = "127.0.0.1:8000"  # the README's clients name this address: they need the server
 
@@ -61,7 +63,8 @@ SUBSTITUTIONS = [
 SKIPPED = {
     r"^pip install": "installs packages from the network; the test runs against the installed package",
     r"^python -m pytest": "the whole test suite (minutes); this test is part of it",
-    r"^opttree train pair": "trains the shipped pair from scratch (~77 min); tests/test_train.py trains tiny models",
+    r"^opttree train pair": "trains the shipped pair from scratch (its defaults: 70 + 20 minutes of training); "
+                            "tests/test_train.py trains tiny models",
     r"^opttree train head": "trains a head (minutes: the target writes its text first); tests/test_head.py trains one",
     r"^opttree train early-exit": "trains an exit layer (minutes: the target writes its text first); tests/test_train.py "
                                   "runs the command on a tiny target",
@@ -84,7 +87,7 @@ def shell_commands(body: str, tag: str) -> list[str]:
 
 
 def readme_items(text: str) -> list[tuple[str, str]]:
-    """("shell", part) for each `&&` part of each command, ("python", snippet) for each snippet, in README order."""
+    """("shell", part) for each `&&` part of each command, ("python", snippet) for each snippet, in page order."""
     items = []
     for tag, body in blocks(text):
         if tag in SHELL_TAGS:
@@ -93,6 +96,11 @@ def readme_items(text: str) -> list[tuple[str, str]]:
         elif tag == "python":
             items.append(("python", body))
     return items
+
+
+def page_items(pages: list[Path]) -> list[tuple[str, str, str]]:
+    """(page name, kind, text) for every item of every page, pages in order."""
+    return [(page.stem, kind, text) for page in pages for kind, text in readme_items(page.read_text(encoding="utf-8"))]
 
 
 def substitute(text: str, **values) -> str:
@@ -132,7 +140,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ITEMS = readme_items(README.read_text(encoding="utf-8"))
+PAGE_ITEMS = page_items(PAGES)
+ITEMS = [(kind, text) for _, kind, text in PAGE_ITEMS]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +164,7 @@ def values(tmp_path_factory):
 def server(values):
     """The README's `opttree serve` command, in a subprocess, until the module's tests are done."""
     serve = [text for kind, text in ITEMS if kind == "shell" and text.startswith("opttree serve")]
-    assert len(serve) == 1, f"expected one `opttree serve` command in the README, found {serve}"
+    assert len(serve) == 1, f"expected one `opttree serve` command in {[p.name for p in PAGES]}, found {serve}"
     words = shlex.split(substitute(serve[0], **values), comments=True)
     process = subprocess.Popen([sys.executable, "-m", "opttree.cli", *words[1:]], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -186,11 +195,13 @@ def readme_env(monkeypatch, values):
 
 
 def test_the_readme_has_commands_and_snippets():
-    kinds = [kind for kind, _ in ITEMS]
-    assert kinds.count("shell") >= 8 and kinds.count("python") >= 2, ITEMS  # the extraction found them
+    kinds = [kind for page, kind, _ in PAGE_ITEMS if page == "README"]
+    assert kinds.count("shell") >= 8 and kinds.count("python") >= 2, PAGE_ITEMS  # the extraction found them
+    assert {page for page, _, _ in PAGE_ITEMS} == {page.stem for page in PAGES}  # and every page has some
 
 
-@pytest.mark.parametrize("kind, text", ITEMS, ids=[f"{i}-{kind}-{'_'.join(text.split()[:2])}" for i, (kind, text) in enumerate(ITEMS)])
+@pytest.mark.parametrize("kind, text", ITEMS, ids=[f"{i}-{page}-{kind}-{'_'.join(text.split()[:2])}"
+                                                    for i, (page, kind, text) in enumerate(PAGE_ITEMS)])
 def test_readme_item_runs(kind, text, values, readme_env, request):
     reason = skip_reason(kind, text)
     if reason:
