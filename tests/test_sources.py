@@ -1,4 +1,4 @@
-"""Draft sources (DESIGN.md sections 13-14): tries merged and cut, lookup and Token Recycling against
+"""Draft sources (docs/METHODS.md): tries merged and cut, lookup and Token Recycling against
 brute force, exact output with every source and combination, clear errors."""
 
 import random

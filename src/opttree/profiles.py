@@ -1,4 +1,4 @@
-"""Calibration profiles (DESIGN.md section 9): where `opttree calibrate` saves what it measured for a
+"""Calibration profiles (docs/BENCH_USAGE.md): where `opttree calibrate` saves what it measured for a
 target/draft pair on this machine, and what the commands, the benchmark and `opttree.profile_options`
 read back (budget, delta, draft temperature, Sequoia's acceptance vector).
 

@@ -1,4 +1,4 @@
-"""Retrieval from the text so far (prompt lookup, REST-style; DESIGN.md section 14).
+"""Retrieval from the text so far (prompt lookup, REST-style; docs/METHODS.md, "Draft sources").
 
 `NgramIndex` remembers where every 1..m-gram of the committed tokens (prompt and output) ended. At a
 step, the longest suffix of the committed tokens that occurred before gives up to `MATCHES` earlier
