@@ -130,10 +130,25 @@ def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
 
 def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     """The token path from the root to each node (the node's own token last), in node order."""
+    tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()  # one read
+    return paths_of(tokens, parents)
+
+
+def paths_of(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """`node_paths` of a tree already read to the host."""
     paths: list[tuple[int, ...]] = []
-    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+    for token, parent in zip(tokens, parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
     return paths
+
+
+def host_rows(tree: DraftTree) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+    """(tokens, parents, depths, scores, draft slots) as lists, in one read from the device (through
+    float64, exact for ids and indices below 2**53)."""
+    fields = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.draft_slots)
+    tokens, parents, depths, scores, slots = torch.stack([f.double() for f in fields]).tolist()
+    as_ints = lambda values: [int(v) for v in values]  # noqa: E731
+    return as_ints(tokens), as_ints(parents), as_ints(depths), scores, as_ints(slots)
 
 
 def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
@@ -149,10 +164,10 @@ def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
     if base.draft_probs is not None or extra.draft_probs is not None:
         raise ValueError("sampled candidates (with draft_probs) cannot be merged with another source's: their "
                          "verification needs exactly the distribution they were drawn from")
-    index = {path: i for i, path in enumerate(node_paths(base))}
-    tokens, parents, depths = base.tokens.tolist(), base.parents.tolist(), base.depths.tolist()
-    scores, slots = base.scores.tolist(), base.draft_slots.tolist()
-    for path, score in zip(node_paths(extra), extra.scores.tolist()):
+    tokens, parents, depths, scores, slots = host_rows(base)  # one read of each tree
+    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
+    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(extra)
+    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
         if path in index:
             scores[index[path]] = max(scores[index[path]], score)
             continue

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from ..tree import DraftTree, locate, node_paths, top_nodes
+from ..tree import DraftTree, node_paths, paths_of, top_nodes
 from .estimates import HitRates, per_model
 
 MAX_NGRAM = 4  # suffixes of 1..MAX_NGRAM tokens are looked up, the longest first
@@ -110,9 +110,12 @@ class RetrievalSource:
         if self.proposed is None:
             return
         n, paths = self.proposed
-        tree, choice = result.tree, result.choice.tolist()
-        emitted = result.readout.emitted  # accepted tokens + bonus, as the host read them
-        found, parents, tokens = locate(tree, paths), tree.parents.tolist(), tree.tokens.tolist()
+        tree, emitted = result.tree, result.readout.emitted  # accepted tokens + bonus, as the host read them
+        size = len(tree)
+        read = torch.cat([result.choice, tree.tokens, tree.parents]).tolist()  # one read
+        choice, tokens, parents = read[: size + 1], read[size + 1 : 2 * size + 1], read[2 * size + 1 :]
+        index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
+        found = [index.get(tuple(path), -1) for path in paths]
         depths, hits = [], []
         for path, node in zip(paths, found):
             d = len(path)

@@ -277,10 +277,8 @@ class MergedPolicy:
 def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> DraftTree:
     """RASD's pruning: drop the branches whose first token is not among the draft's `rank` best."""
     best = root_logq.topk(min(rank, root_logq.shape[0])).indices.to(trie.tokens.device)
-    first_ok = torch.isin(trie.tokens, best) | (trie.parents >= 0)
-    keep = torch.zeros(len(trie), dtype=torch.bool, device=trie.tokens.device)
-    for i, parent in enumerate(trie.parents.tolist()):  # a node survives if its branch's first token does
-        keep[i] = bool(first_ok[i]) if parent < 0 else bool(keep[parent])
+    first_ok = torch.isin(trie.tokens, best) & (trie.parents < 0)  # (N,) the first nodes that stay
+    keep = (trie.ancestors & first_ok[None, :]).any(dim=1)  # (N,) a node stays if its branch's first node does
     return top_nodes(DraftTree(trie.tokens, trie.parents, trie.depths, trie.scores.masked_fill(~keep, float("-inf")),
                                trie.draft_slots), len(trie))
 
