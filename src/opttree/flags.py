@@ -42,8 +42,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model directory (default: the shipped pair)")
     parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
     parser.add_argument("--dtype", choices=["auto", *sorted(DTYPE_NAMES)], default="auto",
-                        help="weights and activations; float32 is the exactness reference; 'auto' measures which of "
-                        "bfloat16 / float32 makes a tree step faster on this machine (cached) (default: auto)")
+                        help="weights and activations; float32 is the exactness reference; 'auto': on a CPU, measures "
+                        "which of bfloat16 / float32 makes a tree step faster on this machine (cached); on CUDA, "
+                        "bfloat16 where the GPU supports it, without measuring (default: auto)")
     parser.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
@@ -51,7 +52,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models: the target's "
                         "fixed-shape step of the static path (once per budget; CUDA graphs on a GPU) and the draft's "
-                        "forward; compiling takes ~20-90 s on a CPU, so it pays for long runs")
+                        "forward; the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
+                        "it pays for long runs")
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
                         help="the static path: trees padded to the budget, a preallocated KV cache compacted in "
                         "place, one verify shape (default: on with --compile, else off)")
