@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opttree.cache import truncate
+from opttree.cache import cache_argument, truncate
 from opttree.demo import demo_paths
 from opttree.drafters.head import DraftLMHead, load_head
 from opttree.train.distill import load_target
@@ -61,11 +61,11 @@ def main() -> None:
 
     ids = windows[:1, :200]
     cache = DynamicCache()
-    draft(input_ids=ids, past_key_values=cache)
+    draft(input_ids=ids, **{cache_argument(draft): cache})
     one = ids[:, -1:]
 
     def draft_step():  # as ModelDrafter: the draft's logits -> log-probabilities
-        torch.log_softmax(draft(input_ids=one, past_key_values=cache).logits.float(), dim=-1)
+        torch.log_softmax(draft(input_ids=one, **{cache_argument(draft): cache}).logits.float(), dim=-1)
         truncate(cache, 200)
 
     hidden = target.config.hidden_size
@@ -101,12 +101,13 @@ def early_exit_figures(target, folder: Path, windows: torch.Tensor, ids: torch.T
 
     exit_layer = load_early_exit(folder, target).float()
     lower, exit_cache = DynamicCache(), DynamicCache()
-    states = exit_layer.lower(input_ids=ids, past_key_values=lower, use_cache=True).last_hidden_state
+    states = exit_layer.lower(input_ids=ids, **{cache_argument(exit_layer.lower): lower},
+                              use_cache=True).last_hidden_state
     exit_layer(states, torch.arange(200)[None], torch.ones(200, 200, dtype=torch.bool).tril(), exit_cache)
     one, position, allowed = ids[:, -1:], torch.tensor([[200]]), torch.ones(1, 201, dtype=torch.bool)
 
     def exit_step():
-        state = exit_layer.lower(input_ids=one, position_ids=position, past_key_values=lower,
+        state = exit_layer.lower(input_ids=one, position_ids=position, **{cache_argument(exit_layer.lower): lower},
                                  use_cache=True).last_hidden_state
         torch.log_softmax(target.get_output_embeddings()(exit_layer(state, position, allowed, exit_cache)), dim=-1)
         truncate(lower, 200), truncate(exit_cache, 200)

@@ -5,7 +5,7 @@ import torch
 from helpers import tiny_model
 from test_tree import depths_of, random_parents
 
-from opttree.cache import compact, new_cache
+from opttree.cache import cache_argument, compact, new_cache
 from opttree.drafters import ModelDrafter
 from opttree.tree import DraftTree, leaf_paths
 from opttree.verify import Verification, matching_path, verify_tree
@@ -54,7 +54,7 @@ def test_compacted_cache_gives_the_logits_of_recomputation(arch, seed):
     tree = random_tree(14, 96, seed)
     with torch.inference_mode():
         cache = new_cache()
-        model(input_ids=prompt[None, :-1], past_key_values=cache)
+        model(input_ids=prompt[None, :-1], **{cache_argument(model): cache})
         verify_tree(model, cache, prompt[-1], tree, prompt.shape[0] - 1)
         leaf = int(leaf_paths(tree.parents, tree.depths)[-1].max())
         path = [leaf]
@@ -66,7 +66,7 @@ def test_compacted_cache_gives_the_logits_of_recomputation(arch, seed):
         assert cache.get_seq_length() == committed.shape[0]
         nxt = torch.tensor([5])
         pos = torch.tensor([[committed.shape[0]]])
-        got = model(input_ids=nxt[None], position_ids=pos, past_key_values=cache).logits[0, -1]
+        got = model(input_ids=nxt[None], position_ids=pos, **{cache_argument(model): cache}).logits[0, -1]
         expected = model(input_ids=torch.cat([committed, nxt])[None]).logits[0, -1]
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

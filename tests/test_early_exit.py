@@ -63,7 +63,7 @@ def test_the_draft_is_the_targets_first_layers_and_its_cache_stays_untouched(set
         states = target(sequence[None], output_hidden_states=True).hidden_states  # the prefill's, and the truth
         expected = torch.log_softmax(target.lm_head(exit_layer(states[1], torch.arange(6)[None]))[0, -1] / 0.7, -1)
         cache = opttree.cache.new_cache()
-        target(sequence[None, :-1], past_key_values=cache, use_cache=True)
+        target(sequence[None, :-1], **{opttree.cache.cache_argument(target): cache}, use_cache=True)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         drafter = EarlyExitDrafter(exit_layer, target, 96)
         drafter.start(sequence)

@@ -6,7 +6,7 @@ from helpers import hf_greedy, tiny_model
 from transformers import DynamicCache
 
 import opttree
-from opttree.cache import compact, static_cache
+from opttree.cache import cache_argument, compact, static_cache
 from opttree.engine import use_static
 from opttree.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
 from opttree.verify import verify_tree
@@ -53,7 +53,7 @@ def test_padded_forward_and_in_place_compaction_match_the_dynamic_cache(arch):
     logits = {}
     with torch.inference_mode():
         for name, cache in caches.items():
-            model(input_ids=prefix[None, :-1], position_ids=torch.arange(10)[None], past_key_values=cache)
+            model(input_ids=prefix[None, :-1], position_ids=torch.arange(10)[None], **{cache_argument(model): cache})
             first = verify_tree(model, cache, prefix[-1], tree, 10, width=12)
             compact(cache, 10, keep)
             second = verify_tree(model, cache, torch.tensor(5), tree, 13, width=12)

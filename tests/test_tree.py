@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from opttree.cache import new_cache
+from opttree.cache import cache_argument, new_cache
 from opttree.tree import ancestor_mask, leaf_paths, position_ids, tree_attention_mask
 from opttree.verify import verify_tree
 from opttree.tree import DraftTree
@@ -90,7 +90,7 @@ def test_tree_forward_equals_causal_forward_per_branch(arch, attn):
     tree = DraftTree(torch.randint(0, 96, (12,), generator=g), parents, depths, torch.zeros(12), -torch.ones(12, dtype=torch.long))
     with torch.inference_mode():
         cache = new_cache()
-        model(input_ids=prompt[None, :-1], past_key_values=cache)
+        model(input_ids=prompt[None, :-1], **{cache_argument(model): cache})
         logits = verify_tree(model, cache, prompt[-1], tree, prompt.shape[0] - 1)  # (13, V)
         full = model(input_ids=prompt[None]).logits[0, -1]
         torch.testing.assert_close(logits[0], full, atol=1e-4, rtol=1e-4)

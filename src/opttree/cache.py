@@ -92,6 +92,18 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: "cache" (transformers >= 5.24, which
+    deprecates the old name with a FutureWarning) or "past_key_values" (before). Decided per class.
+    Pass a cache as `model(..., **{cache_argument(model): cache})`."""
+    return _cache_argument(type(model))
+
+
+@lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def cache_len(cache: Cache) -> int:
     return int(cache.get_seq_length())  # a static layer keeps its length as a tensor
 

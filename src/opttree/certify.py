@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .cache import compact, static_cache
+from .cache import cache_argument, compact, static_cache
 from .tree import DraftTree
 from .verify import verify_tree
 
@@ -57,6 +57,7 @@ CACHE_POSITION_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "ble
 RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "mamba", "mamba2", "falcon_mamba", "bamba", "zamba", "zamba2",
                    "jamba", "recurrent_gemma", "lfm2", "lfm2_moe", "granitemoehybrid", "falcon_h1", "nemotron_h")
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
+OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
 
 
 def alibi(model, config, max_len: int, tree_rows: int) -> str | None:
@@ -125,9 +126,12 @@ def length_switched_rope(model, config, max_len: int, tree_rows: int) -> str | N
 
 
 def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
-    """openai-gpt has no cache, XLM its own `cache` dict, CPM-Ant a cache without explicit positions."""
+    """openai-gpt has no cache, XLM its own `cache` (fed the whole sequence, it drops the rows already
+    cached), CPM-Ant a cache without explicit positions. The cache is `past_key_values` before
+    transformers 5.24, `cache` from 5.24 (`cache_argument`)."""
     params = _forward_params(type(model))
-    missing = [name for name in ("past_key_values", "position_ids") if name not in params]
+    takes_cache = cache_argument(model) in params and config.model_type not in OWN_CACHE_TYPES
+    missing = ([] if takes_cache else ["past_key_values"]) + [name for name in ("position_ids",) if name not in params]
     if missing:
         return f"its forward takes no {' / '.join(missing)}, which a tree forward over a KV cache needs"
     return None
@@ -179,7 +183,7 @@ def run_probe(model: PreTrainedModel, length: int, capacity: int | None = None) 
     static = capacity is not None
     cache = static_cache(model, max(capacity, prefix_len + PROBE_PADDED_WIDTH + 1)) if static else DynamicCache()
     model(input_ids=prefix[None], position_ids=torch.arange(prefix_len, device=device)[None],
-          past_key_values=cache, use_cache=True)
+          **{cache_argument(model): cache}, use_cache=True)
     tree = DraftTree(tree_tokens[1:], parents, depths, torch.zeros(4, device=device), parents)
     tree_logits = verify_tree(model, cache, tree_tokens[0], tree, prefix_len, width=PROBE_PADDED_WIDTH,
                               compiled=False)  # (5, V)

@@ -12,8 +12,8 @@ from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import (check_model, compact, context_window, last_logits_only, new_cache, static_cache, static_capacity,
-                    truncate)
+from .cache import (cache_argument, check_model, compact, context_window, last_logits_only, new_cache, static_cache,
+                    static_capacity, truncate)
 from .certify import certify
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
@@ -152,7 +152,8 @@ class Generation:
             prefix = self.committed[:-1]
             positions = torch.arange(prefix.shape[0], device=self.device)
             rows = min(max(seed_rows, 1), prefix.shape[0])  # otherwise unused: one row is the least we can ask
-            out = self.target(input_ids=prefix[None], position_ids=positions[None], past_key_values=cache,
+            out = self.target(input_ids=prefix[None], position_ids=positions[None],
+                              **{cache_argument(self.target): cache},
                               output_hidden_states=self.wants_hidden, **last_logits_only(self.target, rows))
             if seed_rows:
                 self.drafter.seed(prefix[-rows:], out.logits[0, -rows:])  # (rows,), (rows, V)

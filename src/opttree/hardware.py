@@ -58,7 +58,7 @@ def describe(key: dict) -> str:
 
 def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     """Median ms of one forward over k new tokens after `context` cached ones (causal, no tree)."""
-    from .cache import new_cache, truncate
+    from .cache import cache_argument, new_cache, truncate
 
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -66,10 +66,10 @@ def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     times = []
     with torch.inference_mode():
         cache = new_cache()
-        model(input_ids=ids[None, :context], past_key_values=cache)
+        model(input_ids=ids[None, :context], **{cache_argument(model): cache})
         for _ in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
-            model(input_ids=ids[None, context:], past_key_values=cache)
+            model(input_ids=ids[None, context:], **{cache_argument(model): cache})
             times.append(time.perf_counter() - start)
             truncate(cache, context)
     return 1000 * statistics.median(times[1:])

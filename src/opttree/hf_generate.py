@@ -25,7 +25,8 @@ from .genconfig import Rules, per_node_processors, sampling_settings, stopping_s
 from .stats import GenerationStats
 
 # what generate() prepares for every model call; checked below where it could change the output
-IGNORED_MODEL_KWARGS = ("use_cache", "attention_mask", "past_key_values", "cache_position", "position_ids",
+# (the cache: `past_key_values` before transformers 5.24, `cache` from 5.24)
+IGNORED_MODEL_KWARGS = ("use_cache", "attention_mask", "past_key_values", "cache", "cache_position", "position_ids",
                         "logits_to_keep")
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -57,9 +58,9 @@ class CustomGenerate:
         positions = model_kwargs.get("position_ids")
         if positions is not None and not torch.equal(positions.reshape(-1).cpu(), torch.arange(input_ids.shape[-1])):
             raise ValueError("opttree's custom_generate numbers the prompt's positions 0..T-1: pass no other position_ids")
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError("opttree's custom_generate starts from the prompt: pass no filled past_key_values")
+            raise ValueError("opttree's custom_generate starts from the prompt: pass no filled cache (past_key_values)")
         asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
         if asked:
             raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")

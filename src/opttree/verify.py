@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
-from .cache import capacity, is_static
+from .cache import cache_argument, capacity, is_static
 from .config import SpecConfig
 from .device import static_step
 from .sampling import PositionNoise, race, target_probs, warp_logits
@@ -104,7 +104,7 @@ def masked_forward(
             input_ids=input_ids[None],
             position_ids=positions[None],
             attention_mask=None if allowed is None else attention_bias(model, allowed),
-            past_key_values=cache,
+            **{cache_argument(model): cache},
             use_cache=True,
             output_hidden_states=hidden,
         )
@@ -200,7 +200,7 @@ def accept_sampled(
     if top_k or top_p < 1:
         choice = race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
     else:  # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
-        choice = torch.sub(logits, noise, alpha=temperature).argmax(dim=-1)  # (N+1,)
+        choice = torch.sub(logits, noise, alpha=temperature).max(dim=-1).indices  # (N+1,) as `race` does
     return matching_path(tree, choice)
 
 

@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
-from ..cache import context_window, new_cache, truncate
+from ..cache import cache_argument, context_window, new_cache, truncate
 from ..drafters import ModelDrafter
 from ..engine import _vocab_size, generate
 from ..hardware import hardware_key
@@ -109,7 +109,7 @@ def latency_curves(models: dict, context: torch.Tensor, max_tokens: int, repeats
         for name, model in models.items():
             ids = contexts[name]
             model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
-                  past_key_values=caches[name])
+                  **{cache_argument(model): caches[name]})
             forward_seconds(model, caches[name], ids, max_tokens)  # warm-up at the largest size
         for _ in range(repeats):
             for k in range(1, max_tokens + 1):
@@ -266,7 +266,7 @@ def probe_ms(model, context: torch.Tensor, repeats: int = NOISE_REPEATS) -> list
     ids = context.to(model.device)
     with torch.inference_mode():
         model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
-              past_key_values=cache)
+              **{cache_argument(model): cache})
         return [1000 * forward_seconds(model, cache, ids, 1) for _ in range(repeats)]
 
 

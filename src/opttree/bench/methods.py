@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..cache import cache_argument
 from ..config import DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..names import TRAINED_SOURCES
@@ -192,9 +193,10 @@ def hf_sampling_kwargs(settings: Settings) -> dict:
 def count_forwards(model) -> Iterator[list[int]]:
     """Collect the cache length before each forward of `model` (0 when it starts without a cache)."""
     cache_lens: list[int] = []
+    name = cache_argument(model)  # generate() passes the cache by the name the forward takes
 
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(name)
         cache_lens.append(0 if cache is None else cache.get_seq_length())
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)

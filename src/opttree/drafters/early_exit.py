@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache import new_cache, truncate
+from ..cache import cache_argument, new_cache, truncate
 from ..device import model_device
 from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
@@ -92,8 +92,8 @@ class ExitLayer(nn.Module):
 def _run(part: nn.Module, positions: torch.Tensor, allowed: torch.Tensor | None, cache, **inputs) -> torch.Tensor:
     mask = None if allowed is None else attention_bias(part, allowed)
     with masked_attention_kernels(positions.device):
-        out = part(position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=cache is not None,
-                   **inputs)
+        out = part(position_ids=positions, attention_mask=mask, **{cache_argument(part): cache},
+                   use_cache=cache is not None, **inputs)
     return out.last_hidden_state
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
-from ..cache import new_cache, truncate
+from ..cache import cache_argument, new_cache, truncate
 from ..device import model_device
 from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
@@ -86,8 +86,8 @@ class FeatureHead(nn.Module):
         x = self.fc(torch.cat([features, embeds.to(features.dtype)], dim=-1))
         mask = None if allowed is None else attention_bias(self.body, allowed)
         with masked_attention_kernels(x.device):
-            out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                            use_cache=cache is not None)
+            out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=mask,
+                            **{cache_argument(self.body): cache}, use_cache=cache is not None)
         return out.last_hidden_state
 
     def save(self, folder: str | Path, target: PreTrainedModel, about: dict | None = None) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..cache import compact, last_logits_only, new_cache, truncate
+from ..cache import cache_argument, compact, last_logits_only, new_cache, truncate
 from ..device import model_device
 from ..verify import Verification, masked_forward
 
@@ -83,7 +83,8 @@ class ModelDrafter:
         assert new.numel() > 0, "the root must be new to the drafter"
         positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
         logits = self.model(
-            input_ids=new[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True,
+            input_ids=new[None], position_ids=positions[None], **{cache_argument(self.model): self.cache},
+            use_cache=True,
             **last_logits_only(self.model),
         ).logits[0, -1]  # (V,)
         self.committed_len = self.base = committed.shape[0]

@@ -249,15 +249,18 @@ def one_token_latency_ms(model, dtype, prefix: int = 200, repeats: int = 30) -> 
     import torch
     from transformers import DynamicCache
 
+    from ..cache import cache_argument
+
     m = copy.deepcopy(model).to(dtype).eval()
     ids = torch.randint(0, m.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))
     times = []
     with torch.no_grad():
-        cache = m(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=m.config)).past_key_values
+        cache = DynamicCache(config=m.config)
+        m(input_ids=ids, use_cache=True, **{cache_argument(m): cache})
         x, pos = ids[:, -1:], torch.tensor([[prefix]])
         for _ in range(repeats):
             t0 = time.perf_counter()
-            m(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
+            m(input_ids=x, position_ids=pos, **{cache_argument(m): cache}, use_cache=True)
             times.append(time.perf_counter() - t0)
             cache.crop(-1)  # back to the prefix
     return 1000 * sorted(times)[len(times) // 2]
