@@ -225,14 +225,6 @@ def accept_path(
     return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, rows)
 
 
-def accept(
-    tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`accept_path` with the path cut to its length: (accepted node indices root->leaf (A,), bonus ())."""
-    path, length, bonus = accept_path(tree, logits, config, generator)
-    return path[: int(length)], bonus
-
-
 def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A,) accepted nodes -> (path (N,) padded with 0, length (), bonus ())."""
     path = torch.cat([accepted, accepted.new_zeros(n - accepted.shape[0])])

@@ -11,7 +11,7 @@ the engine drives and the policy that builds each step's tree:
 
 Scores are log estimates of acceptance, so sources compare: a draft model's path log-probability,
 Token Recycling's and lookup's online hit rates. The candidates are deterministic, so verification
-(`verify.accept`) is exact at any temperature. Sampled-children policies (dyspec and sequoia at
+(`verify.accept_path`) is exact at any temperature. Sampled-children policies (dyspec and sequoia at
 temperature > 0) need exactly the draft distribution they sampled from and take one source only.
 """
 
