@@ -83,9 +83,9 @@ def test_the_verifier_emits_the_target_distribution(temperature):
 
 
 def test_a_seed_gives_the_same_tokens_whatever_the_tree():
-    """Deterministic candidates are verified with noise drawn per position: the tokens of a seeded
-    sampled generation do not depend on the policy, the drafter or the budget, and equal plain
-    sampling's with the same seed."""
+    """Deterministic candidates (children="top") are verified with noise drawn per position: the tokens
+    of a seeded sampled generation do not depend on the policy, the drafter or the budget, and equal
+    plain sampling's with the same seed. Sampled children: the same seed gives the same tokens again."""
     target = tiny_model("llama", vocab=48, hidden=32, layers=2, seed=3, init=0.5)
     draft = tiny_model("llama", vocab=48, hidden=32, layers=1, seed=4, init=0.5)
     prompt = torch.randint(3, 48, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -95,8 +95,13 @@ def test_a_seed_gives_the_same_tokens_whatever_the_tree():
         for tree, drafter, budget in [("opt", "model", 4), ("opt", "model", 16), ("eagle2", "model", 8),
                                       ("opt", "recycling+lookup", 16), ("static", "model", 6), ("chain", "lookup", 5)]:
             out = opttree.generate(target, prompt, draft if "model" in drafter else None, tree=tree, drafter=drafter,
-                                   budget=budget, max_new_tokens=30, temperature=0.8, seed=seed, eos_token_id=[])
+                                   budget=budget, max_new_tokens=30, temperature=0.8, seed=seed, eos_token_id=[],
+                                   children="top")
             assert torch.equal(out.sequences, plain), (tree, drafter, budget, seed)
+        for tree in ("opt", "eagle2", "dyspec"):  # sampled children: reproducible, not tied to plain sampling
+            runs = [opttree.generate(target, prompt, draft, tree=tree, budget=8, max_new_tokens=30, temperature=0.8,
+                                     seed=seed, eos_token_id=[], children="sampled").sequences for _ in range(2)]
+            assert torch.equal(runs[0], runs[1]), (tree, seed)
         other = opttree.generate(target, prompt, tree="ar", max_new_tokens=30, temperature=0.8, seed=seed + 7,
                                  eos_token_id=[]).sequences
         assert not torch.equal(other, plain)  # the seed matters

@@ -237,8 +237,10 @@ def test_source_errors_are_clear(looping_pair):
         (dict(drafter="recycling"), draft, "does not use it"),
         (dict(drafter="model"), None, "needs a draft model"),
         (dict(drafter="lookup", draft_temperature=0.5), None, "draft_temperature applies to a draft model"),
-        (dict(drafter="model+lookup", tree="dyspec", temperature=1.0), draft, "takes one distribution source"),
-        (dict(drafter="lookup", tree="sequoia", temperature=1.0), None, "takes one distribution source"),
+        (dict(drafter="model+lookup", tree="dyspec", temperature=1.0, children="sampled"), draft,
+         "takes one distribution source"),
+        (dict(drafter="lookup", tree="sequoia", temperature=1.0, children="sampled"), None, "takes one distribution source"),
+        (dict(drafter="model", children="random"), draft, "children must be one of auto, top, sampled"),
         (dict(drafter="recycling", tree="ar"), None, "drafts nothing"),
         (dict(drafter=""), None, "drafter must name draft sources"),
     ]

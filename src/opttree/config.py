@@ -12,6 +12,10 @@ DEFAULT_MAX_DEPTH = 8
 # Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
 MIN_TEMPERATURE = 1e-4
 DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson", "predictor")  # opttree.depth.DEPTH_CONTROLS
+# How a tree's children are chosen when sampling (temperature > 0): the draft's top-ranked tokens, verified
+# by matching, or draws without replacement from the draft, verified by recursive rejection sampling.
+# "auto": each policy's own choice (`opttree.policies.shapes.ChildPicker`). At temperature 0: top-ranked.
+CHILDREN = ("auto", "top", "sampled")
 
 
 def check_acceptance(acc) -> tuple[float, ...]:
@@ -39,6 +43,7 @@ class SpecConfig:
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
+    children: str = "auto"  # at temperature > 0: "top" | "sampled" | "auto" (CHILDREN)
     depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.depth)
     length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
     # The static path: the target's tree forwards have one shape (the tree padded to the budget, keys over a
@@ -68,6 +73,8 @@ class SpecConfig:
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
         if self.drafter is not None and not (isinstance(self.drafter, str) and self.drafter.strip()):
             raise ValueError(f"drafter must name draft sources joined by '+' (e.g. 'model+lookup'), got {self.drafter!r}")
+        if self.children not in CHILDREN:
+            raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
         if self.depth_control not in DEPTH_CONTROL_NAMES:
             raise ValueError(f"depth_control must be one of {', '.join(DEPTH_CONTROL_NAMES)}, got {self.depth_control!r}")
         if self.static is not None and not isinstance(self.static, bool):

@@ -20,7 +20,8 @@ from .genconfig import Rules, config_defaults, prepare, shape_logits
 from .depth import DepthControl, make_depth_control
 from .device import PhaseClock, has_static_step, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
-from .drafters.sources import SourceContext, default_drafter, default_max_depth, make_sources, source_names
+from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
+                               source_names)
 from .policies import TreePolicy, make_policy
 from .sampling import PositionNoise
 from .stats import GenerationStats
@@ -257,6 +258,7 @@ def stream(
     config = SpecConfig(**{**config_defaults(generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
+    config = replace(config, children=default_children(config, draft is not None))
     policy = make_policy(config)
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)

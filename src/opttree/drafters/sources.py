@@ -300,6 +300,16 @@ def default_max_depth(config, has_draft: bool) -> int:
     return max(DEFAULT_MAX_DEPTH, config.budget)
 
 
+def default_children(config, has_draft: bool) -> str:
+    """`config.children` with "auto" resolved where the drafter spec decides it: a policy's sampled
+    children need exactly the distribution they were drawn from, so one distribution source keeps the
+    policy's own choice ("auto") and a combination of sources takes the top-ranked ("top")."""
+    if config.children != "auto":
+        return config.children
+    names = source_names(config.drafter or default_drafter(has_draft, config.datastore is not None))
+    return "auto" if len(names) == 1 and _SOURCES[names[0]][1] else "top"
+
+
 def make_sources(spec: str, policy, config, context: SourceContext):
     """(drafter, policy) for the engine: the drafter spec's sources, combined as described above."""
     names = source_names(spec)
@@ -318,7 +328,7 @@ def make_sources(spec: str, policy, config, context: SourceContext):
     if (len(names) > 1 or not distribution) and getattr(getattr(policy, "picker", None), "sampled", False):
         raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
                          f"needs exactly the draft distribution it sampled from: it takes one distribution source "
-                         f"(model or recycling), not {spec!r} (or use tree='opt')")
+                         f"(model or recycling), not {spec!r} (or take the top-ranked children: children='top')")
     if not distribution:  # candidate sources only: the first one answers the policy's queries
         first = TrieDrafter(first, context.vocab, config.budget, config.max_depth)
     candidates = [DrafterCandidates(s) if d else s for s, d in made[1:]]

@@ -10,6 +10,13 @@ Where that decision is made: on the host, reading each layer's gain before the n
 on the device and deeper candidates are masked out, so nothing is read back: what a GPU needs, where
 a draft layer over n nodes costs about as much as over one and a read stalls the queue). Both give
 the same tree. By default the device decides off the CPU.
+
+Sampling (temperature > 0), children="sampled" (the default, "auto"): a node's children are draws
+without replacement from the draft's distribution warped like the target's, and the tree is the n
+nodes with the largest *perturbed* path score (stochastic beam search: `ChildPicker.ranked`), verified
+by recursive rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than p(x).
+Why that is exact: docs/METHODS.md, "OPT-Tree with sampled children". The stop still reads E(A) = the
+sum of p-hat of the best n nodes. children="top": the top-n tree, verified by matching.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from ..config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import select_best
+from .shapes import ChildPicker, select_best
 
 
 @register_policy("opt")
@@ -33,20 +40,25 @@ class OptTree:
         self.n, self.delta, self.max_depth = config.budget, config.delta, config.max_depth
         if config.depth_control != "delta":  # the control sets the depth: every layer up to it is drafted
             self.delta = float("-inf")
+        self.picker = ChildPicker(config, sampled=True)  # at temperature > 0 (module docstring)
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        n, max_depth = self.n, min(self.max_depth, depth_limit)
-        logq = drafter.root(committed)  # (V,)
-        on_device = self.stop_on_device if self.stop_on_device is not None else logq.device.type != "cpu"
-        scores, tokens = logq.topk(min(n, logq.shape[0]))  # layer 1, (k,)
-        parents = torch.full_like(tokens, -1)  # candidate index of the parent, -1 = root
-        layers = [(tokens, parents, scores)]
+        n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
+        dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+        device = dist.device
+        on_device = self.stop_on_device if self.stop_on_device is not None else device.type != "cpu"
+        zero = torch.zeros(1, device=device)
+        tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, n))  # layer 1, (k,)
+        # A layer: (tokens, parents (candidate index, -1 = root), keys (what ranks them), log p-hat).
+        layers = [(tokens, torch.full_like(tokens, -1), keys, scores)]
+        probs = [dist.exp()]  # the distributions children were drawn from: root, then each expanded candidate
         offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
         gains = []  # on the device: () per layer, E_d - E_(d-1)
         # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
         for depth in range(1, max_depth + 1):
-            all_scores = torch.cat([layer[2] for layer in layers])
-            e_depth = all_scores.topk(min(n, all_scores.shape[0])).values.exp().sum()  # ()
+            all_keys, all_scores = (torch.cat([layer[i] for layer in layers]) for i in (2, 3))
+            best = all_keys.topk(min(n, all_keys.shape[0])).indices
+            e_depth = all_scores[best].exp().sum()  # () E(A) of the best tree this deep
             if depth == max_depth:
                 break
             if not on_device:
@@ -56,28 +68,26 @@ class OptTree:
             else:
                 gains.append(e_depth - e_prev)
             e_prev = e_depth
-            tokens, parents, scores = layers[-1]
-            logq = drafter.expand(tokens, parents)  # (k, V)
-            best = logq.topk(min(n, logq.shape[1]), dim=1)  # (k, n'): only a row's n best can make the top n
-            child = (scores[:, None] + best.values).flatten()  # (k * n',) log p-hat of those children
-            scores, flat = child.topk(min(n, child.shape[0]))
-            width = best.indices.shape[1]
-            layers.append((best.indices.flatten()[flat], offset + flat // width, scores))
+            tokens, parents, keys, scores = layers[-1]
+            dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
+            probs.append(dist.exp())
+            # only a row's n best children can make the layer's n best
+            child_tokens, child_keys, child_scores = (x.flatten() for x in picker.ranked(keys, scores, dist, n))
+            keys, flat = child_keys.topk(min(n, child_keys.shape[0]))
+            width = child_tokens.shape[0] // tokens.shape[0]
+            layers.append((child_tokens[flat], offset + flat // width, keys, child_scores[flat]))
             offset += tokens.shape[0]
         sizes = [layer[0].shape[0] for layer in layers]
-        candidates = torch.arange(sum(sizes), device=logq.device)
+        candidates = torch.arange(sum(sizes), device=device)
         slots = torch.where(candidates < offset, candidates, -1)  # the last layer was never run
-        depths = torch.cat([torch.full((size,), d + 1, device=logq.device) for d, size in enumerate(sizes)])
-        all_scores = torch.cat([layer[2] for layer in layers])
+        depths = torch.cat([torch.full((size,), d + 1, device=device) for d, size in enumerate(sizes)])
+        all_keys = torch.cat([layer[2] for layer in layers])
         if gains:  # the host-side rule, on the device: layers past the first small gain are masked out
             small = torch.stack(gains) <= self.delta  # (L - 1,): [d - 1] = stop before drafting layer d + 1
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
-            all_scores = all_scores.masked_fill(depths > stop, float("-inf"))
-        return select_best(
-            torch.cat([layer[0] for layer in layers]),
-            torch.cat([layer[1] for layer in layers]),
-            depths,
-            all_scores,
-            slots,
-            n,
-        )
+            all_keys = all_keys.masked_fill(depths > stop, float("-inf"))
+        tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in (0, 1, 3))
+        if not picker.sampled:  # keys are the scores (masked past the stop)
+            return select_best(tokens, parents, depths, all_keys, slots, n)
+        probs.append(dist.new_zeros(sum(sizes) - offset, dist.shape[1]))  # the last layer drew nothing
+        return select_best(tokens, parents, depths, scores, slots, n, keys=all_keys, probs=torch.cat(probs))

@@ -21,7 +21,7 @@ import torch
 
 from ..config import SpecConfig
 from ..drafters import Drafter
-from ..sampling import policy_generator, sample_without_replacement, warp_logits
+from ..sampling import perturbed_children, policy_generator, sample_without_replacement, warp_logits
 from ..tree import DraftTree
 
 Path = tuple[int, ...]
@@ -65,14 +65,16 @@ class Shape:
 class ChildPicker:
     """How a node's children are taken from its draft distribution.
 
-    Deterministic (temperature 0, or `sampled=False`): the draft's top-ranked tokens, in rank order.
-    Sampled: successive draws without replacement from q = the draft's distribution warped like
-    the target's (same temperature / top-k / top-p); the tree then carries q for recursive
-    rejection sampling, which needs exactly the distribution the children were drawn from.
+    Deterministic (temperature 0, or children="top"): the draft's top-ranked tokens, in rank order.
+    Sampled (temperature > 0 and children="sampled", or "auto" for a policy that samples by default):
+    successive draws without replacement from q = the draft's distribution warped like the target's
+    (same temperature / top-k / top-p); the tree then carries q for recursive rejection sampling, which
+    needs exactly the distribution the children were drawn from.
     """
 
     def __init__(self, config: SpecConfig, sampled: bool):
-        self.sampled = sampled and config.temperature > 0
+        chosen = {"auto": sampled, "top": False, "sampled": True}[config.children]
+        self.sampled = chosen and config.temperature > 0
         self.warp = (config.temperature, config.top_k, config.top_p)
         self.seed = config.seed
         self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
@@ -81,14 +83,33 @@ class ChildPicker:
         """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
         return warp_logits(logq, *self.warp).log_softmax(dim=-1) if self.sampled else logq
 
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = policy_generator(self.seed, device)
+        return self.generator
+
     def pick(self, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, V) -> children tokens (R, k') in rank / draw order and valid (R, k'), k' = min(k, V)."""
         if self.sampled:
-            if self.generator is None:
-                self.generator = policy_generator(self.seed, log_dist.device)
-            return sample_without_replacement(log_dist, k, self.generator)
+            return sample_without_replacement(log_dist, k, self._generator(log_dist.device))
         tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
+
+    def ranked(self, keys: torch.Tensor, scores: torch.Tensor, log_dist: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's k best children for a policy that keeps the best-keyed nodes (opt, eagle2).
+
+        keys, scores: (R,) the parents' ranking keys and log p-hat; log_dist: (R, V) from `log_dist`.
+        Returns children (tokens, keys, log p-hat), each (R, k'), in rank / draw order. Deterministic:
+        the top-ranked tokens, keyed by log p-hat. Sampled: draws without replacement, keyed by their
+        perturbed path score (stochastic beam search, `perturbed_children`): the n best keys of a tree
+        are then a tree whose children are samples of the draft, so rejection sampling verifies it."""
+        if self.sampled:
+            tokens, child_keys = perturbed_children(keys, log_dist, k, self._generator(log_dist.device))
+        else:
+            child_keys, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
+            child_keys = keys[:, None] + child_keys
+        return tokens, child_keys, scores[:, None] + log_dist.gather(1, tokens)
 
 
 def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
@@ -200,17 +221,28 @@ def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
 
 
 def select_best(
-    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
+    keys: torch.Tensor | None = None, probs: torch.Tensor | None = None,
 ) -> DraftTree:
-    """The n candidates with the largest score (log p-hat), ties to the earlier (shallower) one.
+    """The n candidates with the largest key (default: the score, log p-hat), ties to the earlier
+    (shallower) one.
 
     Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
-    child never scores above its parent, the chosen set is a connected tree containing the root.
+    child never has a larger key than its parent, the chosen set is a connected tree containing the root.
+    Sampled children (`ChildPicker.ranked`): `keys` are their perturbed path scores, and candidates keyed
+    -inf (past a distribution's support) are never chosen; `probs` (C + 1, V) are the draft distributions
+    at [root] + candidates (zero rows where none was drawn from), kept as the tree's `draft_probs`.
     """
-    order = torch.sort(scores, descending=True, stable=True).indices[:n]
+    ranking = scores if keys is None else keys
+    order = torch.sort(ranking, descending=True, stable=True).indices[:n]
+    if keys is not None:
+        order = order[ranking[order] > float("-inf")]  # a shape sync: sampled trees only
     chosen = order.sort().values  # (n,) back in candidate (= depth) order
     new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
     new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
     tree_parents = new_index[parents[chosen] + 1]
     torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
-    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
+    draft_probs = None
+    if probs is not None:
+        draft_probs = probs[torch.cat([chosen.new_zeros(1), chosen + 1])]  # (n + 1, V)
+    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs)
