@@ -1,0 +1,126 @@
+"""Trees whose children are sampled from the draft (OPT-Tree and EAGLE-2 at temperature > 0, alone or
+with deterministic candidates under the same nodes) emit exactly the target's distribution.
+
+Brute force on a 4-token vocabulary: draft and target are fixed random distributions per token path
+(a table, no model, so a draw costs about a millisecond); the policy builds a tree, `accept_path`
+verifies it as the engine does, and the first two emitted tokens (a, b) are counted against the
+enumerated p(a) p(b | a). The same draws with a planted bug (1.5 % of the steps emit token 0 first)
+must fail the check: the number of draws is what lets it see a bias that small.
+"""
+
+import multiprocessing
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import chi_square_pvalue
+
+from opttree.config import SpecConfig
+from opttree.policies import make_policy
+from opttree.tree import node_paths
+from opttree.verify import accept_path
+
+VOCAB = 4
+BIAS = 0.015
+
+
+def path_table(seed: int, sharpness: float):
+    """path -> (V,) log-probabilities, a fixed random function of the token path (cached)."""
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logp(path: tuple[int, ...]) -> torch.Tensor:
+        if path not in cache:
+            g = torch.Generator().manual_seed(hash((seed,) + path) % 2**31)
+            cache[path] = torch.log_softmax(sharpness * torch.randn(VOCAB, generator=g), dim=-1)
+        return cache[path]
+
+    return logp
+
+
+class TableDrafter:
+    """A Drafter over a path table: root / expand answer the table's rows for the nodes' paths."""
+
+    def __init__(self, logq):
+        self.logq, self.paths = logq, []
+
+    def root(self, committed):
+        self.paths = []
+        return self.logq(())
+
+    def expand(self, tokens, parent_slots):
+        paths = [(self.paths[p] if p >= 0 else ()) + (t,) for t, p in zip(tokens.tolist(), parent_slots.tolist())]
+        self.paths += paths
+        return torch.stack([self.logq(path) for path in paths])
+
+
+def warped(logp: torch.Tensor, config: SpecConfig) -> torch.Tensor:
+    """(V,) the distribution plain sampling draws from: temperature, then top-k (no top-p here)."""
+    scores = logp / config.temperature
+    if config.top_k:
+        scores = scores.masked_fill(scores < scores.topk(config.top_k).values[-1], float("-inf"))
+    return scores.softmax(-1)
+
+
+def draw_first_two(config: SpecConfig, draws: int, propose=None, seed: int = 0) -> tuple[Counter, Counter, Counter]:
+    """Counts of the first two emitted tokens over `draws` steps, the same with the planted bias, and what
+    the trees looked like. `propose(tree) -> tree` adds deterministic candidates to each tree."""
+    torch.set_num_threads(1)
+    target, draft = path_table(1, 1.2), path_table(2, 1.5)
+    policy, drafter = make_policy(replace(config, seed=seed)), TableDrafter(draft)
+    g, bug = torch.Generator().manual_seed(2 * seed), torch.Generator().manual_seed(2 * seed + 1)
+    planted = int(warped(target(()), config).masked_fill(warped(target(()), config) == 0, 2).argmin())  # rarest first token
+    counts, biased, seen = Counter(), Counter(), Counter()
+    committed = torch.tensor([0])
+    with torch.inference_mode():
+        for _ in range(draws):
+            tree = policy.build(drafter, committed, config.max_depth)
+            if propose is not None:
+                tree = propose(tree)
+            paths = node_paths(tree)
+            logits = torch.stack([target(())] + [target(p) for p in paths])  # (N + 1, V) at [root] + nodes
+            path, length, bonus = accept_path(tree, logits, config, g)
+            emitted = [paths[i][-1] for i in path[: int(length)].tolist()] + [int(bonus)]
+            if len(emitted) == 1:  # the next step samples the second token: plain sampling stands in for it
+                emitted.append(int(torch.multinomial(warped(target((emitted[0],)), config), 1, generator=g)))
+            cell = tuple(emitted[:2])
+            counts[cell] += 1
+            biased[(planted, cell[1]) if float(torch.rand((), generator=bug)) < BIAS else cell] += 1
+            seen["accepted"] += int(length) > 0
+            seen["deep"] += tree.max_depth >= 2
+            seen["branching"] += bool(torch.bincount(tree.parents + 1).max() >= 2)
+    return counts, biased, seen
+
+
+def exact_first_two(config: SpecConfig) -> dict[tuple[int, int], float]:
+    target = path_table(1, 1.2)
+    first = warped(target(()), config)
+    exact = {(a, b): float(first[a] * warped(target((a,)), config)[b]) for a in range(VOCAB) for b in range(VOCAB)}
+    return {cell: p for cell, p in exact.items() if p > 0}
+
+
+def check(config: SpecConfig, draws: int, propose=None) -> None:
+    """`draws` split over two processes (the machine's two cores), each with its own seeds."""
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(draw_first_two, [config] * 2, [draws // 2] * 2, [propose] * 2, [0, 1]))
+    counts, biased, seen = (sum((part[i] for part in parts), Counter()) for i in range(3))
+    exact = exact_first_two(config)
+    # the trees branch and go deeper than one layer, and verification both accepts and rejects
+    assert seen["deep"] > draws // 10 and seen["branching"] > draws // 10, seen
+    assert draws // 10 < seen["accepted"] < draws - draws // 10, seen
+    assert chi_square_pvalue(counts, exact, draws) > 1e-3
+    assert chi_square_pvalue(biased, exact, draws) < 1e-4  # the check sees a 1.5 % bias
+
+
+def test_opt_tree_with_sampled_children_emits_the_target_distribution():
+    """OPT-Tree with sampled children: the budget's best perturbed path scores, 1e5 draws."""
+    check(SpecConfig(tree="opt", budget=4, delta=0.0, max_depth=2, temperature=1.0, children="sampled"), 100_000)
+
+
+@pytest.mark.parametrize("options", [
+    dict(tree="eagle2", budget=4, max_depth=2),  # k = 2: the 2 best of each layer expanded
+    dict(tree="opt", budget=3, delta=0.0, max_depth=3, temperature=0.7, top_k=3),  # warped: q's support < V
+])
+def test_other_sampled_trees_emit_the_target_distribution(options):
+    check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), 20_000)
