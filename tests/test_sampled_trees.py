@@ -19,7 +19,8 @@ from helpers import chi_square_pvalue
 
 from opttree.config import SpecConfig
 from opttree.policies import make_policy
-from opttree.tree import node_paths
+from opttree.drafters.sources import MergedPolicy, Sources
+from opttree.tree import DraftTree, node_paths
 from opttree.verify import accept_path
 
 VOCAB = 4
@@ -63,12 +64,30 @@ def warped(logp: torch.Tensor, config: SpecConfig) -> torch.Tensor:
     return scores.softmax(-1)
 
 
-def draw_first_two(config: SpecConfig, draws: int, propose=None, seed: int = 0) -> tuple[Counter, Counter, Counter]:
+class FixedTrie:
+    """A candidate source that proposes the same trie every step: deterministic candidates, three of
+    them likely enough to join a sampled tree (under the root: tokens the draft often draws too), one not."""
+
+    PATHS = {(2,): 0.5, (2, 1): 0.4, (0,): 0.3, (1,): 0.1}
+
+    def propose(self, committed, max_nodes, max_depth):
+        paths = list(self.PATHS)
+        return DraftTree(torch.tensor([p[-1] for p in paths]), torch.tensor([paths.index(p[:-1]) if len(p) > 1 else -1
+                                                                             for p in paths]),
+                         torch.tensor([len(p) for p in paths]), torch.tensor(list(self.PATHS.values())).log(),
+                         torch.full((len(paths),), -1))
+
+
+def draw_first_two(config: SpecConfig, draws: int, mixed: bool = False, seed: int = 0) -> tuple[Counter, Counter, Counter]:
     """Counts of the first two emitted tokens over `draws` steps, the same with the planted bias, and what
-    the trees looked like. `propose(tree) -> tree` adds deterministic candidates to each tree."""
+    the trees looked like. `mixed`: `FixedTrie`'s deterministic candidates join the sampled tree, as a
+    combination of sources (`model+lookup`) builds it."""
     torch.set_num_threads(1)
     target, draft = path_table(1, 1.2), path_table(2, 1.5)
     policy, drafter = make_policy(replace(config, seed=seed)), TableDrafter(draft)
+    if mixed:
+        policy = MergedPolicy(policy, config.budget, config.max_depth, prune=False)
+        drafter = Sources(drafter, [FixedTrie()])
     g, bug = torch.Generator().manual_seed(2 * seed), torch.Generator().manual_seed(2 * seed + 1)
     planted = int(warped(target(()), config).masked_fill(warped(target(()), config) == 0, 2).argmin())  # rarest first token
     counts, biased, seen = Counter(), Counter(), Counter()
@@ -76,8 +95,6 @@ def draw_first_two(config: SpecConfig, draws: int, propose=None, seed: int = 0) 
     with torch.inference_mode():
         for _ in range(draws):
             tree = policy.build(drafter, committed, config.max_depth)
-            if propose is not None:
-                tree = propose(tree)
             paths = node_paths(tree)
             logits = torch.stack([target(())] + [target(p) for p in paths])  # (N + 1, V) at [root] + nodes
             path, length, bonus = accept_path(tree, logits, config, g)
@@ -90,6 +107,9 @@ def draw_first_two(config: SpecConfig, draws: int, propose=None, seed: int = 0) 
             seen["accepted"] += int(length) > 0
             seen["deep"] += tree.max_depth >= 2
             seen["branching"] += bool(torch.bincount(tree.parents + 1).max() >= 2)
+            if tree.proposed is not None:  # mixed: a node of both kinds, and deterministic nodes accepted
+                seen["both"] += bool((tree.proposed & torch.isfinite(tree.keys)).any())
+                seen["proposed accepted"] += bool(tree.proposed[path[: int(length)]].any())
     return counts, biased, seen
 
 
@@ -100,17 +120,20 @@ def exact_first_two(config: SpecConfig) -> dict[tuple[int, int], float]:
     return {cell: p for cell, p in exact.items() if p > 0}
 
 
-def check(config: SpecConfig, draws: int, propose=None) -> None:
+def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True) -> None:
     """`draws` split over two processes (the machine's two cores), each with its own seeds."""
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = list(pool.map(draw_first_two, [config] * 2, [draws // 2] * 2, [propose] * 2, [0, 1]))
+        parts = list(pool.map(draw_first_two, [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1]))
     counts, biased, seen = (sum((part[i] for part in parts), Counter()) for i in range(3))
     exact = exact_first_two(config)
     # the trees branch and go deeper than one layer, and verification both accepts and rejects
     assert seen["deep"] > draws // 10 and seen["branching"] > draws // 10, seen
-    assert draws // 10 < seen["accepted"] < draws - draws // 10, seen
+    assert draws // 20 < seen["accepted"] < draws - draws // 20, seen
+    if mixed:
+        assert seen["both"] > draws // 50 and seen["proposed accepted"] > draws // 10, seen
     assert chi_square_pvalue(counts, exact, draws) > 1e-3
-    assert chi_square_pvalue(biased, exact, draws) < 1e-4  # the check sees a 1.5 % bias
+    if bias:
+        assert chi_square_pvalue(biased, exact, draws) < 1e-4  # the check sees a 1.5 % bias
 
 
 def test_opt_tree_with_sampled_children_emits_the_target_distribution():
@@ -118,9 +141,15 @@ def test_opt_tree_with_sampled_children_emits_the_target_distribution():
     check(SpecConfig(tree="opt", budget=4, delta=0.0, max_depth=2, temperature=1.0, children="sampled"), 100_000)
 
 
-@pytest.mark.parametrize("options", [
-    dict(tree="eagle2", budget=4, max_depth=2),  # k = 2: the 2 best of each layer expanded
-    dict(tree="opt", budget=3, delta=0.0, max_depth=3, temperature=0.7, top_k=3),  # warped: q's support < V
+@pytest.mark.parametrize("options,draws", [
+    (dict(tree="eagle2", budget=4, max_depth=2), 20_000),  # k = 2: the 2 best of each layer expanded
+    (dict(tree="opt", budget=3, delta=0.0, max_depth=3, temperature=0.7, top_k=3), 12_000),  # warped: q's support < V
 ])
-def test_other_sampled_trees_emit_the_target_distribution(options):
-    check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), 20_000)
+def test_other_sampled_trees_emit_the_target_distribution(options, draws):
+    check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)
+
+
+def test_mixed_trees_emit_the_target_distribution():
+    """Sampled children and deterministic candidates under the same nodes, verified by one rule."""
+    check(SpecConfig(tree="opt", budget=5, delta=0.0, max_depth=2, temperature=1.0, children="sampled"), 20_000,
+          mixed=True)

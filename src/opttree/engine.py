@@ -258,8 +258,10 @@ def stream(
     config = SpecConfig(**{**config_defaults(generation_config, options), **options})
     if auto_depth:
         config = replace(config, max_depth=default_max_depth(config, draft is not None))
-    config = replace(config, children=default_children(config, draft is not None))
     policy = make_policy(config)
+    if config.children != default_children(config, draft is not None, policy):
+        config = replace(config, children=default_children(config, draft is not None, policy))
+        policy = make_policy(config)
     max_len = ids.shape[0] + config.max_new_tokens
     _check_fits(target, "target", max_len)
     check_model(target, "target", max_len)

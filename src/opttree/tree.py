@@ -7,6 +7,7 @@ not yet in the target's cache) is implicit: it is not one of the N nodes, and `p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -23,6 +24,11 @@ class DraftTree:
     # Draft distributions the candidates were *sampled* from, for recursive rejection sampling:
     # (N + 1, V), row 0 = root, row i + 1 = node i. None for deterministic (top-k) candidate sets.
     draft_probs: torch.Tensor | None = None
+    # With draft_probs: (N,) the perturbed path scores that ranked the sampled nodes (-inf for a node that is
+    # not a draw of its parent's distribution), and (N,) bool, the deterministic candidates among the nodes
+    # (a node may be both). None: every node is a draw (keys not kept) / none is deterministic.
+    keys: torch.Tensor | None = None
+    proposed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -40,9 +46,8 @@ class DraftTree:
         """The same tree on `device` (a no-op when it is there already)."""
         if self.tokens.device == device:
             return self
-        probs = None if self.draft_probs is None else self.draft_probs.to(device)
-        return DraftTree(self.tokens.to(device), self.parents.to(device), self.depths.to(device),
-                         self.scores.to(device), self.draft_slots.to(device), probs)
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return DraftTree(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "DraftTree":
@@ -184,6 +189,38 @@ def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
     return subtree(merged, torch.sort(merged.depths, stable=True).indices)
 
 
+def merge_sampled(sampled: DraftTree, proposed: DraftTree) -> DraftTree:
+    """The union of a tree of sampled children (with draft_probs) and a trie of deterministic candidates
+    (`merge`'s union by token path). A node on both keeps the sampled node's slot, key and score and is
+    marked proposed too; a proposed-only node gets key -inf (it is no draw) and no draft distribution
+    (no sampled child hangs under it). Sorted by depth again, siblings' draw order kept."""
+    assert sampled.draft_probs is not None and proposed.draft_probs is None
+    tokens, parents, depths, scores, slots = host_rows(sampled)
+    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
+    n = len(tokens)
+    is_proposed = [False] * n
+    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(proposed)
+    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
+        if path not in index:
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+            depths.append(len(path))
+            scores.append(score)
+            slots.append(-1)
+            is_proposed.append(False)
+        is_proposed[index[path]] = True
+    device, added = sampled.tokens.device, len(tokens) - n
+    keys = sampled.keys if sampled.keys is not None else torch.zeros(n, device=device)
+    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
+                       torch.tensor(scores, dtype=torch.float32, device=device),
+                       torch.tensor(slots, dtype=torch.long, device=device),
+                       torch.cat([sampled.draft_probs, sampled.draft_probs.new_zeros(added, sampled.draft_probs.shape[1])]),
+                       torch.cat([keys, keys.new_full((added,), float("-inf"))]),
+                       torch.tensor(is_proposed, dtype=torch.bool, device=device))
+    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+
+
 def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     """The nodes `keep` (K,) (in this order, parents before children, every kept node's parent kept),
     re-indexed. Draft distributions are kept for the root and the kept nodes."""
@@ -195,16 +232,19 @@ def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     probs = None
     if tree.draft_probs is not None:
         probs = tree.draft_probs[torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), keep + 1])]
-    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep], tree.draft_slots[keep], probs)
+    pick = lambda t: None if t is None else t[keep]  # noqa: E731
+    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep], tree.draft_slots[keep], probs,
+                     pick(tree.keys), pick(tree.proposed))
 
 
-def top_nodes(tree: DraftTree, n: int) -> DraftTree:
-    """The best tree of at most n nodes by score, where a node counts at the lowest score on its path
-    (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
+def top_nodes(tree: DraftTree, n: int, by: torch.Tensor | None = None) -> DraftTree:
+    """The best tree of at most n nodes by score (or by `by` (N,)), where a node counts at the lowest score
+    on its path (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
     if len(tree) == 0:
         return tree
     on_path = tree.ancestors  # (N, N)
-    path_min = torch.where(on_path, tree.scores[None, :], float("inf")).amin(dim=1)  # (N,)
+    scores = tree.scores if by is None else by
+    path_min = torch.where(on_path, scores[None, :], float("inf")).amin(dim=1)  # (N,)
     order = torch.sort(path_min, descending=True, stable=True).indices
     order = order[path_min[order] > float("-inf")][:n]
     return subtree(tree, order.sort().values)

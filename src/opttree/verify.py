@@ -234,26 +234,43 @@ def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch
 def accept_rejection_sampling(
     tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recursive rejection sampling for children *sampled* from the draft without replacement.
+    """Recursive rejection sampling for children *sampled* from the draft without replacement, with
+    deterministic candidates (`tree.proposed`) under the same nodes tried first.
 
     target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
     tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
-    At each node, for each child x in order: accept with min(1, p(x) / q(x)); on rejection
-    p <- norm(max(p - q, 0)), q(x) <- 0, q <- norm(q). If no child is accepted, sample from p.
-    Siblings must be stored in the order they were drawn; whether a node got another child may depend
-    on its earlier children but never on the token drawn for it.
+    At each node: first the deterministic children, by matching: one draw y ~ p, and the child whose
+    token is y is accepted; if none is, p <- norm(p without those tokens). Then the sampled children in
+    draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
+    q <- norm(q). If no child is accepted, the bonus is sampled from p. (Why this is exact:
+    docs/METHODS.md, "OPT-Tree with sampled children".)
+    Sampled siblings must be stored in the order they were drawn; whether a node got another child may
+    depend on its earlier children but never on the token drawn for it.
     Returns (accepted node indices (A,), bonus token ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
     children_of = _children_lists(tree.parents)
     tokens = tree.tokens.tolist()
+    proposed = tree.proposed.tolist() if tree.proposed is not None else [False] * len(tokens)
+    drawn = torch.isfinite(tree.keys).tolist() if tree.keys is not None else [True] * len(tokens)
     accepted: list[int] = []
     node = -1  # -1 = root
     while True:
         p, q = target_p[node + 1], tree.draft_probs[node + 1]  # (V,), (V,)
         children = children_of[node + 1]
-        coins = torch.rand(len(children), generator=generator, device=p.device).tolist()
-        for child, coin in zip(children, coins):
+        fixed = [child for child in children if proposed[child]]
+        if fixed:  # deterministic candidates: the target's own sample decides
+            y = int(torch.multinomial(p, 1, generator=generator))
+            hit = [child for child in fixed if tokens[child] == y]
+            if hit:
+                accepted.append(hit[0])
+                node = hit[0]
+                continue
+            p = p.index_fill(0, torch.tensor([tokens[c] for c in fixed], device=p.device), 0.0)
+            p = p / p.sum()
+        draws = [child for child in children if drawn[child]]
+        coins = torch.rand(len(draws), generator=generator, device=p.device).tolist()
+        for child, coin in zip(draws, coins):
             x = tokens[child]
             if coin * float(q[x]) < float(p[x]):  # accepted with probability min(1, p(x) / q(x))
                 accepted.append(child)

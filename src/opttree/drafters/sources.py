@@ -17,6 +17,8 @@ temperature > 0) need exactly the draft distribution they sampled from and take 
 
 from __future__ import annotations
 
+import functools
+import math
 import weakref
 from pathlib import Path
 from typing import Callable, Protocol
@@ -26,7 +28,7 @@ import torch
 from ..config import DEFAULT_MAX_DEPTH, SpecConfig
 from ..names import TRAINED_SOURCES
 from ..parts import shipped_part
-from ..tree import DraftTree, merge, node_paths, top_nodes
+from ..tree import DraftTree, merge, merge_sampled, node_paths, top_nodes
 from ..verify import Verification
 from . import Drafter
 from .datastore import open_datastore
@@ -34,6 +36,8 @@ from .lookup import DatastoreSource, LookupSource
 from .recycling import RecyclingDrafter
 
 PRUNE_RANK = 16  # RASD: a retrieved branch survives if its first token is among the draft's 16 best
+# Under sampled children, a candidate source's node enters the tree when its estimated acceptance reaches this
+LOG_PROPOSED_MIN = math.log(0.25)
 
 
 class CandidateSource(Protocol):
@@ -257,21 +261,34 @@ class Sources:
 
 
 class MergedPolicy:
-    """A tree policy over the first source, the other sources' tries merged in, the best `budget` kept."""
+    """A tree policy over the first source, the other sources' tries merged in, the best `budget` kept.
+
+    When the policy samples its children (temperature > 0), the tries' candidates are chosen first, by
+    their own scores (those whose estimated acceptance reaches PROPOSED_MIN, at most the budget), and the
+    sampled tree keeps its best-keyed nodes in the budget left: neither choice looks at the tokens the
+    draft drew, which keeps the mixed tree's verification exact (`verify.accept_rejection_sampling`)."""
 
     needs_drafter = True
 
     def __init__(self, policy, budget: int, max_depth: int, prune: bool):
         self.policy, self.budget, self.max_depth, self.prune = policy, budget, max_depth, prune
+        self.sampled = getattr(getattr(policy, "picker", None), "sampled", False)
 
     def build(self, sources: Sources, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         tree = self.policy.build(sources, committed, depth_limit)
+        proposals = []
         for source in sources.candidates:
             proposal = source.propose(committed, self.budget, min(self.max_depth, depth_limit))
             if self.prune and len(proposal) and sources.root_logq is not None:
                 proposal = prune_first_tokens(proposal, sources.root_logq, PRUNE_RANK)
-            tree = merge(tree, proposal.to(tree.tokens.device))
-        return top_nodes(tree, self.budget)
+            proposals.append(proposal.to(tree.tokens.device))
+        if not self.sampled:
+            for proposal in proposals:
+                tree = merge(tree, proposal)
+            return top_nodes(tree, self.budget)
+        fixed = functools.reduce(merge, proposals)
+        fixed = top_nodes(fixed, self.budget, by=fixed.scores.masked_fill(fixed.scores < LOG_PROPOSED_MIN, float("-inf")))
+        return merge_sampled(top_nodes(tree, self.budget - len(fixed), by=tree.keys), fixed)
 
 
 def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> DraftTree:
@@ -300,14 +317,16 @@ def default_max_depth(config, has_draft: bool) -> int:
     return max(DEFAULT_MAX_DEPTH, config.budget)
 
 
-def default_children(config, has_draft: bool) -> str:
-    """`config.children` with "auto" resolved where the drafter spec decides it: a policy's sampled
-    children need exactly the distribution they were drawn from, so one distribution source keeps the
-    policy's own choice ("auto") and a combination of sources takes the top-ranked ("top")."""
-    if config.children != "auto":
+def default_children(config, has_draft: bool, policy) -> str:
+    """`config.children` with "auto" resolved where the drafter spec decides it: sampled children are
+    drawn from a distribution source's answers, and other sources' candidates join them only under a
+    policy whose sampled trees keep their keys (`TreePolicy.sampled_keys`). Elsewhere "auto" takes the
+    top-ranked ("top"); where they can be sampled it stays the policy's own choice."""
+    if config.children != "auto" or not policy.needs_drafter:
         return config.children
     names = source_names(config.drafter or default_drafter(has_draft, config.datastore is not None))
-    return "auto" if len(names) == 1 and _SOURCES[names[0]][1] else "top"
+    mixable = len(names) == 1 or policy.sampled_keys
+    return "auto" if _SOURCES[names[0]][1] and mixable else "top"
 
 
 def make_sources(spec: str, policy, config, context: SourceContext):
@@ -325,10 +344,13 @@ def make_sources(spec: str, policy, config, context: SourceContext):
     if names == ["model"]:
         return made[0][0], policy
     first, distribution = made[0]
-    if (len(names) > 1 or not distribution) and getattr(getattr(policy, "picker", None), "sampled", False):
+    sampled = getattr(getattr(policy, "picker", None), "sampled", False)
+    if sampled and (not distribution or (len(names) > 1 and not policy.sampled_keys)):
+        takes = "a distribution source first (model, head, early-exit or recycling)" if policy.sampled_keys else \
+            "one distribution source (model, head, early-exit or recycling)"
         raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
-                         f"needs exactly the draft distribution it sampled from: it takes one distribution source "
-                         f"(model or recycling), not {spec!r} (or take the top-ranked children: children='top')")
+                         f"needs exactly the draft distribution it sampled from: it takes {takes}, not {spec!r} "
+                         "(or take the top-ranked children: children='top')")
     if not distribution:  # candidate sources only: the first one answers the policy's queries
         first = TrieDrafter(first, context.vocab, config.budget, config.max_depth)
     candidates = [DrafterCandidates(s) if d else s for s, d in made[1:]]

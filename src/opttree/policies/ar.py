@@ -13,6 +13,7 @@ from .registry import register_policy
 @register_policy("ar")
 class Autoregressive:
     needs_drafter = False
+    sampled_keys = False
 
     def __init__(self, config: SpecConfig):
         pass

@@ -13,6 +13,7 @@ from .registry import register_policy
 @register_policy("chain")
 class Chain:
     needs_drafter = True
+    sampled_keys = False
 
     def __init__(self, config: SpecConfig):
         self.length = config.budget

@@ -33,6 +33,7 @@ from .shapes import ChildPicker
 @register_policy("dyspec")
 class DySpec:
     needs_drafter = True
+    sampled_keys = False
 
     def __init__(self, config: SpecConfig):
         self.n, self.max_depth = config.budget, config.max_depth

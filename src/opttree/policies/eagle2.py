@@ -35,6 +35,7 @@ def top_k(budget: int) -> int:
 @register_policy("eagle2")
 class Eagle2:
     needs_drafter = True
+    sampled_keys = True
 
     def __init__(self, config: SpecConfig):
         self.n, self.depth, self.k = config.budget, config.max_depth, top_k(config.budget)

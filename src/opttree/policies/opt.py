@@ -33,6 +33,7 @@ from .shapes import ChildPicker, select_best
 @register_policy("opt")
 class OptTree:
     needs_drafter = True
+    sampled_keys = True
 
     stop_on_device: bool | None = None  # where the delta stop is decided (module docstring); None: off the CPU
 

@@ -15,6 +15,9 @@ from ..tree import DraftTree
 
 class TreePolicy(Protocol):
     needs_drafter: bool
+    # At temperature > 0 its trees of sampled children carry the perturbed keys that chose them
+    # (`DraftTree.keys`), so a candidate source's trie can join them under one budget, exactly (`MergedPolicy`).
+    sampled_keys: bool
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         """Draft a tree after `committed` (T,) (the last token is the root), at most `depth_limit` deep."""

@@ -141,6 +141,7 @@ def _accepted_by_rank(target_logits, draft_logits, width, temperature, top_k, to
 @register_policy("sequoia")
 class Sequoia:
     needs_drafter = True
+    sampled_keys = False
 
     def __init__(self, config: SpecConfig):
         acc = config.acceptance or DEFAULT_ACCEPTANCE

@@ -245,4 +245,5 @@ def select_best(
     draft_probs = None
     if probs is not None:
         draft_probs = probs[torch.cat([chosen.new_zeros(1), chosen + 1])]  # (n + 1, V)
-    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs)
+    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs,
+                     None if probs is None else keys[chosen])

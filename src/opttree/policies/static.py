@@ -46,6 +46,7 @@ class StaticTree:
     """A fixed shape from `paths(budget, max_depth)`: its first `budget` paths of depth <= max_depth."""
 
     needs_drafter = True
+    sampled_keys = False
 
     def __init__(self, config: SpecConfig, paths: PathSource):
         chosen = [list(p) for p in paths(config.budget, config.max_depth) if len(p) <= config.max_depth]
