@@ -282,6 +282,20 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
         with_model = "model" in rec["drafter"].split("+")  # else profile_options gives the draft model's settings
         assert profiles.calibrated_options(target, draft)["budget"] == rec["drafter_budget" if with_model else "budget"]
     assert "## Draft sources at the recommended budget" in paths["markdown"].read_text()
+    # sampling measured apart: its own choice (never slower than plain decoding), read back for temperature > 0
+    sampled = profile[profiles.SAMPLED_FIELD]
+    assert [(r["drafter"], r["budget"], r["tree"]) for r in profile["drafters_sampled"]] == cal.sampled_runs(rec["budget"])
+    fastest = max(profile["drafters_sampled"], key=lambda r: r["measured_tokens_per_second"])
+    if fastest["measured_speedup"] >= 1:
+        assert (sampled["tree"], sampled["drafter"], sampled["drafter_budget"]) == \
+            (fastest["tree"], fastest["drafter"], fastest["budget"])
+    else:
+        assert sampled["tree"] == "ar"
+    assert profiles.profile_sources(target, draft, 1.0) == {k: sampled[k] for k in ("tree", "drafter", "why")}
+    assert profiles.profile_sources(target, draft, 0.0)["tree"] == rec["tree"]
+    if sampled["tree"] != "ar":
+        assert profiles.auto_settings(target, draft, sampled["drafter"], 0.7) == (sampled["drafter_budget"], rec["delta"])
+    assert "## Sampling (temperature 1)" in paths["markdown"].read_text()
     fitted = profile[profiles.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
     assert rec["draft_temperature"] == fitted["greedy"]  # the grid ran at the calibration temperature, 0
@@ -499,8 +513,9 @@ def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):
 
 
 def test_method_names_take_a_depth_control():
-    assert bench_methods.parse_tree_method("opt:model+lookup/thompson") == ("opt", "model+lookup", "thompson")
-    assert bench_methods.parse_tree_method("opt") == ("opt", None, "delta")
+    assert bench_methods.parse_tree_method("opt:model+lookup/thompson") == ("opt", "model+lookup", "thompson", "auto")
+    assert bench_methods.parse_tree_method("opt") == ("opt", None, "delta", "auto")
+    assert bench_methods.parse_tree_method("eagle2:model~top") == ("eagle2", "model", "delta", "top")
     assert bench_methods.find_method("opt/fixed").needs_draft and not bench_methods.find_method("opt:head/fixed").needs_draft
     with pytest.raises(ValueError, match="unknown depth control 'greedy'"):
         bench_methods.find_method("opt/greedy")

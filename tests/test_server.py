@@ -282,3 +282,22 @@ def test_shutdown_ends_what_outlasts_the_grace_with_an_error(pair):
     assert time.perf_counter() - began < 10
     assert "shut down" in json.loads(events[-1])["error"]["message"]
     assert queued["r"].status_code == 503 and "shut down" in queued["r"].json()["error"]["message"]
+
+
+def test_sampled_requests_get_the_settings_chosen_for_sampling(pair):
+    """`opttree serve` measures greedy and sampled settings apart (the calibration profile's two choices):
+    a sampled request runs the sampled ones, a greedy request the greedy ones; the draft model goes to a
+    request whose draft sources use it."""
+    from opttree.server.app import CompletionRequest
+
+    target, draft, tok = pair
+    server = Server(target, draft, tok, TREE, model_name="demo",
+                    sampled_options=dict(tree="dyspec", budget=3, delta=0.3, drafter="model"))
+    greedy, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
+    sampled, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
+    assert (greedy.config.tree, greedy.config.budget) == ("opt", 4)
+    assert (sampled.config.tree, sampled.config.budget, sampled.config.children) == ("dyspec", 3, "auto")
+    plain = Server(target, draft, tok, TREE, model_name="demo", sampled_options=dict(tree="ar"))
+    run, _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
+    assert run.config.tree == "ar" and run.drafter is None
+    assert len(list(run)) >= 1

@@ -102,7 +102,7 @@ def cmd_generate(args) -> int:
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
             "time_s": s.time_s, "tree": args.tree, "drafter": run.config.drafter, "budget": tree["budget"],
             "delta": tree["delta"],
-            "draft_temperature": tree["draft_temperature"], "static": run.config.static,
+            "draft_temperature": tree["draft_temperature"], "static": run.config.static, "children": run.config.children,
             "stats": s.to_dict(),
         }))
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import config as defaults
-from .config import DEPTH_CONTROL_NAMES
+from .config import CHILDREN, DEPTH_CONTROL_NAMES
 from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, TRAINED_HELP, TRAINED_SOURCES
 
 if TYPE_CHECKING:
@@ -80,6 +80,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                         "every step), thompson (EESD: a Beta posterior over acceptance, sampled each step), "
                         "predictor (AdaEAGLE: a trained network predicts the accepted length; needs "
                         "--length-predictor) (default: delta, or predictor with --length-predictor)")
+    parser.add_argument("--children", choices=CHILDREN, default="auto",
+                        help="at temperature > 0: children drawn from the draft and verified by rejection sampling "
+                        "(sampled) or the draft's top-ranked tokens (top); auto: sampled for opt, eagle2, dyspec "
+                        "and sequoia where the draft sources allow it (default: auto)")
     add_length_predictor_arg(parser)
     add_drafter_arg(parser)
     add_draft_temperature_arg(parser)
@@ -229,21 +233,23 @@ def tree_options(args, target, draft) -> dict:
 
     profiled = find_profile(target, draft) is not None
     budget = args.budget or ("auto" if profiled else str(defaults.DEFAULT_BUDGET))
-    chosen = profile_sources(target, draft) if profiled and args.tree is None and args.drafter is None else {}
+    chosen = profile_sources(target, draft, args.temperature) if profiled and args.tree is None and args.drafter is None \
+        else {}
     args.tree = args.tree or chosen.get("tree", "opt")
     if chosen.get("tree") == "ar":
-        print(f"opttree: plain decoding (--tree ar): the calibration profile of this pair on this machine says "
-              f"{chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
+        when = "sampling" if args.temperature > 0 else "greedy decoding"
+        print(f"opttree: plain decoding (--tree ar) for {when}: the calibration profile of this pair on this machine "
+              f"says {chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
     drafter = args.drafter or trained_source_given(args) or chosen.get("drafter")
     if drafter and args.datastore and "datastore" not in source_names(drafter):
         drafter += "+datastore"
     options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore,
                    **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
                    depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
-                   length_predictor=args.length_predictor, max_depth=args.max_depth,
+                   length_predictor=args.length_predictor, max_depth=args.max_depth, children=args.children,
                    delta=defaults.DEFAULT_DELTA, static=getattr(args, "static", None))
     if budget == "auto":
-        options["budget"], options["delta"] = auto_settings(target, draft, drafter)
+        options["budget"], options["delta"] = auto_settings(target, draft, drafter, args.temperature)
     else:
         try:
             options["budget"] = int(budget)

@@ -24,6 +24,14 @@ from .shipped import MODELS_DIR, cache_root, shipped_location
 PROFILE_VERSION = 2  # 2: draft temperature
 SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json
 DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": float}
+# What sampling runs (measured at temperature 1): {"tree", "drafter", "drafter_budget", "delta", "why", ...}.
+# A profile without it (the shipped one) gives sampling the greedy choice.
+SAMPLED_FIELD = "recommended_sampled"
+
+
+def recommended(profile: dict, temperature: float) -> dict:
+    """The profile's choice for greedy decoding (temperature 0) or for sampling."""
+    return (profile.get(SAMPLED_FIELD) or profile["recommended"]) if temperature > 0 else profile["recommended"]
 
 
 def profile_draft_temperature(profile: dict, temperature: float) -> float:
@@ -126,19 +134,22 @@ def profile_options(target, draft, tree: str, temperature: float) -> dict:
     return options
 
 
-def auto_settings(target, draft, drafter: str | None = None) -> tuple[int, float]:
-    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`);
-    for `drafter`, the budget measured with it when that is the draft source the profile chose."""
-    chosen = load_profile(target, draft)["recommended"]
+def auto_settings(target, draft, drafter: str | None = None, temperature: float = 0.0) -> tuple[int, float]:
+    """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`) at
+    this temperature; for `drafter`, the budget measured with it when that is the draft source the profile
+    chose (for sampling: the budget of the sampled choice)."""
+    profile = load_profile(target, draft)
+    greedy, chosen = profile["recommended"], recommended(profile, temperature)
     budget = chosen.get("drafter_budget") if drafter and drafter == chosen.get("drafter") else None
-    return int(budget or chosen["budget"]), float(chosen["delta"])
+    return int(budget or greedy["budget"]), float(chosen.get("delta", greedy["delta"]))
 
 
-def profile_sources(target, draft) -> dict:
-    """The draft sources `opttree calibrate` measured fastest for this pair here: {"tree": "opt" | "ar",
-    "drafter": spec or None, "why": ...}; {} for a profile without that measurement (the shipped one)."""
-    recommended = load_profile(target, draft)["recommended"]
-    return {k: recommended[k] for k in ("tree", "drafter", "why")} if "tree" in recommended else {}
+def profile_sources(target, draft, temperature: float = 0.0) -> dict:
+    """The tree and draft sources `opttree calibrate` measured fastest for this pair here at this temperature:
+    {"tree": "opt" | "dyspec" | "ar", "drafter": spec or None, "why": ...}; {} for a profile without that
+    measurement (the shipped one)."""
+    chosen = recommended(load_profile(target, draft), temperature)
+    return {k: chosen[k] for k in ("tree", "drafter", "why")} if "tree" in chosen else {}
 
 
 def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
@@ -153,10 +164,11 @@ def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.
     {} without a profile or a draft (the defaults apply). Exported as `opttree.profile_options`."""
     options = profile_options(target, draft, tree, temperature)
     if options:
-        drafter = profile_sources(target, draft).get("drafter") if tree == "opt" else None
+        chosen = profile_sources(target, draft, temperature)
+        drafter = chosen.get("drafter") if tree == chosen.get("tree", "opt") else None
         if drafter and "model" not in drafter.split("+"):
             drafter = None  # measured without the draft model: not what a call with the draft can run
-        options["budget"], options["delta"] = auto_settings(target, draft, drafter)
+        options["budget"], options["delta"] = auto_settings(target, draft, drafter, temperature)
         if drafter:
             options["drafter"] = drafter
     return options

@@ -18,6 +18,9 @@
    (their extra nodes cost no draft forward, only verification), interleaved with plain decoding; the
    fastest measured (drafter and budget) is recommended, and plain decoding (`tree: ar`) when none
    beats it: never slower by default.
+6. Sampling: the same choice at temperature SAMPLED_TEMPERATURE among `sampled_runs` (OPT-Tree with
+   sampled children at two budgets, with lookup, DySpec, the train-free sources), with the draft at its
+   sampled temperature, saved as SAMPLED_FIELD: what a sampled generation with the default settings runs.
 
 The profile is saved as DIR/profile.json and in the user cache; `opttree.profiles` keys, finds and
 reads it back (`auto_settings`, `profile_options`), and holds the shipped pair's profile.
@@ -43,7 +46,7 @@ from ..engine import _vocab_size, generate
 from ..hardware import hardware_key
 from ..policies import sequoia
 from ..profiles import (  # noqa: F401 (also read as opttree.bench.calibrate.<name>)
-    DRAFT_TEMPERATURE_FIELD, PROFILE_VERSION, SHIPPED_PROFILES, auto_settings, calibrated_options, find_profile,
+    DRAFT_TEMPERATURE_FIELD, PROFILE_VERSION, SAMPLED_FIELD, SHIPPED_PROFILES, auto_settings, calibrated_options, find_profile,
     load_profile, profile_dir, profile_draft_temperature, profile_key, profile_options, profile_path, save_profile,
 )
 from ..tree import position_ids, tree_attention_mask
@@ -59,6 +62,7 @@ NOISE_SHIFT = 1.5  # medians before / after differ by more than this factor: the
 NOISE_SPREAD = 0.5  # interquartile range / median of one batch above this: the timings are unsteady
 AGREEMENT = 1.5  # estimated / measured tokens/s outside [1/1.5, 1.5] (median over the grid): warn
 DRAFTERS = ("model", "model+lookup", "recycling+lookup")  # the draft sources step 5 compares
+SAMPLED_TEMPERATURE = 1.0  # step 6 measures sampling at this temperature (OpenAI's and the server's default)
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
@@ -219,10 +223,18 @@ def drafter_runs(budget: int, max_budget: int) -> list[tuple[str, int]]:
            [(name, wide) for name in DRAFTERS if "model" not in name and wide > budget]
 
 
-def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple[str, int]], delta: float,
+def sampled_runs(budget: int) -> list[tuple[str, int, str]]:
+    """(drafter, budget, tree) runs step 6 measures around the greedy choice's budget."""
+    half = max(2, budget // 2)
+    return [("model", half, "opt"), ("model", budget, "opt"), ("model+lookup", budget, "opt"),
+            ("model", budget, "dyspec"), ("recycling+lookup", budget, "opt")]
+
+
+def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], delta: float,
                 options: dict, progress: bool = True, draft_temperature: float = 1.0) -> list[dict]:
-    """Plain decoding and OPT-Tree over each (drafter, budget) of `runs` at `delta`, interleaved per prompt.
-    Returns one row per run: mean accepted length, measured tokens/s and speedup over plain decoding."""
+    """Plain decoding and OPT-Tree (or the tree policy a run names third) over each (drafter, budget[, tree])
+    of `runs` at `delta`, interleaved per prompt. Returns one row per run: mean accepted length, measured
+    tokens/s and speedup over plain decoding."""
     keys = [None, *runs]
     tallies = {key: Tally(None, None) if key is None else Tally(key[1], delta) for key in keys}
     bar = tqdm(total=len(prompts) * len(keys), desc="draft sources", unit="run", disable=not progress)
@@ -233,7 +245,7 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple[str
             if key is None:
                 run = dict(tree="ar")
             else:
-                run = dict(tree="opt", drafter=key[0], budget=key[1], delta=delta,
+                run = dict(tree=key[2] if len(key) > 2 else "opt", drafter=key[0], budget=key[1], delta=delta,
                            draft_temperature=draft_temperature if with_model else 1.0)
             start = time.perf_counter()
             out = generate(target, ids, draft if with_model else None, **run, **options)
@@ -244,7 +256,8 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple[str
             bar.update()
     bar.close()
     plain = tallies[None].measured_tps
-    return [{"drafter": key[0], "budget": key[1], "mean_accepted_length": t.new_tokens / t.steps,
+    return [{"tree": key[2] if len(key) > 2 else "opt", "drafter": key[0], "budget": key[1],
+             "mean_accepted_length": t.new_tokens / t.steps,
              "measured_tokens_per_second": t.measured_tps, "measured_speedup": t.measured_tps / plain}
             for key, t in tallies.items() if key]
 
@@ -255,7 +268,7 @@ def recommend_drafter(rows: list[dict]) -> dict:
     if best["measured_speedup"] < 1:
         return {"tree": "ar", "drafter": None, "drafter_budget": None, "measured_speedup": 1.0,
                 "why": f"no draft source beat plain decoding (best: {best['drafter']} at {best['measured_speedup']:.2f}x)"}
-    return {"tree": "opt", "drafter": best["drafter"], "drafter_budget": best.get("budget"),
+    return {"tree": best.get("tree", "opt"), "drafter": best["drafter"], "drafter_budget": best.get("budget"),
             "measured_speedup": best["measured_speedup"],
             "why": f"the fastest measured ({best['measured_speedup']:.2f}x plain decoding)"}
 
@@ -385,6 +398,9 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     chosen = recommend(rows)
     sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], budgets[-1]), chosen["delta"],
                           options, progress, draft_temperature)
+    sampled_temperature = profile_draft_temperature(alignment, SAMPLED_TEMPERATURE)
+    sampled = drafter_run(target, draft, prompts, sampled_runs(chosen["budget"]), chosen["delta"],
+                          dict(options, temperature=SAMPLED_TEMPERATURE), progress, sampled_temperature)
     probe_after = probe_ms(target, cached)
     return {
         "version": PROFILE_VERSION,
@@ -406,6 +422,9 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "grid": rows,
         "drafters": sources,
         "recommended": dict(chosen, draft_temperature=draft_temperature, **recommend_drafter(sources)),
+        "drafters_sampled": sampled,
+        SAMPLED_FIELD: dict(recommend_drafter(sampled), delta=chosen["delta"], temperature=SAMPLED_TEMPERATURE,
+                            draft_temperature=sampled_temperature),
         **alignment,
     }
 
@@ -447,11 +466,11 @@ def grid_table(profile: dict) -> str:
     return "\n".join(lines)
 
 
-def drafter_table(profile: dict) -> str:
-    lines = ["| drafter | budget | mean accepted length | measured tokens/s | measured speedup |",
-             "|---|---:|---:|---:|---:|"]
-    for r in profile.get("drafters", []):
-        lines.append(f"| {r['drafter']} | {r.get('budget', profile['recommended']['budget'])} | "
+def drafter_table(profile: dict, field: str = "drafters") -> str:
+    lines = ["| tree | drafter | budget | mean accepted length | measured tokens/s | measured speedup |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in profile.get(field, []):
+        lines.append(f"| {r.get('tree', 'opt')} | {r['drafter']} | {r.get('budget', profile['recommended']['budget'])} | "
                      f"{r['mean_accepted_length']:.2f} | {r['measured_tokens_per_second']:.1f} | "
                      f"{r['measured_speedup']:.2f}x |")
     return "\n".join(lines)
@@ -482,6 +501,7 @@ def markdown(profile: dict) -> str:
         "",
         drafter_table(profile),
         "",
+        *sampled_section(profile),
         "## Is the draft's p-hat calibrated? (greedy, the draft's first choice)",
         "",
         reliability_table(profile),
@@ -495,6 +515,17 @@ def markdown(profile: dict) -> str:
         grid_table(profile),
         "",
     ])
+
+
+def sampled_section(profile: dict) -> list[str]:
+    """The report's lines on step 6 (none for a profile without it)."""
+    chosen = profile.get(SAMPLED_FIELD)
+    if not chosen:
+        return []
+    what = "plain decoding" if chosen["tree"] == "ar" else f"{chosen['tree']}:{chosen['drafter']} at budget " \
+        f"{chosen['drafter_budget']}"
+    return [f"## Sampling (temperature {chosen['temperature']:g}): {what} ({chosen['why']})", "",
+            drafter_table(profile, "drafters_sampled"), ""]
 
 
 def consistency_note(profile: dict) -> str:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..cache import cache_argument
-from ..config import DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
+from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..names import TRAINED_SOURCES
 from ..engine import generate
@@ -102,7 +102,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     is passed only when they include `model`)."""
     from ..profiles import profile_options
 
-    policy, drafter, depth_control = parse_tree_method(spec.name)
+    policy, drafter, depth_control, children = parse_tree_method(spec.name)
     if drafter and "model" not in source_names(drafter):
         draft = None  # a train-free drafter: no draft model, no draft temperature
     options = dict(
@@ -110,7 +110,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
-        static=settings.static,
+        children=children, static=settings.static,
     )
     for source, option in TRAINED_SOURCES.items():
         if drafter and source in source_names(drafter):
@@ -269,11 +269,12 @@ def method_table() -> dict[str, Method]:
     return table | PEERS
 
 
-def parse_tree_method(name: str) -> tuple[str, str | None, str]:
-    """'POLICY[:DRAFTER][/DEPTH_CONTROL]' -> (policy, drafter or None, depth control)."""
+def parse_tree_method(name: str) -> tuple[str, str | None, str, str]:
+    """'POLICY[:DRAFTER][/DEPTH_CONTROL][~CHILDREN]' -> (policy, drafter or None, depth control, children)."""
+    name, _, children = name.partition("~")
     name, _, depth_control = name.partition("/")
     policy, _, drafter = name.partition(":")
-    return policy, drafter or None, depth_control or "delta"
+    return policy, drafter or None, depth_control or "delta", children or "auto"
 
 
 def find_method(name: str) -> Method:
@@ -283,18 +284,22 @@ def find_method(name: str) -> Method:
     table = method_table()
     if name in table:
         return table[name]
-    policy, drafter, depth_control = parse_tree_method(name)
-    if policy in table and table[policy].budgeted and table[policy].make is tree_method and (drafter or "/" in name):
+    policy, drafter, depth_control, children = parse_tree_method(name)
+    if policy in table and table[policy].budgeted and table[policy].make is tree_method and (
+            drafter or "/" in name or "~" in name):
         if depth_control not in DEPTH_CONTROL_NAMES:
             raise ValueError(f"method {name!r}: unknown depth control {depth_control!r} (one of "
                              f"{', '.join(DEPTH_CONTROL_NAMES)})")
+        if children not in CHILDREN:
+            raise ValueError(f"method {name!r}: unknown children {children!r} (one of {', '.join(CHILDREN)})")
         needs_draft = drafter is None and table[policy].needs_draft or "model" in source_names(drafter or "model")
         sources = f" over draft sources {drafter!r}" if drafter else ""
         return Method(tree_method, True, needs_draft, f"opttree tree policy {policy!r}{sources}, depth control "
-                      f"{depth_control}")
+                      f"{depth_control}, children {children}")
     raise ValueError(f"unknown method {name!r}; available: {', '.join(table)} (or 'all'), and POLICY:DRAFTER for "
                      f"a tree policy over named draft sources, e.g. opt:recycling+lookup, with /DEPTH_CONTROL "
-                     f"for a depth control other than delta, e.g. opt:model/thompson")
+                     f"for a depth control other than delta, e.g. opt:model/thompson, and ~top / ~sampled for "
+                     f"how children are chosen at temperature > 0, e.g. opt~top")
 
 
 def check_names(names: list[str]) -> None:

@@ -282,6 +282,8 @@ class MergedPolicy:
             if self.prune and len(proposal) and sources.root_logq is not None:
                 proposal = prune_first_tokens(proposal, sources.root_logq, PRUNE_RANK)
             proposals.append(proposal.to(tree.tokens.device))
+        if not proposals:
+            return tree
         if not self.sampled:
             for proposal in proposals:
                 tree = merge(tree, proposal)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 
 def cmd_serve(args) -> int:
+    import argparse
+
     import uvicorn
 
     from ..bench.calibrate import calibrate_first
@@ -13,9 +15,12 @@ def cmd_serve(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    options = tree_options(args, target, draft)
-    server = Server(target, used_draft(options, draft), tokenizer, options,
-                    model_name=args.model_name or (args.target or "opttree-demo"), max_queue=args.max_queue)
+    # greedy and sampled requests each get the settings chosen for them (the profile measures both)
+    greedy, sampled = (tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
+                       for t in (0.0, 1.0))
+    server = Server(target, draft if used_draft(greedy, draft) or used_draft(sampled, draft) else None, tokenizer,
+                    greedy, model_name=args.model_name or (args.target or "opttree-demo"), max_queue=args.max_queue,
+                    sampled_options=sampled)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
     GracefulServer(config, server, args.shutdown_grace).run()

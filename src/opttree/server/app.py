@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import stream
+from ..flags import used_draft
 from ..text import TextStream
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
@@ -140,9 +141,14 @@ class Metrics:
 class Server:
     """The models, the engine settings and the one-at-a-time decoding queue."""
 
-    def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16):
+    def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16,
+                 sampled_options: dict | None = None):
+        """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
+        (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
+        The draft model is passed to a request's generation when its settings' draft sources use it."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
+        self.sampled_options = sampled_options or tree_options
         self.metrics = Metrics()
         self.turns = Turns()  # one decoding at a time, in arrival order
         # a thread per admitted request (those waiting their turn block in it), so none waits for a thread
@@ -176,11 +182,12 @@ class Server:
         ids = self.prompt_ids(req)
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt")
-        options = dict(self.tree_options)
+        options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
+        draft = used_draft(options, self.draft)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         try:
-            run = stream(self.target, [ids], self.draft, tokenizer=self.tokenizer, stop=req.stop_list or None,
+            run = stream(self.target, [ids], draft, tokenizer=self.tokenizer, stop=req.stop_list or None,
                          max_new_tokens=req.new_tokens,
                          temperature=req.temperature, top_p=req.top_p, seed=seed, **options)
         except (ValueError, NotImplementedError, TypeError) as err:
