@@ -86,7 +86,10 @@ def small_pair():
 # (policy, budget, delta, sampling options): dyspec's threshold is delta / budget
 DISTRIBUTION_CASES = [
     ("static", 4, 0.2, {}),
-    ("eagle2", 4, 0.2, {}),
+    ("eagle2", 4, 0.2, {}),  # sampled children (the default at temperature > 0)
+    ("opt", 5, 0.1, {"top_p": 0.8, "temperature": 0.7}),
+    ("opt", 4, 0.2, {"children": "top", "top_k": 3}),
+    ("static", 4, 0.2, {"children": "sampled"}),
     ("sequoia", 4, 0.2, {}),
     ("sequoia", 6, 0.2, {"top_p": 0.8}),
     ("dyspec", 4, 0.6, {}),
@@ -101,9 +104,10 @@ def test_sampled_tokens_follow_the_target_distribution(small_pair, tree, budget,
     target, draft, prompt = small_pair
     warp = {"temperature": 1.0, **warp}
     draft_temperature = warp.pop("draft_temperature", 1.0)
+    children = warp.pop("children", "auto")
     exact = exact_joint(target, prompt, STEPS, **warp)
     counts = sample_counts(target, draft, prompt, STEPS, FOLLOW_RUNS, tree=tree, budget=budget, delta=delta, max_depth=2,
-                           draft_temperature=draft_temperature, **warp)
+                           draft_temperature=draft_temperature, children=children, **warp)
     assert chi_square_pvalue(counts, exact, FOLLOW_RUNS) > 1e-3
 
 
@@ -117,7 +121,8 @@ def test_distribution_cases_draw_branching_trees_verified_the_intended_way(small
         built = [make_policy(config).build(_drafter(draft, prompt), prompt[0], 2) for config in configs]
         assert any(t.max_depth == 2 for t in built), tree
         assert any(bool(torch.bincount(t.parents + 1).max() >= 2) for t in built), tree
-        assert all((t.draft_probs is not None) == (tree in ("sequoia", "dyspec")) for t in built), tree
+        sampled = warp.get("children", "auto") == "sampled" or warp.get("children", "auto") == "auto" and tree != "static"
+        assert all((t.draft_probs is not None) == sampled for t in built), (tree, warp)
 
 
 def _drafter(draft, prompt):
@@ -232,7 +237,7 @@ def test_trees_are_valid(tree_name, seed, n, depth, temperature):
                                     temperature=temperature, seed=seed))
     tree = policy.build(drafter, torch.tensor([0]), depth_limit=100)
     check_tree(tree, drafter, n, depth)
-    sampled = temperature > 0 and tree_name in ("sequoia", "dyspec")
+    sampled = temperature > 0 and tree_name in ("sequoia", "eagle2", "dyspec")  # children="auto"
     assert (tree.draft_probs is not None) == sampled
     if sampled:  # rows of the nodes that have children are q at that node
         has_child = set(tree.parents.tolist()) - {-1}

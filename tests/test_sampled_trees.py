@@ -106,6 +106,7 @@ def draw_first_two(config: SpecConfig, draws: int, mixed: bool = False, seed: in
             biased[(planted, cell[1]) if float(torch.rand((), generator=bug)) < BIAS else cell] += 1
             seen["accepted"] += int(length) > 0
             seen["deep"] += tree.max_depth >= 2
+            seen["full depth"] += tree.max_depth == config.max_depth
             seen["branching"] += bool(torch.bincount(tree.parents + 1).max() >= 2)
             if tree.proposed is not None:  # mixed: a node of both kinds, and deterministic nodes accepted
                 seen["both"] += bool((tree.proposed & torch.isfinite(tree.keys)).any())
@@ -129,6 +130,8 @@ def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True
     # the trees branch and go deeper than one layer, and verification both accepts and rejects
     assert seen["deep"] > draws // 10 and seen["branching"] > draws // 10, seen
     assert draws // 20 < seen["accepted"] < draws - draws // 20, seen
+    if config.delta > 0 and config.tree == "opt":  # the stop cuts some trees short, not all
+        assert draws // 10 < seen["full depth"] < draws - draws // 10, seen
     if mixed:
         assert seen["both"] > draws // 50 and seen["proposed accepted"] > draws // 10, seen
     assert chi_square_pvalue(counts, exact, draws) > 1e-3
@@ -143,7 +146,8 @@ def test_opt_tree_with_sampled_children_emits_the_target_distribution():
 
 @pytest.mark.parametrize("options,draws", [
     (dict(tree="eagle2", budget=4, max_depth=2), 20_000),  # k = 2: the 2 best of each layer expanded
-    (dict(tree="opt", budget=3, delta=0.0, max_depth=3, temperature=0.7, top_k=3), 12_000),  # warped: q's support < V
+    # warped (q's support < V), and the delta stop deciding the depth from the drawn nodes' p-hat
+    (dict(tree="opt", budget=3, delta=0.2, max_depth=3, temperature=0.7, top_k=3), 12_000),
 ])
 def test_other_sampled_trees_emit_the_target_distribution(options, draws):
     check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)
@@ -152,4 +156,4 @@ def test_other_sampled_trees_emit_the_target_distribution(options, draws):
 def test_mixed_trees_emit_the_target_distribution():
     """Sampled children and deterministic candidates under the same nodes, verified by one rule."""
     check(SpecConfig(tree="opt", budget=5, delta=0.0, max_depth=2, temperature=1.0, children="sampled"), 20_000,
-          mixed=True)
+          mixed=True)  # 20k draws: the planted bias is caught here too

@@ -217,7 +217,8 @@ VOCAB, STEPS, RUNS = 5, 3, 1000
 @pytest.mark.parametrize("drafter,tree,warp", [
     ("recycling+lookup", "opt", {"temperature": 1.0}),
     ("model+lookup", "opt", {"temperature": 0.8, "top_k": 3}),
-    ("recycling", "dyspec", {"temperature": 1.0}),  # sampled children, from the recycled distribution
+    ("recycling", "dyspec", {"temperature": 1.0, "children": "sampled"}),  # sampled from the recycled distribution
+    ("recycling+lookup", "opt", {"temperature": 1.0, "children": "sampled"}),  # recycling's draws, looked-up candidates
 ])
 def test_sampled_tokens_follow_the_target_distribution(drafter, tree, warp):
     target = tiny_model("llama", vocab=VOCAB, hidden=32, layers=1, seed=11, init=0.6)
@@ -225,6 +226,7 @@ def test_sampled_tokens_follow_the_target_distribution(drafter, tree, warp):
     prompt = torch.tensor([[1, 3, 0, 4, 1, 3]])
     counts = sample_counts(target, draft if drafter.startswith("model") else None, prompt, STEPS, RUNS, tree=tree,
                            drafter=drafter, budget=6, max_depth=3, **warp)
+    warp.pop("children", None)
     assert chi_square_pvalue(counts, exact_joint(target, prompt, STEPS, **warp), RUNS) > 1e-3
 
 

@@ -83,7 +83,7 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--children", choices=CHILDREN, default="auto",
                         help="at temperature > 0: children drawn from the draft and verified by rejection sampling "
                         "(sampled) or the draft's top-ranked tokens (top); auto: sampled for opt, eagle2, dyspec "
-                        "and sequoia where the draft sources allow it (default: auto)")
+                        "and sequoia when a network drafts (model, head, early-exit) (default: auto)")
     add_length_predictor_arg(parser)
     add_drafter_arg(parser)
     add_draft_temperature_arg(parser)

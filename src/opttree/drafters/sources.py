@@ -11,8 +11,9 @@ the engine drives and the policy that builds each step's tree:
 
 Scores are log estimates of acceptance, so sources compare: a draft model's path log-probability,
 Token Recycling's and lookup's online hit rates. The candidates are deterministic, so verification
-(`verify.accept_path`) is exact at any temperature. Sampled-children policies (dyspec and sequoia at
-temperature > 0) need exactly the draft distribution they sampled from and take one source only.
+(`verify.accept_path`) is exact at any temperature. At temperature > 0 the first source's children are
+sampled (`children="sampled"`, the default of opt and eagle2) and the others' tries join them as
+deterministic candidates (`MergedPolicy`); dyspec and sequoia sample from one source only.
 """
 
 from __future__ import annotations
@@ -61,14 +62,18 @@ class SourceContext:
 
 SourceFactory = Callable[[SourceContext], "Drafter | CandidateSource"]
 _SOURCES: dict[str, tuple[SourceFactory, bool]] = {}  # name -> (factory, answers distribution queries)
+_SAMPLED: set[str] = set()  # distribution sources whose children are sampled by default at temperature > 0
 
 
-def register_source(name: str, distribution: bool) -> Callable[[SourceFactory], SourceFactory]:
+def register_source(name: str, distribution: bool, sampled: bool = False) -> Callable[[SourceFactory], SourceFactory]:
     """Make a draft source selectable by name (`drafter="a+b"`, `--drafter`, `opt:a+b`). `distribution`:
-    it is a Drafter (root/expand/observe), else a CandidateSource (start/propose/observe)."""
+    it is a Drafter (root/expand/observe), else a CandidateSource (start/propose/observe). `sampled`: as
+    the first source, its children are drawn from its distribution at temperature > 0 (children="auto")."""
 
     def add(factory: SourceFactory) -> SourceFactory:
         _SOURCES[name] = (factory, distribution)
+        if sampled:
+            _SAMPLED.add(name)
         return factory
 
     return add
@@ -98,7 +103,11 @@ def _model(context: SourceContext) -> Drafter:
     return context.draft
 
 
-register_source("model", distribution=True)(_model)
+# A network's distribution is worth sampling children from (at temperature 1 on HumanEval: 0.68x -> 0.98x
+# over plain decoding, docs/BENCHMARKS.md); Token Recycling's rows are last-seen target top-k lists kept
+# across generations, so its sampled trees would make a seeded generation depend on the ones before it:
+# it keeps top-ranked children, whose verification emits what plain sampling does with the seed.
+register_source("model", distribution=True, sampled=True)(_model)
 register_source("recycling", distribution=True)(lambda c: RecyclingDrafter(c.target, c.vocab, c.device))
 register_source("lookup", distribution=False)(lambda c: LookupSource(c.target))
 
@@ -140,7 +149,7 @@ def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -
             loaded[key] = load(folder, context.target)
         return drafter(loaded[key], context.target, context.vocab)
 
-    register_source(name, distribution=True)(factory)
+    register_source(name, distribution=True, sampled=True)(factory)
 
 
 def _head():  # (loader, drafter class), imported when first used
@@ -264,7 +273,7 @@ class MergedPolicy:
     """A tree policy over the first source, the other sources' tries merged in, the best `budget` kept.
 
     When the policy samples its children (temperature > 0), the tries' candidates are chosen first, by
-    their own scores (those whose estimated acceptance reaches PROPOSED_MIN, at most the budget), and the
+    their own scores (estimated acceptance at least exp(LOG_PROPOSED_MIN), at most the budget), and the
     sampled tree keeps its best-keyed nodes in the budget left: neither choice looks at the tokens the
     draft drew, which keeps the mixed tree's verification exact (`verify.accept_rejection_sampling`)."""
 
@@ -321,14 +330,15 @@ def default_max_depth(config, has_draft: bool) -> int:
 
 def default_children(config, has_draft: bool, policy) -> str:
     """`config.children` with "auto" resolved where the drafter spec decides it: sampled children are
-    drawn from a distribution source's answers, and other sources' candidates join them only under a
-    policy whose sampled trees keep their keys (`TreePolicy.sampled_keys`). Elsewhere "auto" takes the
-    top-ranked ("top"); where they can be sampled it stays the policy's own choice."""
+    drawn from the first source's distribution where it is one to sample from (`register_source(...,
+    sampled=True)`: the draft model, the head, early exit), and other sources' candidates join them only
+    under a policy whose sampled trees keep their keys (`TreePolicy.sampled_keys`). Elsewhere "auto"
+    takes the top-ranked ("top"); where children can be sampled it stays the policy's own choice."""
     if config.children != "auto" or not policy.needs_drafter:
         return config.children
     names = source_names(config.drafter or default_drafter(has_draft, config.datastore is not None))
     mixable = len(names) == 1 or policy.sampled_keys
-    return "auto" if _SOURCES[names[0]][1] and mixable else "top"
+    return "auto" if names[0] in _SAMPLED and mixable else "top"
 
 
 def make_sources(spec: str, policy, config, context: SourceContext):

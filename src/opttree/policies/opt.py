@@ -58,8 +58,8 @@ class OptTree:
         # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
         for depth in range(1, max_depth + 1):
             all_keys, all_scores = (torch.cat([layer[i] for layer in layers]) for i in (2, 3))
-            best = all_keys.topk(min(n, all_keys.shape[0])).indices
-            e_depth = all_scores[best].exp().sum()  # () E(A) of the best tree this deep
+            best = all_keys.topk(min(n, all_keys.shape[0]))  # sampled: keys rank, p-hat counts
+            e_depth = (all_scores[best.indices] if picker.sampled else best.values).exp().sum()  # () E(A) this deep
             if depth == max_depth:
                 break
             if not on_device:

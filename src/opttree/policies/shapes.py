@@ -104,11 +104,11 @@ class ChildPicker:
         the top-ranked tokens, keyed by log p-hat. Sampled: draws without replacement, keyed by their
         perturbed path score (stochastic beam search, `perturbed_children`): the n best keys of a tree
         are then a tree whose children are samples of the draft, so rejection sampling verifies it."""
-        if self.sampled:
-            tokens, child_keys = perturbed_children(keys, log_dist, k, self._generator(log_dist.device))
-        else:
-            child_keys, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
-            child_keys = keys[:, None] + child_keys
+        if not self.sampled:
+            child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
+            child_scores = scores[:, None] + child_scores
+            return tokens, child_scores, child_scores
+        tokens, child_keys = perturbed_children(keys, log_dist, k, self._generator(log_dist.device))
         return tokens, child_keys, scores[:, None] + log_dist.gather(1, tokens)
 
 
