@@ -1,0 +1,57 @@
+"""Tree settings at temperature > 0, interleaved per prompt: mean accepted length, speedup over plain
+decoding and draft time per step, for settings `opttree bench` cannot vary per method (max depth,
+delta, draft temperature). The shipped pair in float32.
+
+    python scripts/sampling_settings.py --first 40 --count 16 --max-new-tokens 64 --temperature 1 \\
+        'tree=opt budget=8' 'tree=opt budget=4 max_depth=4' 'tree=opt budget=8 draft_temperature=0.7'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import opttree
+
+
+def setting(text: str) -> dict:
+    """'tree=opt budget=4 delta=0.3' -> {'tree': 'opt', 'budget': 4, 'delta': 0.3}."""
+    options = {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        options[key] = value if key in ("tree", "drafter", "children") else (float(value) if "." in value else int(value))
+    return options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("settings", nargs="+", help="'key=value ...' of opttree.generate's settings")
+    parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")
+    parser.add_argument("--first", type=int, default=0, help="index of the first prompt")
+    parser.add_argument("--count", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    args = parser.parse_args()
+    target, draft, tok = opttree.demo_models(torch.float32)
+    lines = open(args.prompts).read().splitlines()[args.first : args.first + args.count]
+    runs = [{"tree": "ar"}] + [setting(s) for s in args.settings]
+    totals = [[0, 0, 0.0, 0.0] for _ in runs]  # new tokens, steps, seconds, draft seconds
+    for j, line in enumerate(lines):
+        ids = tok(json.loads(line)["prompt"], return_tensors="pt").input_ids
+        for i in [(j + k) % len(runs) for k in range(len(runs))]:  # rotated order per prompt
+            start = time.perf_counter()
+            out = opttree.generate(target, ids, None if runs[i]["tree"] == "ar" else draft, eos_token_id=[], seed=j,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, **runs[i])
+            stats = out.stats
+            totals[i] = [a + b for a, b in zip(totals[i], (stats.new_tokens, stats.steps, time.perf_counter() - start,
+                                                            stats.draft_s))]
+    plain = totals[0][0] / totals[0][2]
+    for run, (new, steps, seconds, draft_s) in zip(runs, totals):
+        print(f"{run}: MAL {new / steps:.2f}, {new / seconds / plain:.2f}x, draft {1e3 * draft_s / steps:.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
