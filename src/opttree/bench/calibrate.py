@@ -46,8 +46,8 @@ from ..engine import _vocab_size, generate
 from ..hardware import hardware_key
 from ..policies import sequoia
 from ..profiles import (  # noqa: F401 (also read as opttree.bench.calibrate.<name>)
-    DRAFT_TEMPERATURE_FIELD, PROFILE_VERSION, SAMPLED_FIELD, SHIPPED_PROFILES, auto_settings, calibrated_options, find_profile,
-    load_profile, profile_dir, profile_draft_temperature, profile_key, profile_options, profile_path, save_profile,
+    DRAFT_TEMPERATURE_FIELD, PROFILE_VERSION, SAMPLED_FIELD, SHIPPED_PROFILES, auto_settings, calibrated_options,
+    find_profile, load_profile, profile_dir, profile_draft_temperature, profile_key, profile_options, profile_path, save_profile,
 )
 from ..tree import position_ids, tree_attention_mask
 from ..verify import masked_forward
@@ -517,14 +517,19 @@ def markdown(profile: dict) -> str:
     ])
 
 
+def sampled_choice(chosen: dict) -> str:
+    """Step 6's choice in words."""
+    what = "plain decoding" if chosen["tree"] == "ar" else f"{chosen['tree']}:{chosen['drafter']} at budget " \
+        f"{chosen['drafter_budget']}"
+    return f"{what} ({chosen['why']})"
+
+
 def sampled_section(profile: dict) -> list[str]:
     """The report's lines on step 6 (none for a profile without it)."""
     chosen = profile.get(SAMPLED_FIELD)
     if not chosen:
         return []
-    what = "plain decoding" if chosen["tree"] == "ar" else f"{chosen['tree']}:{chosen['drafter']} at budget " \
-        f"{chosen['drafter_budget']}"
-    return [f"## Sampling (temperature {chosen['temperature']:g}): {what} ({chosen['why']})", "",
+    return [f"## Sampling (temperature {chosen['temperature']:g}): {sampled_choice(chosen)}", "",
             drafter_table(profile, "drafters_sampled"), ""]
 
 
@@ -616,8 +621,8 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
     save_profile(profile)
     print(f"opttree: calibrated in {profile_dir()}: draft sources {rec['drafter'] or 'none: plain decoding'} "
           f"({rec['why']}), budget {rec.get('drafter_budget') or rec['budget']}, delta {rec['delta']:g}, draft temperature "
-          f"{rec['draft_temperature']:.3g}; plain decoding measured {profile['ar_tokens_per_second']:.1f} tokens/s",
-          file=sys.stderr)
+          f"{rec['draft_temperature']:.3g}; plain decoding measured {profile['ar_tokens_per_second']:.1f} tokens/s; "
+          f"when sampling: {sampled_choice(profile[SAMPLED_FIELD])}", file=sys.stderr)
     return profile
 
 
