@@ -183,8 +183,8 @@ class Server:
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt")
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
-        draft = used_draft(options, self.draft)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
+        draft = used_draft(options, self.draft)  # after the request's own tree fields
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         try:
             run = stream(self.target, [ids], draft, tokenizer=self.tokenizer, stop=req.stop_list or None,
