@@ -48,7 +48,7 @@ class Eagle2:
         tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, k))  # layer 1, (k,)
         layers = [(tokens, torch.full_like(tokens, -1), keys, scores)]  # (tokens, parent candidate, key, log p-hat)
         slots = [torch.full_like(tokens, -1)]
-        probs, prob_rows = [dist.exp()], [torch.zeros(1, dtype=torch.long, device=dist.device)]  # rows: [root] + expanded
+        probs, prob_rows = [dist.exp()], [torch.zeros(1, dtype=torch.long, device=dist.device)]  # sampled: [root] + expanded
         offset, next_slot = 0, 0  # offset = candidate index of the last layer's first node
         for _ in range(1, min(self.depth, depth_limit)):
             tokens, parents, keys, scores = layers[-1]
@@ -56,8 +56,9 @@ class Eagle2:
             parent_slots = torch.cat(slots)[parents[expand].clamp(min=0)].masked_fill(parents[expand] < 0, -1)
             dist = picker.log_dist(drafter.expand(tokens[expand], parent_slots))  # (k, V)
             slots[-1][expand] = torch.arange(next_slot, next_slot + expand.shape[0], device=dist.device)
-            probs.append(dist.exp())
-            prob_rows.append(offset + expand + 1)
+            if picker.sampled:
+                probs.append(dist.exp())
+                prob_rows.append(offset + expand + 1)
             next_slot += expand.shape[0]
             child_tokens, child_keys, child_scores = picker.ranked(keys[expand], scores[expand], dist, k)  # (k, k)
             child_parents = (offset + expand)[:, None].expand_as(child_tokens)

@@ -52,14 +52,15 @@ class OptTree:
         tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, n))  # layer 1, (k,)
         # A layer: (tokens, parents (candidate index, -1 = root), keys (what ranks them), log p-hat).
         layers = [(tokens, torch.full_like(tokens, -1), keys, scores)]
-        probs = [dist.exp()]  # the distributions children were drawn from: root, then each expanded candidate
+        probs = [dist.exp()] if picker.sampled else []  # sampled: the distributions children were drawn from
         offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
         gains = []  # on the device: () per layer, E_d - E_(d-1)
         # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
         for depth in range(1, max_depth + 1):
-            all_keys, all_scores = (torch.cat([layer[i] for layer in layers]) for i in (2, 3))
+            all_keys = torch.cat([layer[2] for layer in layers])
             best = all_keys.topk(min(n, all_keys.shape[0]))  # sampled: keys rank, p-hat counts
-            e_depth = (all_scores[best.indices] if picker.sampled else best.values).exp().sum()  # () E(A) this deep
+            best_scores = torch.cat([layer[3] for layer in layers])[best.indices] if picker.sampled else best.values
+            e_depth = best_scores.exp().sum()  # () E(A) of the best tree this deep
             if depth == max_depth:
                 break
             if not on_device:
@@ -71,7 +72,8 @@ class OptTree:
             e_prev = e_depth
             tokens, parents, keys, scores = layers[-1]
             dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
-            probs.append(dist.exp())
+            if picker.sampled:
+                probs.append(dist.exp())
             # only a row's n best children can make the layer's n best
             child_tokens, child_keys, child_scores = (x.flatten() for x in picker.ranked(keys, scores, dist, n))
             keys, flat = child_keys.topk(min(n, child_keys.shape[0]))
