@@ -281,7 +281,7 @@ class MergedPolicy:
 
     def __init__(self, policy, budget: int, max_depth: int, prune: bool):
         self.policy, self.budget, self.max_depth, self.prune = policy, budget, max_depth, prune
-        self.sampled = getattr(getattr(policy, "picker", None), "sampled", False)
+        self.sampled = samples_children(policy)
 
     def build(self, sources: Sources, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         tree = self.policy.build(sources, committed, depth_limit)
@@ -300,6 +300,12 @@ class MergedPolicy:
         fixed = functools.reduce(merge, proposals)
         fixed = top_nodes(fixed, self.budget, by=fixed.scores.masked_fill(fixed.scores < LOG_PROPOSED_MIN, float("-inf")))
         return merge_sampled(top_nodes(tree, self.budget - len(fixed), by=tree.keys), fixed)
+
+
+def samples_children(policy) -> bool:
+    """Whether this policy draws its children from the draft in this generation (its `ChildPicker`)."""
+    picker = getattr(policy, "picker", None)  # static, chain, ar and user policies may have none
+    return bool(picker is not None and picker.sampled)
 
 
 def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> DraftTree:
@@ -356,8 +362,7 @@ def make_sources(spec: str, policy, config, context: SourceContext):
     if names == ["model"]:
         return made[0][0], policy
     first, distribution = made[0]
-    sampled = getattr(getattr(policy, "picker", None), "sampled", False)
-    if sampled and (not distribution or (len(names) > 1 and not policy.sampled_keys)):
+    if samples_children(policy) and (not distribution or (len(names) > 1 and not policy.sampled_keys)):
         takes = "a distribution source first (model, head, early-exit or recycling)" if policy.sampled_keys else \
             "one distribution source (model, head, early-exit or recycling)"
         raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
