@@ -32,7 +32,7 @@ SUBSET = ("llama", "gpt2", "gemma3_text", "phi3", "gpt_neo", "mpt", "bart", "dee
 REASONS = {
     "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",
     "bidirectional": "bidirectional", "local-attention": "local window (GPT-Neo)",
-    "sliding-window": "sliding window crossed", "rope_type=": "rope factors switched by length",
+    "rope_type=": "rope factors switched by length",
     "key rows": "key-index causal buffer", "layers of type": "non-attention layer types",
     "forward takes no": "no positioned KV cache", "exactness check": "failed the exactness probe",
     "attn_implementation": "attention implementation",

@@ -82,10 +82,11 @@ def test_models_without_a_positioned_kv_cache_are_refused_clearly(model_type):  
     assert "its forward takes no" in refusal(tiny_any_attention(model_type))
 
 
-def test_chunked_attention_is_named_as_such():  # symptom 13
-    model = tiny("llama4_text", layer_types=["chunked_attention", "full_attention"])
+def test_a_layer_type_tree_masks_cannot_drive_is_named_as_such():
+    model = tiny_model("llama", seed=6)
+    model.config.layer_types = ["indexed_attention", "full_attention"]
     message = refusal(model)
-    assert "chunked attention" in message and "linear attention" not in message
+    assert "indexed sparse attention" in message and "linear attention" not in message
 
 
 def test_a_model_that_crashes_in_the_tree_forward_is_refused_by_name(monkeypatch):

@@ -15,12 +15,12 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import StaticLayer
 
+from .attention import DRIVEN_LAYER_TYPES
+
 MASKABLE_ATTENTION = ("sdpa", "eager")
-ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention")
 # What a layer type that cannot be driven by tree attention really is (for the refusal's message).
 LAYER_KINDS = {
     "linear_attention": "linear attention (a recurrent state)",
-    "chunked_attention": "chunked attention (attention restarts every chunk)",
     "indexed_attention": "indexed sparse attention (a learned indexer picks the keys)",
     "compressed_sparse_attention": "compressed sparse attention",
     "heavily_compressed_attention": "compressed attention",
@@ -29,7 +29,8 @@ LAYER_KINDS = {
 
 
 def new_cache() -> DynamicCache:
-    """A cache of plain full-attention layers (sliding windows are checked by `check_model`)."""
+    """A cache of plain full-attention layers. Sliding and chunked layers keep every key too: their
+    windows are applied by the masks (`opttree.attention`), so the cache rolls back like any other."""
     return DynamicCache()
 
 
@@ -162,21 +163,11 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
             f"load it with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa')"
         )
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted(set(layer_types) - set(ROLLBACK_LAYER_TYPES))
+    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES))
     if odd:
         kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
         raise NotImplementedError(
             f"{role} model ({type(model).__name__}) has layers of type {kinds}: tree attention cannot drive them "
             "exactly (or their state cannot be rolled back to the accepted branch), so tree speculation is not "
             "supported for it"
-        )
-    window = getattr(config, "sliding_window", None)
-    uses_window = window is not None and getattr(config, "use_sliding_window", True) is not False
-    if layer_types and "sliding_attention" not in layer_types:
-        uses_window = False
-    if uses_window and max_len > window:
-        raise NotImplementedError(
-            f"{role} model uses sliding-window attention (window {window}) and this generation reaches "
-            f"{max_len} tokens: a sliding-window cache cannot be rolled back to the accepted branch. "
-            f"Keep prompt + max_new_tokens <= {window}"
         )

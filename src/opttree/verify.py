@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
+from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, is_static
 from .config import SpecConfig
 from .device import static_step
@@ -91,19 +93,21 @@ def masked_forward(
     allowed: torch.Tensor | None,
     hidden: bool = False,
     forward=None,
+    keys: Callable[[], torch.Tensor] | None = None,
 ):
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
     input_ids: (Q,), positions: (Q,), allowed: (Q, K) bool, True = attend, K = cache_len + Q (or a
     static cache's capacity); None = causal (the model's own mask). `forward`: what runs the model
-    (default: the model itself).
+    (default: the model itself). `keys`: returns the (K,) positions of the keys, for layers with a
+    window (`opttree.attention`); default: the cache holds positions 0..K-Q-1 and the new rows follow.
     Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)).
     """
     with masked_attention_kernels(input_ids.device):
         out = (forward or model)(
             input_ids=input_ids[None],
             position_ids=positions[None],
-            attention_mask=None if allowed is None else attention_bias(model, allowed),
+            attention_mask=None if allowed is None else attention_bias(model, allowed, positions, keys),
             **{cache_argument(model): cache},
             use_cache=True,
             output_hidden_states=hidden,
@@ -111,9 +115,22 @@ def masked_forward(
     return (out.logits[0], tuple(h[0] for h in out.hidden_states)) if hidden else out.logits[0]  # (Q, V), ((Q, H),)
 
 
-def attention_bias(model, allowed: torch.Tensor) -> torch.Tensor:
-    """(Q, K) bool, True = attend -> the 4D mask `model` takes: sdpa the bool mask as is, eager an
-    additive float mask in the model's dtype."""
+def attention_bias(model, allowed: torch.Tensor, positions: torch.Tensor,
+                   keys: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """(Q, K) bool, True = attend -> the 4D mask `model` takes, or one per layer type: each layer type's
+    window applied on positions (`opttree.attention`; positions: (Q,) of the queries, `keys` as
+    `masked_forward`'s); sdpa takes the bool mask as is, eager an additive float mask in the model's dtype."""
+    def default_keys() -> torch.Tensor:
+        return key_positions(allowed.shape[1] - positions.shape[-1], positions.reshape(-1), allowed.shape[1])
+
+    masks = layer_masks(mask_layout(model.config.get_text_config()), allowed, positions.reshape(-1),
+                        keys or default_keys)
+    if isinstance(masks, dict):
+        return {kind: _bias(model, mask) for kind, mask in masks.items()}
+    return _bias(model, masks)
+
+
+def _bias(model, allowed: torch.Tensor) -> torch.Tensor:
     mask = allowed[None, None]  # (1, 1, Q, K)
     if model.config._attn_implementation == "eager":
         dtype = model.dtype
@@ -151,8 +168,9 @@ def verify_tree(
     n, width = len(tree), max(width, len(tree))  # a tree past the width gets a shape of its own
     allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache), tree.ancestors)  # (W+1, C)
     forward = static_step(target) if compiled and cache.is_initialized else target  # a first forward allocates: eager
-    out = masked_forward(target, cache, pad_nodes(tokens, width, 0), pad_nodes(positions, width, prefix_len),
-                         allowed, hidden, forward)
+    padded = pad_nodes(positions, width, prefix_len)  # (W+1,)
+    out = masked_forward(target, cache, pad_nodes(tokens, width, 0), padded, allowed, hidden, forward,
+                         keys=lambda: key_positions(prefix_len, padded, capacity(cache)))
     if not hidden:
         return out[: n + 1]  # (N+1, V)
     logits, states = out

@@ -15,12 +15,14 @@ Saved as a folder: `early_exit.json` (L, the target it was trained for), `early_
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..attention import key_positions
 from ..cache import cache_argument, new_cache, truncate
 from ..device import model_device
 from ..parts import read_part, save_part
@@ -78,19 +80,21 @@ class ExitLayer(nn.Module):
         self.__dict__["upper"] = partial_decoder(decoder, [self.layer], self.norm, types and types[layers : layers + 1])
 
     def forward(self, states: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:
+                cache=None, keys=None) -> torch.Tensor:
         """states: (B, Q, H) the target's layer-L outputs; positions (B, Q); allowed: (Q, cache + Q)
-        bool for one sequence with a cache (drafting), None for causal attention (training).
-        Returns the normed features (B, Q, H) the target's LM head reads."""
-        return _run(self.upper, positions, allowed, cache, inputs_embeds=states)
+        bool for one sequence with a cache (drafting), None for causal attention (training); `keys`:
+        the keys' positions, as `masked_forward` takes them. Returns the normed features (B, Q, H) the
+        target's LM head reads."""
+        return _run(self.upper, positions, allowed, cache, keys, inputs_embeds=states)
 
     def save(self, folder: str | Path, target: PreTrainedModel, about: dict | None = None) -> Path:
         meta = {"layers": self.exit_after, "temperature": self.temperature, **(about or {})}
         return save_part(self, folder, "early_exit", target, meta)
 
 
-def _run(part: nn.Module, positions: torch.Tensor, allowed: torch.Tensor | None, cache, **inputs) -> torch.Tensor:
-    mask = None if allowed is None else attention_bias(part, allowed)
+def _run(part: nn.Module, positions: torch.Tensor, allowed: torch.Tensor | None, cache, keys=None,
+         **inputs) -> torch.Tensor:
+    mask = None if allowed is None else attention_bias(part, allowed, positions, keys)
     with masked_attention_kernels(positions.device):
         out = part(position_ids=positions, attention_mask=mask, **{cache_argument(part): cache},
                    use_cache=cache is not None, **inputs)
@@ -160,8 +164,9 @@ class EarlyExitDrafter:
         allowed = torch.cat([torch.ones(tokens.shape[0], self.fed, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, fed+S+K): both caches hold the committed tokens, then the slots
         positions = (self.fed - 1 + depths)[None]
-        states = _run(self.exit.lower, positions, allowed, self.lower_cache, input_ids=tokens[None])
-        return self._log_probs(self.exit(states, positions, allowed, self.cache)[0])
+        keys = partial(key_positions, self.fed, self.fed - 1 + self.slots.depths, allowed.shape[1])
+        states = _run(self.exit.lower, positions, allowed, self.lower_cache, keys, input_ids=tokens[None])
+        return self._log_probs(self.exit(states, positions, allowed, self.cache, keys)[0])
 
     def observe(self, result: Verification) -> None:
         """The target's layer-L states of the accepted nodes (the root's went in at `root`)."""

@@ -84,7 +84,7 @@ class FeatureHead(nn.Module):
         if self.fuse is not None and not own:
             features = self.fuse(features)
         x = self.fc(torch.cat([features, embeds.to(features.dtype)], dim=-1))
-        mask = None if allowed is None else attention_bias(self.body, allowed)
+        mask = None if allowed is None else attention_bias(self.body, allowed, positions)
         with masked_attention_kernels(x.device):
             out = self.body(inputs_embeds=x, position_ids=positions, attention_mask=mask,
                             **{cache_argument(self.body): cache}, use_cache=cache is not None)

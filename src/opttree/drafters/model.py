@@ -12,9 +12,12 @@ carry the distribution they were actually drawn from.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import PreTrainedModel
 
+from ..attention import key_positions
 from ..cache import cache_argument, compact, last_logits_only, new_cache, truncate
 from ..device import model_device
 from ..verify import Verification, masked_forward
@@ -96,7 +99,8 @@ class ModelDrafter:
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         allowed = torch.cat([torch.ones(tokens.shape[0], self.base, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, base+S+K)
-        logits = masked_forward(self.model, self.cache, tokens, self.base - 1 + depths, allowed)  # (K, V)
+        keys = partial(key_positions, self.base, self.base - 1 + self.slots.depths, allowed.shape[1])
+        logits = masked_forward(self.model, self.cache, tokens, self.base - 1 + depths, allowed, keys=keys)  # (K, V)
         return self._log_probs(logits)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
