@@ -120,7 +120,9 @@ def test_cli_help_imports_no_torch():
 
 def test_the_torch_free_name_lists_match_the_registries():
     from opttree.drafters.sources import available_sources
-    from opttree.names import BUILTIN_POLICIES, BUILTIN_SOURCES
+    from opttree.names import BUILTIN_POLICIES, BUILTIN_SOURCES, QUANTIZATIONS
     from opttree.policies import available
+    from opttree.quantize import SCHEMES
 
     assert list(BUILTIN_POLICIES) == available() and list(BUILTIN_SOURCES) == available_sources()
+    assert sorted(QUANTIZATIONS) == sorted(SCHEMES)

@@ -142,9 +142,20 @@ def _forward_params(model_class: type) -> frozenset:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+def activation_quantization(model, config, max_len: int, tree_rows: int) -> str | None:
+    """torchao's dynamic activation quantization (weights whose `act_quant_kwargs` is set) rounds every
+    token's activations to int8 steps at run time: the float rounding that differs between a tree forward
+    and a one-token decode becomes a whole step (logits ~1e-2 apart), so argmaxes flip."""
+    if any(getattr(p, "act_quant_kwargs", None) is not None for p in model.parameters()):
+        return ("its activations are quantized at run time (torchao dynamic activation quantization), which turns "
+                "float rounding differences between forwards into whole int8 steps; quantize the weights only "
+                "(e.g. torchao Int8WeightOnlyConfig, `--quantize int8`)")
+    return None
+
+
 KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
     alibi, cache_length_positions, recurrent, bidirectional, local_window, key_index_buffer, length_switched_rope,
-    no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
+    activation_quantization, no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
 )
 
 

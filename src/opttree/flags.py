@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import config as defaults
 from .config import CHILDREN, DEPTH_CONTROL_NAMES
-from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, TRAINED_HELP, TRAINED_SOURCES
+from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, QUANTIZATIONS, TRAINED_HELP, TRAINED_SOURCES
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,12 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         "bfloat16 where the GPU supports it, without measuring (default: auto)")
     parser.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), default=None,
+                        help="quantize the target's linear layers' weights with torchao after loading: int8 (per "
+                        "output channel) or int4 (groups of 32); the output is then that quantized model's own "
+                        "greedy output (default: none)")
+    parser.add_argument("--draft-quantize", choices=sorted(QUANTIZATIONS), default=None,
+                        help="quantize the draft model too (default: none)")
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "
                         "('auto' = cuda when available, else cpu) (default: auto)")
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
@@ -201,6 +207,7 @@ def load_pair(args):
 
     from .demo import demo_paths, load_model
     from .device import compile_model
+    from .quantize import quantize
 
     if args.target is None:
         target_path, draft_path = demo_paths()
@@ -218,6 +225,10 @@ def load_pair(args):
     attn = getattr(args, "attn_implementation", "sdpa")
     target = load_model(target_path, dtype, attn).to(device)
     draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
+    if args.quantize:
+        target = quantize(target, args.quantize)
+    if args.draft_quantize and draft is not None:
+        draft = quantize(draft, args.draft_quantize)
     if args.compile:  # the target's static step, unless --no-static; a draft's shapes are never fixed
         target = compile_model(target, static=getattr(args, "static", None) is not False)
         draft = draft and compile_model(draft, static=False)

@@ -12,3 +12,4 @@ TRAINED_HELP = {"head": "a folder from `opttree train head`: the EAGLE-style fea
                         "head, for the shipped target)",
                 "early-exit": "a folder from `opttree train early-exit`: the target's first layers and a trained exit layer"}
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+QUANTIZATIONS = ("int4", "int8")  # opttree.quantize.SCHEMES (tests/test_imports.py checks)

@@ -1,0 +1,51 @@
+"""Weight quantization with torchao, as people run models locally on a CPU: `--quantize int8` and the like.
+
+A quantized model is a model of its own: opttree's output is identical to *that* model's
+`generate(do_sample=False)`, not to the unquantized model's. The schemes here quantize weights only,
+ahead of time: activations stay in the model's dtype, so a tree forward computes what a one-token decode
+does up to float rounding, as for any model (the tests check it against `generate`). Schemes that
+quantize activations at run time (torchao's int8 dynamic activation) turn a float rounding difference
+between two forwards into a whole quantization step (logits 1e-2 apart on a tiny model): opttree's
+exactness probe (`opttree.certify`) refuses them, so they are not offered. A model saved quantized
+(`quantization_config` in its config.json) loads quantized with `from_pretrained` and needs none of this.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# scheme -> (what it is, a function building torchao's config)
+SCHEMES: dict[str, tuple[str, Callable]] = {}
+
+
+def _scheme(name: str, about: str):
+    def register(build: Callable) -> Callable:
+        SCHEMES[name] = (about, build)
+        return build
+    return register
+
+
+@_scheme("int8", "int8 weights, per output channel; activations in the model's dtype")
+def _int8(ao):
+    return ao.Int8WeightOnlyConfig()
+
+
+@_scheme("int4", "int4 weights in groups of 32 (stored unpacked in int8); activations in the model's dtype")
+def _int4(ao):
+    from torchao.quantization.granularity import PerGroup
+
+    return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+
+
+def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Quantize `model`'s linear layers in place with torchao's `scheme` (SCHEMES); returns the model."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    try:
+        import torchao.quantization as ao
+    except ImportError:
+        raise ValueError(f"quantization {scheme!r} needs torchao: pip install torchao") from None
+    ao.quantize_(model, SCHEMES[scheme][1](ao))
+    return model
