@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_argument, compact, static_cache
+from .rope import rope_switch
 from .tree import DraftTree
 from .verify import verify_tree
 
@@ -44,7 +45,11 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         reason = check(model, config, max_len, tree_rows)
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
-    reason = probe(model, min(max_len, PROBE_MAX_LEN), max_len + tree_rows if static else None)
+    length = min(max_len, PROBE_MAX_LEN)
+    switch = rope_switch(config)
+    if switch is not None and length - 4 <= switch < length:  # the probe's forwards on one side of LongRoPE's
+        length = max(switch, 6)                              # switch, where one causal forward is a reference
+    reason = probe(model, length, max_len + tree_rows if static else None)
     if reason:
         raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
 
@@ -108,13 +113,14 @@ def key_index_buffer(model, config, max_len: int, tree_rows: int) -> str | None:
 
 
 def length_switched_rope(model, config, max_len: int, tree_rows: int) -> str | None:
-    """LongRoPE / dynamic NTK pick their rope factors from the forward's largest position: a tree's deepest
-    node would switch the whole forward (root included) earlier than plain decoding does."""
+    """Dynamic NTK picks new rope factors for every longer forward (from its largest position): plain
+    decoding gives each token past the threshold factors of its own, which one tree forward cannot. LongRoPE
+    switches once; the engine follows the models whose generate recomputes the cache there (`opttree.rope`)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     for p in kinds:
         rope_type = p.get("rope_type", p.get("type"))
-        if rope_type not in LENGTH_SWITCHED_ROPE:
+        if rope_type not in LENGTH_SWITCHED_ROPE or (rope_type == "longrope" and rope_switch(config) is not None):
             continue
         threshold = (p.get("original_max_position_embeddings")
                      or getattr(config, "original_max_position_embeddings", None)

@@ -23,6 +23,7 @@ from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
                                source_names)
 from .policies import TreePolicy, make_policy
+from .rope import rope_switch
 from .sampling import PositionNoise
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -110,6 +111,8 @@ class Generation:
         self.width = tree_width(config, policy)  # the static path's padded tree size
         self.stats = GenerationStats()
         self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
+        self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.rope`), or None
+        self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
 
     def _settle_observing(self, phases: PhaseClock) -> float:
         """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
@@ -162,9 +165,25 @@ class Generation:
                 self.drafter.seed_hidden(tuple(h[0] for h in out.hidden_states))  # ((T - 1, H),) per layer
             if self.wants_hidden:
                 self.feature = out.hidden_states[-1][0, -1]  # (H,)
+            self.long_keys = self.rope_switch is not None and prefix.shape[0] > self.rope_switch
         if hasattr(self.drafter, "share_target_cache"):  # a self-drafter runs the target's first layers
             self.drafter.share_target_cache(cache)
         return cache
+
+    def _follow_rope_switch(self, cache: Cache, depth_limit: int) -> int:
+        """LongRoPE as its generate runs it (`opttree.rope`): below the switch O, no node reaches O; when the
+        root reaches it, the cache is recomputed once with the long factors (one forward over the committed
+        tokens, root included, so that its largest position is past O). Returns the step's depth limit."""
+        root = self.committed.shape[0] - 1  # the root's position
+        if root < self.rope_switch:
+            return min(depth_limit, self.rope_switch - 1 - root)
+        if not self.long_keys:
+            truncate(cache, 0)
+            self.target(input_ids=self.committed[None], position_ids=torch.arange(root + 1, device=self.device)[None],
+                        **{cache_argument(self.target): cache}, **last_logits_only(self.target))
+            truncate(cache, root)  # the root's row goes: the tree forward computes it again
+            self.long_keys = True
+        return depth_limit
 
     def _step(self, cache: Cache, generator: torch.Generator, noise: PositionNoise, phases: PhaseClock
               ) -> tuple[torch.Tensor, bool]:
@@ -175,6 +194,8 @@ class Generation:
         # 1. draft: no deeper than the tokens still wanted (the bonus is the last one)
         depth_limit = min(self.stopper.remaining - 1, self.depth.limit(self.committed[-1], self.feature)
                           or self.stopper.remaining)
+        if self.rope_switch is not None:
+            depth_limit = self._follow_rope_switch(cache, depth_limit)
         tree = self.policy.build(drafter, self.committed, depth_limit) if depth_limit else DraftTree.empty(device)
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
