@@ -69,3 +69,19 @@ def test_cli_quantize_flag_gives_the_quantized_models_greedy_output(tmp_path, ca
     ids = tok("abcdef", return_tensors="pt").input_ids
     reference = hf_greedy(quantize(tiny_model("llama", seed=1), "int4"), ids, 20, eos_token_id=tok.eos_token_id)
     assert json.loads(capsys.readouterr().out)["token_ids"] == reference[0, ids.shape[1]:].tolist()
+
+
+def test_a_model_quantized_in_memory_has_a_calibration_profile_of_its_own():
+    from opttree.profiles import profile_key
+
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, hidden=32, layers=1)
+    plain = profile_key(target, draft)
+    assert profile_key(quantize(target, "int8"), draft) != plain
+
+
+def test_a_quantized_target_keeps_the_fingerprint_its_trained_parts_check():
+    """Parts (heads, exit layers) trained for a target recognise it quantized: its LM head is read dequantized."""
+    from opttree.parts import same_target, target_fingerprint
+
+    plain = target_fingerprint(tiny_model("llama", seed=0))
+    assert same_target(plain, target_fingerprint(quantize(tiny_model("llama", seed=0), "int8")))

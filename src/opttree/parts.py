@@ -18,6 +18,8 @@ FORMAT = 1
 def target_fingerprint(target) -> dict:
     """What identifies the target a part was trained for: its shape and a few LM-head weights."""
     head = target.get_output_embeddings().weight.detach()
+    if type(head) not in (torch.Tensor, nn.Parameter):  # quantized (a torchao tensor subclass): its float values
+        head = head.dequantize()
     text = target.config.get_text_config()
     probe = head[:: max(head.shape[0] // 7, 1), :4].float().flatten()[:28]
     return {"model_type": text.model_type, "hidden_size": text.hidden_size, "vocab": head.shape[0],

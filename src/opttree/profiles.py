@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .hardware import describe, hardware_key
 from .policies import sequoia
+from .quantize import weight_kinds
 from .shipped import MODELS_DIR, cache_root, shipped_location
 
 PROFILE_VERSION = 2  # 2: draft temperature
@@ -42,7 +43,8 @@ def profile_draft_temperature(profile: dict, temperature: float) -> float:
 def profile_key(target, draft) -> str:
     """A stable hash of both models' names, configurations and dtypes, and of the hardware
     (`opttree.hardware.hardware_key`): a profile from another machine kind is never found."""
-    parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype)}
+    parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype),
+              **({"weights": weight_kinds(m)} if weight_kinds(m) else {})}  # quantized in memory: a model apart
              for m in (target, draft)] + [hardware_key(target.device)]
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -74,7 +76,8 @@ def shipped_profile_path(target, draft) -> Path | None:
         return Path(model.config._name_or_path).resolve() == shipped_location(name).resolve()
 
     path = SHIPPED_PROFILES / f"{str(target.dtype).removeprefix('torch.')}.json"
-    if not (is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists()):
+    quantized = weight_kinds(target) or weight_kinds(draft)
+    if quantized or not (is_shipped(target, "target") and is_shipped(draft, "draft") and path.exists()):
         return None
     measured_on, here = json.loads(path.read_text()).get("hardware"), hardware_key(target.device)
     if measured_on != here:

@@ -49,3 +49,10 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         raise ValueError(f"quantization {scheme!r} needs torchao: pip install torchao") from None
     ao.quantize_(model, SCHEMES[scheme][1](ao))
     return model
+
+
+def weight_kinds(model: torch.nn.Module) -> list[str] | None:
+    """The tensor classes of a model quantized in memory (torchao's tensor subclasses: ['Int8Tensor']), so
+    that a calibration profile tells it from the unquantized model; None for plain weights."""
+    kinds = sorted({type(p).__name__ for p in model.parameters()} - {"Parameter"})
+    return kinds or None
