@@ -31,6 +31,7 @@ SUBSET = ("llama", "gpt2", "gemma3_text", "phi3", "gpt_neo", "mpt", "bart", "dee
 # How a refusal's message names its reason (first match wins).
 REASONS = {
     "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",
+    "several new tokens": "state restarted by a multi-token forward (Mamba)",
     "bidirectional": "bidirectional", "local-attention": "local window (GPT-Neo)",
     "rope_type=": "rope factors switched by length",
     "key rows": "key-index causal buffer", "layers of type": "non-attention layer types",

@@ -28,10 +28,9 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_positi
             "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
 
 
-def test_longrope_crossing_the_original_length_is_refused_and_exact_below_it():  # symptom 1
+def test_phi3_longrope_is_exact_below_and_across_the_original_length():  # symptom 1 (tests/test_rope.py)
     model = tiny_model("phi3", max_positions=256, original_max_position_embeddings=32, rope_parameters=dict(LONGROPE))
-    message = refusal(model, max_new_tokens=40)  # 6 + 40 > 32
-    assert "longrope" in message and "original_max_position_embeddings=32" in message
+    assert exact(model, max_new_tokens=40)  # 6 + 40 > 32: crosses
     assert exact(model, max_new_tokens=26)  # 6 + 26 = 32: never crosses
 
 
@@ -64,10 +63,11 @@ def test_positions_from_the_cache_length_are_refused(model_type):  # symptom 5
     assert "cache length" in refusal(tiny_any_attention(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["rwkv", "mamba", "xlstm"])
-def test_recurrent_models_are_refused_even_for_plain_decoding(model_type):  # symptom 6
+@pytest.mark.parametrize("model_type, reason", [("rwkv", "recurrent"), ("xlstm", "recurrent"),
+                                                ("mamba", "several new tokens from a cached state")])
+def test_recurrent_models_are_refused_even_for_plain_decoding(model_type, reason):  # symptom 6
     model = tiny_any_attention(model_type)
-    with pytest.raises(NotImplementedError, match="recurrent"):
+    with pytest.raises(NotImplementedError, match=reason):
         opttree.generate(model, PROMPT, tree="ar", max_new_tokens=8, eos_token_id=[])
 
 

@@ -17,6 +17,8 @@ import torch
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 DRIVEN_LAYER_TYPES = (FULL, SLIDING, CHUNKED)  # the layer types a tree mask can drive exactly
+# layer types that hold a recurrent or convolution state: a target's are verified as chains (`opttree.chains`)
+STATE_LAYER_TYPES = ("conv", "linear_attention", "mamba", "mamba2", "hybrid")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import StaticLayer
 
-from .attention import DRIVEN_LAYER_TYPES
+from .attention import DRIVEN_LAYER_TYPES, STATE_LAYER_TYPES
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 # What a layer type that cannot be driven by tree attention really is (for the refusal's message).
@@ -163,7 +163,8 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
             f"load it with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa')"
         )
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES))
+    # a target's state layers are verified as chains (`opttree.chains`, checked by `certify`); a draft's are not
+    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES if role == "target" else ()))
     if odd:
         kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
         raise NotImplementedError(

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_argument, compact, static_cache
+from .chains import has_state, probe_chains
 from .rope import rope_switch
 from .tree import DraftTree
 from .verify import verify_tree
@@ -45,6 +46,11 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         reason = check(model, config, max_len, tree_rows)
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
+    if has_state(model):  # verified as a batch of chains (`opttree.chains`): its own check
+        reason = _cached(model, ("chains",), lambda: probe_chains(model))
+        if reason:
+            raise NotImplementedError(f"{name} failed opttree's exactness check for state layers: {reason}")
+        return
     length = min(max_len, PROBE_MAX_LEN)
     switch = rope_switch(config)
     if switch is not None and length - 4 <= switch < length:  # the probe's forwards on one side of LongRoPE's
@@ -59,8 +65,8 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
 ALIBI_TYPES = ("bloom", "mpt")
 CACHE_POSITION_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "mvp",
                         "trocr", "bigbird_pegasus", "roformer")
-RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "mamba", "mamba2", "falcon_mamba", "bamba", "zamba", "zamba2",
-                   "jamba", "recurrent_gemma", "lfm2", "lfm2_moe", "granitemoehybrid", "falcon_h1", "nemotron_h")
+# recurrent models without transformers' state layers (the others are checked by `opttree.chains.probe_chains`)
+RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "recurrent_gemma")
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
 
@@ -135,6 +141,8 @@ def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
     """openai-gpt has no cache, XLM its own `cache` (fed the whole sequence, it drops the rows already
     cached), CPM-Ant a cache without explicit positions. The cache is `past_key_values` before
     transformers 5.24, `cache` from 5.24 (`cache_argument`)."""
+    if has_state(model):
+        return None  # verified as chains over transformers' own cache, positions or not (`probe_chains`)
     params = _forward_params(type(model))
     takes_cache = cache_argument(model) in params and config.model_type not in OWN_CACHE_TYPES
     missing = ([] if takes_cache else ["past_key_values"]) + [name for name in ("position_ids",) if name not in params]
@@ -170,16 +178,21 @@ KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
 
 def probe(model: PreTrainedModel, length: int, capacity: int | None = None) -> str | None:
     """Cached `run_probe`: the reason the tree forward is not exact for this configuration, or None."""
-    # every attribute of the config (repr of its __dict__: 40x cheaper than to_json_string, which is
-    # per-call overhead of every generate)
+    return _cached(model, (length, capacity), lambda: run_probe(model, length, capacity))
+
+
+def _cached(model: PreTrainedModel, extra: tuple, run: Callable[[], str | None]) -> str | None:
+    """`run()`'s reason, once per model configuration (every attribute of the config: the repr of its
+    __dict__ is 40x cheaper than to_json_string, which is per-call overhead of every generate); a model that
+    crashes inside its own code is refused by name."""
     key = (type(model), repr(vars(model.config)), model.config._attn_implementation, model.dtype,
-           str(model.device), length, capacity)
+           str(model.device), *extra)
     if key not in _certified:
         with torch.inference_mode():
             try:
-                _certified[key] = run_probe(model, length, capacity)
+                _certified[key] = run()
             except Exception as error:  # a model that cannot run a tree forward: refuse it by name
-                _certified[key] = f"a tree forward raised {type(error).__name__}: {str(error)[:300]}"
+                _certified[key] = f"a forward raised {type(error).__name__}: {str(error)[:300]}"
     return _certified[key]
 
 

@@ -15,6 +15,7 @@ from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import (cache_argument, check_model, compact, context_window, last_logits_only, new_cache, static_cache,
                     static_capacity, truncate)
 from .certify import certify
+from .chains import ChainVerifier, has_state, state_cache
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
 from .depth import DepthControl, make_depth_control
@@ -111,6 +112,11 @@ class Generation:
         self.width = tree_width(config, policy)  # the static path's padded tree size
         self.stats = GenerationStats()
         self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
+        self.chains = ChainVerifier(target) if has_state(target) else None  # a state model's verification
+        if self.chains is not None and self.wants_hidden:
+            raise ValueError("a drafter or depth control that reads the target's hidden states (head, early-exit, "
+                             "predictor) does not combine with a target of recurrent / convolution state layers; "
+                             "use a draft model or the train-free sources")
         self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.rope`), or None
         self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
 
@@ -148,7 +154,7 @@ class Generation:
             cache = static_cache(self.target, static_rows(self.target, self.prompt_len + self.stopper.remaining,
                                                           self.width))
         else:
-            cache = new_cache()
+            cache = state_cache(self.target) if self.chains is not None else new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
         seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
@@ -200,7 +206,10 @@ class Generation:
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
-        logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden, self.width)
+        if self.chains is not None:  # a state model: the tree as a batch of chains (`opttree.chains`)
+            logits = self.chains.logits(cache, self.committed[-1], tree, prefix_len)
+        else:
+            logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden, self.width)
         logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), ((N+1, H),) per layer
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
@@ -211,7 +220,9 @@ class Generation:
         accepted = path[: readout.accepted]  # (A,)
         emitted = torch.cat([tree.tokens[accepted], bonus.view(1)])  # (A + 1,) on the device
         # 4. compact both caches to the root + accepted path
-        if readout.accepted:
+        if self.chains is not None:  # back to the saved state, then the root and the accepted tokens through it
+            self.chains.commit(cache, self.committed[-1], tree.tokens[accepted], prefix_len)
+        elif readout.accepted:
             compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
         else:  # the root alone stays, where it is
             truncate(cache, prefix_len + 1)
@@ -328,6 +339,11 @@ def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePoli
         raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
                          "drafts on the target's own growing cache, and the static path preallocates it; "
                          "use static=False")
+    if has_state(target):
+        if config.static:
+            raise ValueError("static=True does not combine with a target of recurrent / convolution state layers: "
+                             "they are verified as a batch of chains over transformers' own cache; use static=False")
+        return False
     if config.static is not None:
         return config.static
     if self_drafts or not use_static(None, target):

@@ -1,0 +1,129 @@
+"""Verification for models with recurrent or convolution state (LFM2, Granite 4 hybrids, Qwen3-Next):
+the tree as a batch of root-to-leaf chains.
+
+A state layer keeps one summary of the whole past, not a key per position, so a tree cannot share a
+prefix through an attention mask and the state cannot be cut back to the accepted branch. Instead:
+1. the cache (its KV layers and its states) is saved, as references: every update makes new tensors
+   or writes into the copies `reorder_cache` makes;
+2. it is replicated to L rows, one per leaf, and one forward runs the L chains [root, path to the leaf]
+   (right-padded to the deepest leaf: padding after a chain changes none of its outputs); a node's
+   logits are read from any chain through it;
+3. after acceptance the saved cache is put back and the root and the accepted tokens are run through
+   it (one forward of A + 1 tokens), which leaves it holding the committed tokens but the new root.
+Exact where the model's forward over several new tokens continues its cached state as token-by-token
+decoding does; `probe_chains` checks that for every model first (transformers' Mamba and Falcon-Mamba
+restart the scan from zero on a multi-token forward, and are refused by it). The cost against a KV
+model: the target's forward runs L x (D + 1) tokens instead of N + 1, plus a replay of A + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedModel
+
+from .attention import STATE_LAYER_TYPES
+from .cache import cache_argument
+from .tree import DraftTree, leaf_paths
+
+
+
+def has_state(model: PreTrainedModel) -> bool:
+    """Whether the model declares layers that hold a recurrent or convolution state."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return any(kind in STATE_LAYER_TYPES for kind in types)
+
+
+def state_cache(model: PreTrainedModel) -> Cache:
+    """transformers' cache laid out for the model's layer types (state layers and KV layers)."""
+    return DynamicCache(config=model.config)
+
+
+class ChainVerifier:
+    """One step's verification of a tree on a state model: `logits`, then `commit` after acceptance."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.saved: list[dict] | None = None
+
+    def logits(self, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int) -> torch.Tensor:
+        """(N + 1, V) the target's logits at [root] + nodes; the cache is replicated and extended (and
+        restored by `commit`)."""
+        device = root.device
+        if len(tree) == 0:  # the root alone: it is the step's one committed token, nothing to restore
+            self.saved = None
+            return self._run(cache, root.view(1, 1), prefix_len)[0]  # (1, V)
+        self.saved = [_layer_state(layer) for layer in cache.layers]
+        paths = leaf_paths(tree.parents, tree.depths)  # (L, D) node indices, -1 past a leaf
+        chains = torch.cat([root.view(1, 1).expand(paths.shape[0], 1),
+                            torch.where(paths >= 0, tree.tokens[paths.clamp(min=0)], root)], dim=1)  # (L, D+1)
+        cache.reorder_cache(torch.zeros(paths.shape[0], dtype=torch.long, device=device))  # (L,) copies of row 0
+        out = self._run(cache, chains, prefix_len)  # (L, D+1, V)
+        # a chain through each node: the last leaf whose path holds it (scatter keeps one of them)
+        leaf = torch.arange(paths.shape[0], device=device)[:, None].expand_as(paths)
+        chain_of = torch.zeros(len(tree), dtype=torch.long, device=device)
+        chain_of[paths[paths >= 0]] = leaf[paths >= 0]
+        nodes = out[chain_of, tree.depths]  # (N, V): node i's logits sit at column depth_i of its chain
+        return torch.cat([out[0, :1], nodes])  # (N+1, V)
+
+    def commit(self, cache: Cache, root: torch.Tensor, accepted_tokens: torch.Tensor, prefix_len: int) -> None:
+        """Back to the saved cache, then the root and the accepted tokens (A,) through it."""
+        if self.saved is None:  # an empty tree: the cache already holds the root
+            return
+        for layer, state in zip(cache.layers, self.saved):
+            _restore_layer(layer, state)
+        self.saved = None
+        self._run(cache, torch.cat([root.view(1), accepted_tokens])[None], prefix_len)
+
+    def _run(self, cache: Cache, tokens: torch.Tensor, prefix_len: int) -> torch.Tensor:
+        """(B, Q) tokens after the cache's `prefix_len` -> logits (B, Q, V)."""
+        positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
+        where = {"position_ids": positions} if _takes_positions(type(self.model)) else {}  # Mamba has none
+        return self.model(input_ids=tokens, **where, **{cache_argument(self.model): cache}, use_cache=True).logits
+
+
+@lru_cache(maxsize=None)
+def _takes_positions(model_class: type) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
+
+
+def _layer_state(layer) -> dict:
+    """A cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
+    update of transformers' layers replaces or writes into tensors that `reorder_cache` made)."""
+    return {name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
+
+
+def _restore_layer(layer, state: dict) -> None:
+    vars(layer).clear()
+    vars(layer).update(state)
+
+
+def probe_chains(model: PreTrainedModel) -> str | None:
+    """The reason chain verification would not be exact on `model` (None: exact): a cached prefill, then
+    a batch of two chains, then a restore and a replay, each against a forward of the whole sequence."""
+    device = model.device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, max(vocab, 4), (12,), generator=g).clamp(max=vocab - 1).to(device)
+    with torch.inference_mode():
+        full = model(input_ids=tokens[None], use_cache=False).logits[0]  # (12, V)
+        cache = state_cache(model)
+        verifier = ChainVerifier(model)
+        verifier._run(cache, tokens[None, :6], 0)  # the prefill
+        tree = DraftTree(tokens[7:10], torch.tensor([-1, 0, 1], device=device), torch.tensor([1, 2, 3], device=device),
+                         torch.zeros(3, device=device), torch.full((3,), -1, device=device))
+        logits = verifier.logits(cache, tokens[6], tree, 6)  # (4, V): one chain, positions 6..9
+        if not _close(logits, full[6:10]):
+            return "a forward of several new tokens from a cached state differs from a forward of the whole sequence"
+        verifier.commit(cache, tokens[6], tokens[7:9], 6)  # keep root + 2: the cache holds 0..8
+        step = ChainVerifier(model).logits(cache, tokens[9], DraftTree.empty(device), 9)  # (1, V) at position 9
+        if not _close(step, full[9:10]):
+            return "after restoring the saved state and replaying the accepted tokens, the next step differs"
+    return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = 1.0 + float(b.float().abs().max())
+    return float((a.float() - b.float()).abs().max()) <= max(1e-4, 16 * torch.finfo(a.dtype).eps) * scale

@@ -1,0 +1,89 @@
+"""Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.chains`):
+hybrids identical to `generate` and sampled exactly; pure Mamba refused with its real reason."""
+
+import pytest
+import torch
+from arch_configs import tiny
+from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
+
+import opttree
+from opttree.chains import has_state, probe_chains
+
+PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
+HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention (LFM2)
+           "granitemoehybrid": ["mamba", "attention"],  # Mamba-2 + attention (Granite 4)
+           "qwen3_next": ["linear_attention", "full_attention"]}  # gated DeltaNet + attention (Qwen3-Next)
+
+
+class Oracle(ScriptedDrafter):
+    """Knows the reference output: on the reference's path it favours the next reference token (its other
+    candidates random), so trees are accepted deep and also hold branches that are rejected."""
+
+    def __init__(self, reference: torch.Tensor, vocab: int):
+        super().__init__(vocab, seed=5, sharpness=1.0)
+        self.reference = reference[0].tolist()
+
+    def root(self, committed):
+        self.committed = tuple(committed.tolist())
+        return super().root(committed)
+
+    def logq(self, path):
+        logq = super().logq(path).clone()
+        sequence = self.committed + path
+        if sequence == tuple(self.reference[: len(sequence)]) and len(sequence) < len(self.reference):
+            logq[self.reference[len(sequence)]] += 4.0
+        return torch.log_softmax(logq, dim=-1)
+
+
+def hybrid(model_type: str, **extra):
+    if model_type == "granitemoehybrid":
+        extra.setdefault("mamba_chunk_size", 8)  # transformers' torch chunk scan pads every forward to a chunk
+    try:
+        return tiny(model_type, "sdpa", layer_types=HYBRIDS[model_type], **extra)
+    except ValueError:
+        return tiny(model_type, "eager", layer_types=HYBRIDS[model_type], **extra)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_hybrids_are_identical_to_generate(model_type):
+    target = hybrid(model_type)
+    assert has_state(target) and probe_chains(target) is None
+    reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
+    for model_draft, options in [(Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}),
+                                 (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})]:
+        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=30, eos_token_id=[], **options)
+        assert torch.equal(out.sequences, reference), (model_type, options)
+        if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
+            assert out.stats.mean_accepted_length > 2, out.stats
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    target = hybrid("lfm2", vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.6)
+    draft = tiny_model("llama", vocab=6, hidden=32, layers=1, seed=4, init=0.6)
+    prompt, runs, warp = torch.tensor([[1, 3, 0, 4, 1, 3]]), 600, {"temperature": 0.9}
+    counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=6, max_depth=2, **warp)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3
+
+
+def test_pure_mamba_is_refused_with_the_reason():
+    """transformers' Mamba starts its scan from zero on a forward of several new tokens: no chain can be verified."""
+    mamba = tiny("mamba", "eager")
+    with pytest.raises(NotImplementedError, match="several new tokens from a cached state"):
+        opttree.generate(mamba, PROMPT, max_new_tokens=8)
+
+
+def test_what_state_models_do_not_combine_with(tmp_path):
+    target = hybrid("lfm2")
+    with pytest.raises(ValueError, match="static=True does not combine"):
+        opttree.generate(target, PROMPT, max_new_tokens=8, static=True)
+    from opttree.drafters.head import FeatureHead, head_config
+
+    folder = FeatureHead(head_config(target)).save(tmp_path, target)
+    with pytest.raises(ValueError, match="hidden states"):  # the feature head reads the target's hidden states
+        opttree.generate(target, PROMPT, drafter="head", head=folder, max_new_tokens=8)
+    state_draft = hybrid("lfm2")
+    with pytest.raises(NotImplementedError, match="conv"):  # a draft's state cannot follow a tree
+        opttree.generate(tiny_model("llama", vocab=state_draft.get_output_embeddings().weight.shape[0]), PROMPT,
+                         state_draft, max_new_tokens=8)
