@@ -103,3 +103,18 @@ def test_chunked_attention_is_identical():
     for budget, static in [(8, False), (4, True)]:
         out = opttree.generate(target, prompt, target, budget=budget, max_new_tokens=24, eos_token_id=[], static=static)
         assert torch.equal(out.sequences, reference), (budget, static)
+
+
+def test_a_window_the_model_does_not_apply_is_refused_not_trusted():
+    """Moshi's config has a sliding_window its sdpa path never applies (full causal attention): past the
+    window, the window probe sees the difference and refuses; within it, the model runs and is exact."""
+    moshi = tiny("moshi", "sdpa", sliding_window=12)
+    prompt = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    with pytest.raises(NotImplementedError, match="exactness check"):
+        opttree.generate(moshi, prompt, budget=4, max_new_tokens=20, eos_token_id=[])
+    moshi.config.sliding_window = 100  # past the probe's 64 positions: the window probe alone sees it
+    with pytest.raises(NotImplementedError, match="windows set to 3 positions"):
+        opttree.generate(moshi, prompt, budget=4, max_new_tokens=120, eos_token_id=[])
+    moshi.config.sliding_window = 12
+    out = opttree.generate(moshi, prompt, budget=4, max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(out.sequences, hf_greedy(moshi, prompt, 6, eos_token_id=[]))

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .attention import mask_layout
 from .cache import cache_argument, compact, static_cache
 from .chains import has_state, probe_chains
 from .rope import rope_switch
@@ -55,9 +56,34 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
     switch = rope_switch(config)
     if switch is not None and length - 4 <= switch < length:  # the probe's forwards on one side of LongRoPE's
         length = max(switch, 6)                              # switch, where one causal forward is a reference
-    reason = probe(model, length, max_len + tree_rows if static else None)
+    reason = probe(model, length, max_len + tree_rows if static else None) or window_probe(model, max_len)
     if reason:
         raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
+
+
+WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")  # what `opttree.attention.mask_layout` reads
+PROBE_WINDOW = 3
+
+
+def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
+    """A model whose generation reaches past a window of its layers, probed with its windows set to
+    PROBE_WINDOW positions (the config is read at every forward, by the model's masks and by opttree's):
+    the probe's tree then crosses them, so the model's own windowed masks are checked against
+    `opttree.attention`'s on positions (a config whose `sliding_window` the model's sdpa path does not
+    apply is refused, not trusted). Within its windows, every layer is plain causal attention."""
+    config = model.config.get_text_config()
+    windows = [w.size for w in mask_layout(config).windows.values() if w is not None]
+    if not windows or max_len <= min(windows):
+        return None
+    saved = {field: getattr(config, field) for field in WINDOW_FIELDS if isinstance(getattr(config, field, None), int)}
+    try:
+        for field in saved:
+            setattr(config, field, PROBE_WINDOW)
+        reason = probe(model, 12)
+    finally:
+        for field, value in saved.items():
+            setattr(config, field, value)
+    return reason and f"with its windows set to {PROBE_WINDOW} positions, {reason}"
 
 
 # ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
