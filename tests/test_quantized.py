@@ -85,3 +85,12 @@ def test_a_quantized_target_keeps_the_fingerprint_its_trained_parts_check():
 
     plain = target_fingerprint(tiny_model("llama", seed=0))
     assert same_target(plain, target_fingerprint(quantize(tiny_model("llama", seed=0), "int8")))
+
+
+def test_int4_groups_fit_the_layers_input_sizes():
+    """The shipped target has layers of 688 inputs (not a multiple of 32): groups of 16 are used."""
+    target = quantize(tiny_model("llama", seed=0, hidden=48), "int4")  # MLP inputs of 96, attention of 48
+    out = opttree.generate(target, PROMPT, budget=8, max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 20, eos_token_id=[]))
+    with pytest.raises(ValueError, match="input sizes"):
+        quantize(tiny_model("llama", seed=0, hidden=36), "int4")

@@ -42,7 +42,8 @@ def state_cache(model: PreTrainedModel) -> Cache:
 
 
 class ChainVerifier:
-    """One step's verification of a tree on a state model: `logits`, then `commit` after acceptance."""
+    """One step's verification of a tree on a state model: `logits`, then `commit` after acceptance (the
+    calls of `opttree.verify.TreeVerifier`)."""
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
@@ -68,14 +69,14 @@ class ChainVerifier:
         nodes = out[chain_of, tree.depths]  # (N, V): node i's logits sit at column depth_i of its chain
         return torch.cat([out[0, :1], nodes])  # (N+1, V)
 
-    def commit(self, cache: Cache, root: torch.Tensor, accepted_tokens: torch.Tensor, prefix_len: int) -> None:
-        """Back to the saved cache, then the root and the accepted tokens (A,) through it."""
+    def commit(self, cache: Cache, root: torch.Tensor, tree: DraftTree, accepted: torch.Tensor, prefix_len: int) -> None:
+        """Back to the saved cache, then the root and the accepted nodes' tokens (A,) through it."""
         if self.saved is None:  # an empty tree: the cache already holds the root
             return
         for layer, state in zip(cache.layers, self.saved):
             _restore_layer(layer, state)
         self.saved = None
-        self._run(cache, torch.cat([root.view(1), accepted_tokens])[None], prefix_len)
+        self._run(cache, torch.cat([root.view(1), tree.tokens[accepted]])[None], prefix_len)
 
     def _run(self, cache: Cache, tokens: torch.Tensor, prefix_len: int) -> torch.Tensor:
         """(B, Q) tokens after the cache's `prefix_len` -> logits (B, Q, V)."""
@@ -117,7 +118,7 @@ def probe_chains(model: PreTrainedModel) -> str | None:
         logits = verifier.logits(cache, tokens[6], tree, 6)  # (4, V): one chain, positions 6..9
         if not _close(logits, full[6:10]):
             return "a forward of several new tokens from a cached state differs from a forward of the whole sequence"
-        verifier.commit(cache, tokens[6], tokens[7:9], 6)  # keep root + 2: the cache holds 0..8
+        verifier.commit(cache, tokens[6], tree, torch.tensor([0, 1], device=device), 6)  # root + 2: the cache holds 0..8
         step = ChainVerifier(model).logits(cache, tokens[9], DraftTree.empty(device), 9)  # (1, V) at position 9
         if not _close(step, full[9:10]):
             return "after restoring the saved state and replaying the accepted tokens, the next step differs"

@@ -12,7 +12,7 @@ from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import (cache_argument, check_model, compact, context_window, last_logits_only, new_cache, static_cache,
+from .cache import (cache_argument, check_model, context_window, last_logits_only, new_cache, static_cache,
                     static_capacity, truncate)
 from .certify import certify
 from .chains import ChainVerifier, has_state, state_cache
@@ -28,7 +28,7 @@ from .rope import rope_switch
 from .sampling import PositionNoise
 from .stats import GenerationStats
 from .tree import DraftTree
-from .verify import StepReadout, Verification, accept_path, verify_tree
+from .verify import StepReadout, TreeVerifier, Verification, accept_path
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
@@ -112,8 +112,10 @@ class Generation:
         self.width = tree_width(config, policy)  # the static path's padded tree size
         self.stats = GenerationStats()
         self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
-        self.chains = ChainVerifier(target) if has_state(target) else None  # a state model's verification
-        if self.chains is not None and self.wants_hidden:
+        # one forward over the tree under a tree mask, or (a model with state layers) a batch of chains
+        stateful = has_state(target)
+        self.verifier = ChainVerifier(target) if stateful else TreeVerifier(target, self.wants_hidden, self.width)
+        if stateful and self.wants_hidden:
             raise ValueError("a drafter or depth control that reads the target's hidden states (head, early-exit, "
                              "predictor) does not combine with a target of recurrent / convolution state layers; "
                              "use a draft model or the train-free sources")
@@ -154,7 +156,7 @@ class Generation:
             cache = static_cache(self.target, static_rows(self.target, self.prompt_len + self.stopper.remaining,
                                                           self.width))
         else:
-            cache = state_cache(self.target) if self.chains is not None else new_cache()
+            cache = state_cache(self.target) if isinstance(self.verifier, ChainVerifier) else new_cache()
         if self.drafter is not None:
             self.drafter.start(self.committed)
         seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
@@ -206,10 +208,7 @@ class Generation:
         tree = tree.to(device)  # a drafter may run on another device
         t1 = phases.mark()
         # 2. verify: one target forward over [root] + tree
-        if self.chains is not None:  # a state model: the tree as a batch of chains (`opttree.chains`)
-            logits = self.chains.logits(cache, self.committed[-1], tree, prefix_len)
-        else:
-            logits = verify_tree(self.target, cache, self.committed[-1], tree, prefix_len, self.wants_hidden, self.width)
+        logits = self.verifier.logits(cache, self.committed[-1], tree, prefix_len)
         logits, hidden = logits if self.wants_hidden else (logits, None)  # (N+1, V), ((N+1, H),) per layer
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
         t2 = phases.mark()
@@ -220,12 +219,7 @@ class Generation:
         accepted = path[: readout.accepted]  # (A,)
         emitted = torch.cat([tree.tokens[accepted], bonus.view(1)])  # (A + 1,) on the device
         # 4. compact both caches to the root + accepted path
-        if self.chains is not None:  # back to the saved state, then the root and the accepted tokens through it
-            self.chains.commit(cache, self.committed[-1], tree.tokens[accepted], prefix_len)
-        elif readout.accepted:
-            compact(cache, prefix_len, torch.cat([torch.zeros(1, dtype=torch.long, device=device), accepted + 1]))
-        else:  # the root alone stays, where it is
-            truncate(cache, prefix_len + 1)
+        self.verifier.commit(cache, self.committed[-1], tree, accepted, prefix_len)
         # the readout waited for the marks so far, and for the previous step's observing: reading them stalls nothing
         draft_s, verify_s = phases.seconds(t0, t1) + self._settle_observing(phases), phases.seconds(t1, t2)
         t3 = phases.mark()

@@ -49,7 +49,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         help="the draft's dtype, if not --dtype (a tiny draft can be faster in float32)")
     parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), default=None,
                         help="quantize the target's linear layers' weights with torchao after loading: int8 (per "
-                        "output channel) or int4 (groups of 32); the output is then that quantized model's own "
+                        "output channel) or int4 (groups of 32 inputs, or 16 / 8 where needed); the output is then that "
+                        "quantized model's own "
                         "greedy output (default: none)")
     parser.add_argument("--draft-quantize", choices=sorted(QUANTIZATIONS), default=None,
                         help="quantize the draft model too (default: none)")

@@ -28,15 +28,26 @@ def _scheme(name: str, about: str):
 
 
 @_scheme("int8", "int8 weights, per output channel; activations in the model's dtype")
-def _int8(ao):
+def _int8(ao, model):
     return ao.Int8WeightOnlyConfig()
 
 
-@_scheme("int4", "int4 weights in groups of 32 (stored unpacked in int8); activations in the model's dtype")
-def _int4(ao):
+@_scheme("int4", "int4 weights in groups of 32 inputs (16 or 8 where a layer's input size needs it), stored "
+                 "unpacked in int8; activations in the model's dtype")
+def _int4(ao, model):
     from torchao.quantization.granularity import PerGroup
 
-    return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    return ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(_group_size(model)))
+
+
+def _group_size(model: torch.nn.Module) -> int:
+    """The largest of 32, 16, 8 that divides every linear layer's input size."""
+    sizes = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    group = next((g for g in (32, 16, 8) if all(size % g == 0 for size in sizes)), None)
+    if group is None:
+        raise ValueError(f"int4 quantization groups inputs by 8 at least; this model has linear layers of input sizes "
+                         f"{sorted(sizes)}: use --quantize int8")
+    return group
 
 
 def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
@@ -47,7 +58,11 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         import torchao.quantization as ao
     except ImportError:
         raise ValueError(f"quantization {scheme!r} needs torchao: pip install torchao") from None
-    ao.quantize_(model, SCHEMES[scheme][1](ao))
+    config = SCHEMES[scheme][1](ao, model)
+    try:
+        ao.quantize_(model, config)
+    except (AssertionError, RuntimeError, NotImplementedError) as error:  # torchao's own checks, named
+        raise ValueError(f"torchao could not quantize {type(model).__name__} with {scheme!r}: {error}") from None
     return model
 
 

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
 from .attention import key_positions, layer_masks, mask_layout
-from .cache import cache_argument, capacity, is_static
+from .cache import cache_argument, capacity, compact, is_static, truncate
 from .config import SpecConfig
 from .device import static_step
 from .sampling import PositionNoise, race, target_probs, warp_logits
@@ -175,6 +175,26 @@ def verify_tree(
         return out[: n + 1]  # (N+1, V)
     logits, states = out
     return logits[: n + 1], tuple(h[: n + 1] for h in states)
+
+
+class TreeVerifier:
+    """A KV model's verification step: `logits` runs one forward over [root] + tree under the tree mask
+    (`verify_tree`); `commit` compacts the cache to the root and the accepted path. The other kind is
+    `opttree.chains.ChainVerifier`, for models with state layers; both take the same calls."""
+
+    def __init__(self, target: PreTrainedModel, hidden: bool = False, width: int = 0):
+        self.target, self.hidden, self.width = target, hidden, width
+
+    def logits(self, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int):
+        """(N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states)."""
+        return verify_tree(self.target, cache, root, tree, prefix_len, self.hidden, self.width)
+
+    def commit(self, cache: Cache, root: torch.Tensor, tree: DraftTree, accepted: torch.Tensor, prefix_len: int) -> None:
+        """Keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree."""
+        if accepted.shape[0]:
+            compact(cache, prefix_len, torch.cat([accepted.new_zeros(1), accepted + 1]))
+        else:  # the root alone stays, where it is
+            truncate(cache, prefix_len + 1)
 
 
 def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
