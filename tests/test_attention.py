@@ -4,7 +4,7 @@ own mask definitions (brute force, branch by branch) and end to end against `tar
 import pytest
 import torch
 from arch_configs import tiny
-from helpers import hf_greedy, tiny_model
+from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 from transformers import AutoConfig
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
@@ -118,3 +118,28 @@ def test_a_window_the_model_does_not_apply_is_refused_not_trusted():
     moshi.config.sliding_window = 12
     out = opttree.generate(moshi, prompt, budget=4, max_new_tokens=6, eos_token_id=[])
     assert torch.equal(out.sequences, hf_greedy(moshi, prompt, 6, eos_token_id=[]))
+
+
+@pytest.mark.parametrize("model_type, window, new_tokens", [("gpt_oss", 128, 270)])
+def test_real_window_sizes_past_twice_the_window(model_type, window, new_tokens):
+    """gpt-oss's 128-token sliding layers (tiny widths, the real window), generating past 2x the window:
+    every policy and the train-free sources identical. (Gemma 3's 1024-token local layers:
+    scripts/window_check.py, too slow for CI.)"""
+    target = tiny(model_type, "eager", sliding_window=window, max_position_embeddings=1024)
+    prompt = torch.tensor([[1, 5, 7, 9, 11, 13, 4, 8]])
+    reference = hf_greedy(target, prompt, new_tokens, eos_token_id=[])
+    draft = tiny_model("llama", vocab=target.get_output_embeddings().weight.shape[0], hidden=32, layers=1, seed=3)
+    for tree in ("opt", "chain", "eagle2", "dyspec", "sequoia", "static"):
+        out = opttree.generate(target, prompt, draft, tree=tree, budget=8, max_new_tokens=new_tokens, eos_token_id=[])
+        assert torch.equal(out.sequences, reference), tree
+    out = opttree.generate(target, prompt, budget=16, max_new_tokens=new_tokens, eos_token_id=[])  # recycling+lookup
+    assert torch.equal(out.sequences, reference)
+
+
+def test_sampled_tokens_past_a_window_follow_the_target_distribution():
+    """Sampling exact with a sliding window of 3 crossed by the prompt and inside the trees."""
+    target = tiny_model("mistral", vocab=5, hidden=32, layers=2, seed=11, init=0.6, sliding_window=3)
+    draft = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=4, init=0.6)
+    prompt, runs, warp = torch.tensor([[1, 3, 0, 4, 1, 3]]), 800, {"temperature": 0.8}
+    counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=6, max_depth=2, **warp)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3

@@ -1,0 +1,95 @@
+"""Speed on the kinds of model opttree drives since 2026-11-25, against plain decoding, interleaved.
+
+1. A sliding-window target: the shipped target's weights in Mistral's architecture with a 64-token
+   window (same weight names; a different model, whose output crosses the window), with the shipped
+   draft and with the train-free sources, on HumanEval prompts.
+2. A hybrid with convolution layers: a tiny random LFM2 (conv + attention; random weights, so only the
+   train-free sources can predict it, from its own repetitions). Tiny and untrained: its figures say
+   what the chain verification costs, not what a real LFM2 gains.
+
+    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+import opttree
+from opttree.demo import demo_paths, load_model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval.jsonl"
+
+
+def windowed_target(window: int) -> MistralForCausalLM:
+    target_path, _ = demo_paths()
+    llama = load_model(target_path)
+    config = MistralConfig(**{k: v for k, v in llama.config.to_dict().items() if k in MistralConfig().to_dict()},
+                           sliding_window=window)
+    model = MistralForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in name for name in missing), (missing, unexpected)
+    return model
+
+
+def tiny_lfm2(vocab: int) -> torch.nn.Module:
+    config = AutoConfig.for_model("lfm2", vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                  max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def interleaved(name: str, target, methods: dict, prompts: list[torch.Tensor], new_tokens: int) -> None:
+    totals = {m: [0.0, 0, 0] for m in methods}  # seconds, tokens, steps
+    for kwargs in methods.values():  # warm-up: the exactness probes and first-call costs stay out of the timing
+        opttree.generate(target, prompts[0], max_new_tokens=8, eos_token_id=[], **kwargs)
+    for ids in prompts:
+        reference = None
+        for method, kwargs in methods.items():
+            start = time.perf_counter()
+            out = opttree.generate(target, ids, max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+            seconds = time.perf_counter() - start
+            reference = out.sequences if reference is None else reference
+            assert torch.equal(out.sequences, reference), (name, method)
+            totals[method][0] += seconds
+            totals[method][1] += out.stats.new_tokens
+            totals[method][2] += out.stats.steps
+    base = totals["ar"][1] / totals["ar"][0]
+    print(f"\n{name}: {len(prompts)} prompts x {new_tokens} new tokens, every output identical to `ar`")
+    print("| method | MAL | tokens/s | speedup |\n|---|---:|---:|---:|")
+    for method, (seconds, tokens, steps) in totals.items():
+        print(f"| {method} | {tokens / steps:.2f} | {tokens / seconds:.1f} | {tokens / seconds / base:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    _, draft_path = demo_paths()
+    tokenizer = opttree.demo_models(torch.float32)[2]
+    texts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[: args.prompts]]
+    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in texts]
+
+    target, draft = windowed_target(64), load_model(draft_path)
+    interleaved("shipped target as Mistral, 64-token window", target,
+                {"ar": {"tree": "ar"}, "opt (draft LM)": {"draft": draft, "budget": 8},
+                 "opt:recycling+lookup": {"budget": 8}}, prompts, args.new_tokens)
+    lfm2 = tiny_lfm2(tokenizer.vocab_size if len(tokenizer) <= tokenizer.vocab_size else len(tokenizer))
+    interleaved("tiny random LFM2 (conv + attention), chains", lfm2,
+                {"ar": {"tree": "ar"}, "opt:recycling+lookup": {"budget": 8},
+                 "chain:recycling+lookup": {"tree": "chain", "budget": 4}}, prompts, args.new_tokens)
+    print(f"\n{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {sys.platform}")
+
+
+if __name__ == "__main__":
+    main()
