@@ -34,6 +34,7 @@ PROBE_BRANCHES = ((0, 1, 2), (0, 3, 4))  # rows of [root] + nodes on each root -
 PROBE_PADDED_WIDTH = 6  # the static path pads the 4 nodes to 6
 
 _certified: dict[tuple, str | None] = {}  # probe key -> reason of failure (None = exact)
+INSTEAD = "what to do instead: the model's own `generate`, which runs it without speculation"
 
 
 def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, static: bool = False) -> None:
@@ -46,11 +47,13 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
     for check in KNOWN_REASONS:
         reason = check(model, config, max_len, tree_rows)
         if reason:
-            raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly")
+            raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly "
+                                      f"({INSTEAD})")
     if has_state(model):  # verified as a batch of chains (`opttree.chains`): its own check
         reason = _cached(model, ("chains",), lambda: probe_chains(model))
         if reason:
-            raise NotImplementedError(f"{name} failed opttree's exactness check for state layers: {reason}")
+            raise NotImplementedError(f"{name} failed opttree's exactness check for state layers: {reason} "
+                                      f"({INSTEAD})")
         return
     length = min(max_len, PROBE_MAX_LEN)
     switch = rope_switch(config)
@@ -58,7 +61,7 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         length = max(switch, 6)                              # switch, where one causal forward is a reference
     reason = probe(model, length, max_len + tree_rows if static else None) or window_probe(model, max_len)
     if reason:
-        raise NotImplementedError(f"{name} failed opttree's exactness check: {reason}")
+        raise NotImplementedError(f"{name} failed opttree's exactness check: {reason} ({INSTEAD})")
 
 
 WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")  # what `opttree.attention.mask_layout` reads
