@@ -62,7 +62,7 @@ class ChainVerifier:
                             torch.where(paths >= 0, tree.tokens[paths.clamp(min=0)], root)], dim=1)  # (L, D+1)
         cache.reorder_cache(torch.zeros(paths.shape[0], dtype=torch.long, device=device))  # (L,) copies of row 0
         out = self._run(cache, chains, prefix_len)  # (L, D+1, V)
-        # a chain through each node: the last leaf whose path holds it (scatter keeps one of them)
+        # a chain through each node: one of the leaves whose path holds it (all give the node the same logits)
         leaf = torch.arange(paths.shape[0], device=device)[:, None].expand_as(paths)
         chain_of = torch.zeros(len(tree), dtype=torch.long, device=device)
         chain_of[paths[paths >= 0]] = leaf[paths >= 0]
