@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .attention import mask_layout
 from .cache import cache_argument, compact, static_cache
 from .chains import has_state, probe_chains
-from .rope import rope_switch
+from .rope import rope_kinds, rope_switch
 from .tree import DraftTree
 from .verify import verify_tree
 
@@ -151,16 +151,10 @@ def length_switched_rope(model, config, max_len: int, tree_rows: int) -> str | N
     """Dynamic NTK picks new rope factors for every longer forward (from its largest position): plain
     decoding gives each token past the threshold factors of its own, which one tree forward cannot. LongRoPE
     switches once; the engine follows the models whose generate recomputes the cache there (`opttree.rope`)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
-    for p in kinds:
-        rope_type = p.get("rope_type", p.get("type"))
+    for rope_type, threshold in rope_kinds(config):
         if rope_type not in LENGTH_SWITCHED_ROPE or (rope_type == "longrope" and rope_switch(config) is not None):
             continue
-        threshold = (p.get("original_max_position_embeddings")
-                     or getattr(config, "original_max_position_embeddings", None)
-                     or config.max_position_embeddings)
-        if max_len > threshold:
+        if threshold is not None and max_len > threshold:
             return (f"its rope_type={rope_type!r} switches factors at original_max_position_embeddings={threshold} "
                     f"and this generation reaches {max_len} tokens; keep prompt + max_new_tokens <= {threshold}")
     return None

@@ -50,8 +50,7 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), default=None,
                         help="quantize the target's linear layers' weights with torchao after loading: int8 (per "
                         "output channel) or int4 (groups of 32 inputs, or 16 / 8 where needed); the output is then that "
-                        "quantized model's own "
-                        "greedy output (default: none)")
+                        "quantized model's own greedy output (default: none)")
     parser.add_argument("--draft-quantize", choices=sorted(QUANTIZATIONS), default=None,
                         help="quantize the draft model too (default: none)")
     parser.add_argument("--device", default="auto", help="where the models run: cpu, cuda, cuda:1, mps, ... "

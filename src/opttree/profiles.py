@@ -43,11 +43,15 @@ def profile_draft_temperature(profile: dict, temperature: float) -> float:
 def profile_key(target, draft) -> str:
     """A stable hash of both models' names, configurations and dtypes, and of the hardware
     (`opttree.hardware.hardware_key`): a profile from another machine kind is never found."""
-    parts = [{"name": m.config._name_or_path, "config": m.config.to_diff_dict(), "dtype": str(m.dtype),
-              **({"weights": weight_kinds(m)} if weight_kinds(m) else {})}  # quantized in memory: a model apart
-             for m in (target, draft)] + [hardware_key(target.device)]
+    parts = [_model_part(m) for m in (target, draft)] + [hardware_key(target.device)]
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _model_part(model) -> dict:
+    part = {"name": model.config._name_or_path, "config": model.config.to_diff_dict(), "dtype": str(model.dtype)}
+    kinds = weight_kinds(model)
+    return {**part, "weights": kinds} if kinds else part  # quantized in memory: a model apart
 
 
 def profile_dir() -> Path:

@@ -17,16 +17,19 @@ from __future__ import annotations
 RECOMPUTING_TYPES = ("phi3", "phimoe", "phi4_multimodal")
 
 
+def rope_kinds(config) -> list[tuple[str | None, int | None]]:
+    """(rope_type, threshold) of each rope parameter set of a (text) config (one, or one per layer type): the
+    threshold is its original_max_position_embeddings, else the config's, else max_position_embeddings."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return [(p.get("rope_type", p.get("type")),
+             p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+             or getattr(config, "max_position_embeddings", None)) for p in sets]
+
+
 def longrope_threshold(config) -> int | None:
     """O of a LongRoPE (text) config, else None."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kinds = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
-    for p in kinds:
-        if p.get("rope_type", p.get("type")) == "longrope":
-            return int(p.get("original_max_position_embeddings")
-                       or getattr(config, "original_max_position_embeddings", None)
-                       or config.max_position_embeddings)
-    return None
+    return next((int(threshold) for kind, threshold in rope_kinds(config) if kind == "longrope"), None)
 
 
 def rope_switch(config) -> int | None:
