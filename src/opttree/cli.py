@@ -12,9 +12,10 @@ from . import threads
 
 threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
+from .errors import RanksDiverged  # noqa: E402
 from .names import TRAINED_SOURCES  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
-    add_decoding_args, add_tree_args, check_model_dir, load_pair, tree_options, used_draft,
+    add_decoding_args, add_tp_arg, add_tree_args, check_model_dir, load_pair, resolved_tree_options, used_draft,
 )
 
 DEMO_PROMPTS = [
@@ -80,7 +81,7 @@ def cmd_generate(args) -> int:
     prompt = read_prompt(args)
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    tree = tree_options(args, target, draft)
+    tree = resolved_tree_options(args, target, draft)
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = stream(
         target, prompt_ids, used_draft(tree, draft), tokenizer=tokenizer, stop=args.stop, **tree,
@@ -153,7 +154,7 @@ def cmd_demo(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    tree = tree_options(args, target, draft)
+    tree = resolved_tree_options(args, target, draft)
     draft = used_draft(tree, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin), for multi-line prompts")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_tp_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     store = sub.add_parser("datastore", help="build a retrieval datastore from text files (for --datastore)")
@@ -305,16 +307,32 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+def silence_other_ranks(args):
+    """Under `--tp`, only rank 0 prints: the others' stdout and stderr go nowhere, but their errors still
+    show, prefixed with their rank. Returns (the prefix for error messages, the stream errors go to:
+    None = sys.stderr as it is when the error is printed)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not getattr(args, "tp", False) or rank == 0:
+        return "opttree", None
+    errors = sys.stderr
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    return f"opttree (rank {rank})", errors
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     threads.set_torch_threads()
+    name, errors = silence_other_ranks(args)
     try:
         check_flags(args)
         quiet_transformers()
         return args.func(args) or 0
-    except (ValueError, NotImplementedError, FileNotFoundError) as err:
-        print(f"opttree: error: {err}", file=sys.stderr)
+    except (ValueError, NotImplementedError, FileNotFoundError, RanksDiverged) as err:
+        print(f"{name}: error: {err}", file=errors or sys.stderr)
         return 2
+    except BaseException:
+        sys.stderr = errors or sys.stderr  # a rank's traceback shows
+        raise
 
 
 if __name__ == "__main__":

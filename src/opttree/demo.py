@@ -15,13 +15,21 @@ def demo_paths() -> tuple[Path, Path]:
     return shipped_path("target"), shipped_path("draft")
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+def load_model(path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", tp_plan: str | None = None):
     """A causal LM from a local directory (never the Hub), with an attention implementation that
-    takes tree masks (sdpa or eager)."""
+    takes tree masks (sdpa or eager); `tp_plan="auto"` shards it over the ranks (`opttree.parallel`)."""
     from transformers import AutoModelForCausalLM
 
+    sharding = {}
+    if tp_plan:
+        try:  # transformers >= 5.13 takes the plan in a DistributedConfig, older ones as a keyword
+            from transformers import DistributedConfig
+
+            sharding = {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
+        except ImportError:
+            sharding = {"tp_plan": tp_plan}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                local_files_only=True).eval()
+                                                local_files_only=True, **sharding).eval()
 
 
 def demo_models(dtype: torch.dtype = torch.bfloat16):

@@ -18,6 +18,7 @@ from .certify import certify
 from .chains import ChainVerifier, has_state, state_cache
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
+from .parallel import lockstep_for
 from .depth import DepthControl, make_depth_control
 from .device import PhaseClock, has_static_step, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
@@ -121,6 +122,7 @@ class Generation:
                              "use a draft model or the train-free sources")
         self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.rope`), or None
         self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
+        self.lockstep = lockstep_for(target)  # a target sharded over ranks: they compare every step (`opttree.parallel`)
 
     def _settle_observing(self, phases: PhaseClock) -> float:
         """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
@@ -144,9 +146,19 @@ class Generation:
         finished = False
         while not finished:
             with torch.inference_mode():
-                chunk, finished = self._step(cache, generator, noise, phases)
+                chunk, finished, step = self._step(cache, generator, noise, phases)
             stats.time_s = time.perf_counter() - start  # the step has synchronised (its readout)
-            yield chunk
+            try:
+                yield chunk
+            except GeneratorExit:  # the caller stopped early: sharded, the other ranks stop with us
+                if self.lockstep is not None:
+                    self.lockstep.exchange(self.committed, step[2:], stop=True)
+                raise
+            if self.lockstep is not None:  # the ranks agree on the tokens and use rank 0's timings
+                stopped, timings = self.lockstep.exchange(self.committed, step[2:])
+                step = (*step[:2], *timings)
+                finished = finished or stopped
+            self.depth.observe(*step)  # (accepted, depth, draft_s, verify_s): how deep the next step drafts
         stats.time_s = _clock(device) - start
         stats.draft_s += self._settle_observing(phases)
 
@@ -194,8 +206,9 @@ class Generation:
         return depth_limit
 
     def _step(self, cache: Cache, generator: torch.Generator, noise: PositionNoise, phases: PhaseClock
-              ) -> tuple[torch.Tensor, bool]:
-        """One speculative step; returns (the emitted chunk (C,), whether generation ends with it)."""
+              ) -> tuple[torch.Tensor, bool, tuple[int, int, float, float]]:
+        """One speculative step; returns (the emitted chunk (C,), whether generation ends with it, what the
+        depth control observes: (accepted, drafted depth, draft seconds, verify seconds))."""
         drafter, device = self.drafter, self.device
         prefix_len = self.committed.shape[0] - 1
         t0 = phases.mark()
@@ -233,11 +246,10 @@ class Generation:
         end, finished = self.stopper.cut(readout.emitted)
         chunk = emitted[:end]
         self.committed = torch.cat([self.committed, chunk])
-        self.depth.observe(readout.accepted, readout.depth, draft_s, verify_s)
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.observe_step(drafted=len(tree), accepted=readout.accepted, emitted=end)
-        return chunk, finished
+        return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)
 
 
 def _clock(device: torch.device) -> float:

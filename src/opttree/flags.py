@@ -201,12 +201,37 @@ def check_model_dir(path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: no model here (expected config.json and *.safetensors or *.bin weights)")
 
 
+def add_tp_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", action="store_true",
+                        help="shard the target over the ranks `torchrun --nproc-per-node K -m opttree ...` starts "
+                        "(transformers' tensor parallelism; gloo on CPUs, NCCL on GPUs); the draft, the tree and "
+                        "sampling run on every rank, only rank 0 prints, writes or serves (docs/USAGE.md#tensor-parallel-targets)")
+
+
+def check_tp(args, target_path, device: "torch.device") -> None:
+    """--tp: joins the ranks and refuses what does not combine with a sharded target, before loading."""
+    import torch
+    from transformers import AutoConfig
+
+    from . import parallel
+
+    for flag, given in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize),
+                        ("--compile", args.compile)):
+        if given:
+            raise ValueError(f"--tp does not combine with {flag}: a sharded target runs eager, unquantized")
+    parallel.start(device)
+    parallel.check_plan(AutoConfig.from_pretrained(target_path, local_files_only=True), target_path)
+    if args.dtype == "auto":  # measuring would load the whole target on one rank: the rule instead
+        args.dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
 def load_pair(args):
-    """(target, draft, tokenizer) from --target / --draft, or the shipped pair."""
+    """(target, draft, tokenizer) from --target / --draft, or the shipped pair; with --tp the target is
+    sharded over the ranks (`opttree.parallel`)."""
     from transformers import AutoTokenizer
 
     from .demo import demo_paths, load_model
-    from .device import compile_model
+    from .device import compile_model, model_device
     from .quantize import quantize
 
     if args.target is None:
@@ -219,11 +244,18 @@ def load_pair(args):
         check_model_dir(draft_path, "--draft")
     device = resolve_device(args.device)
     draft_device = resolve_device(args.draft_device or args.device)
+    tp = getattr(args, "tp", False)
+    if tp:
+        check_tp(args, target_path, device)
     if args.dtype == "auto":
         args.dtype = auto_dtype(target_path, draft_path, device)
     dtype, draft_dtype = torch_dtype(args.dtype), torch_dtype(args.draft_dtype or args.dtype)
     attn = getattr(args, "attn_implementation", "sdpa")
-    target = load_model(target_path, dtype, attn).to(device)
+    if tp:  # transformers places each rank's shard (cuda:LOCAL_RANK on GPUs); the draft goes beside it
+        target = load_model(target_path, dtype, attn, tp_plan="auto")
+        draft_device = resolve_device(args.draft_device) if args.draft_device else model_device(target)
+    else:
+        target = load_model(target_path, dtype, attn).to(device)
     draft = load_model(draft_path, draft_dtype, attn).to(draft_device) if draft_path else None
     if args.quantize:
         target = quantize(target, args.quantize)
@@ -273,6 +305,13 @@ def tree_options(args, target, draft) -> dict:
     if drafter and "model" not in source_names(drafter):
         options["draft_temperature"] = 1.0  # no draft model drafts
     return options
+
+
+def resolved_tree_options(args, target, draft) -> dict:
+    """`tree_options`, checked to be the same on every rank under --tp (`opttree.parallel`)."""
+    from .parallel import same_everywhere
+
+    return same_everywhere(tree_options(args, target, draft), "tree settings")
 
 
 def used_draft(options: dict, draft):

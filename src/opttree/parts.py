@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .parallel import whole
+
 FORMAT = 1
 
 
 def target_fingerprint(target) -> dict:
     """What identifies the target a part was trained for: its shape and a few LM-head weights."""
-    head = target.get_output_embeddings().weight.detach()
+    head = whole(target.get_output_embeddings().weight.detach())  # sharded over ranks (--tp): the whole matrix
     if type(head) not in (torch.Tensor, nn.Parameter):  # quantized (a torchao tensor subclass): its float values
         head = head.dequantize()
     text = target.config.get_text_config()

@@ -15,7 +15,7 @@ BENCH_BUDGETS = "4,8,16"
 
 
 def register(subparsers) -> None:
-    from ..flags import add_decoding_args, add_draft_temperature_arg, add_length_predictor_arg
+    from ..flags import add_decoding_args, add_draft_temperature_arg, add_length_predictor_arg, add_tp_arg
 
     bench = subparsers.add_parser("bench", help="speed of opttree's tree policies and transformers' peers, "
                                   "side by side on your prompts (results.json, tables, plots)")
@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--json", action="store_true", help="print the summary rows as JSON")
+    add_tp_arg(bench)
     bench.set_defaults(func=cmd_bench)
 
     cal = subparsers.add_parser("calibrate", help="measure forward latency and recommend budget and delta "
@@ -167,6 +168,7 @@ def as_command(name: str, args) -> str:
 
 def cmd_bench(args) -> int:
     from ..flags import draft_temperature, load_pair
+    from ..parallel import is_main, same_everywhere
     from . import report
     from .methods import Settings, expand_methods
     from .prompts import encode, load_prompts
@@ -177,7 +179,8 @@ def cmd_bench(args) -> int:
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
     names, chosen = profile_defaults(args, target, draft, names)
-    specs = expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen))
+    specs = same_everywhere(expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen)),
+                            "methods and budgets")  # under --tp, every rank runs the same
     from ..parts import shipped_part
 
     trained = {option: getattr(args, option) for option in (*TRAINED_SOURCES.values(), "length_predictor")}
@@ -204,6 +207,8 @@ def cmd_bench(args) -> int:
     for slow in results["slow_runs"]:
         print(f"warning: {slow['label']} on {slow['prompt_id']} took {slow['times_median']:.0f}x its method's median "
               "time per token (machine busy?)", file=sys.stderr)
+    if not is_main():  # sharded (--tp): rank 0 alone writes and prints
+        return 0
     paths = report.write(results, Path(args.out))
     if args.json:
         print(json.dumps([{k: r[k] for k in report.SUMMARY_KEYS} for r in results["summary"]]))

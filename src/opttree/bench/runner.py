@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..cache import context_window
 from ..counters import StepCounter
+from ..parallel import sharded
 from .methods import MethodSpec, Run, RunFn, Settings, find_method
 from .prompts import Prompt
 
@@ -64,7 +65,8 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
     assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
     runners = build_runners(target, draft, specs, settings)
     warmup_s = warm_up(target, draft, specs, settings, cases[0].ids)
-    costs = host_costs(target, draft, specs, settings, cases[0].ids)
+    # a target sharded over ranks (--tp) is not counted: the op counter does not see through its DTensors
+    costs = {s.label: {} for s in specs} if sharded(target) else host_costs(target, draft, specs, settings, cases[0].ids)
     for label, seconds in warmup_s.items():
         costs[label]["warmup_s"] = seconds
     records = []

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
 from ..cache import cache_argument, new_cache, truncate
 from ..device import model_device
+from ..parallel import whole
 from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .model import SlotTree, on_target_vocab
@@ -192,8 +193,8 @@ class DraftLMHead:
         self.lm_head, self.vocab = lm_head, vocab
         self.rows = None if rows is None else torch.tensor([r for r in rows if r < vocab], device=lm_head.weight.device)
         if self.rows is not None:  # (N, H) and (N,): the rows kept, sliced once
-            self.weight = lm_head.weight.detach()[self.rows]
-            self.bias = None if lm_head.bias is None else lm_head.bias.detach()[self.rows]
+            self.weight = whole(lm_head.weight.detach())[self.rows]
+            self.bias = None if lm_head.bias is None else whole(lm_head.bias.detach())[self.rows]
 
     def __call__(self, features: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         features = features.to(self.lm_head.weight.dtype)

@@ -9,21 +9,29 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
+    from .. import parallel
     from ..bench.calibrate import calibrate_first
-    from ..flags import load_pair, tree_options, used_draft
+    from ..flags import load_pair, resolved_tree_options, used_draft
+    from . import ranks
     from .app import GracefulServer, Server, create_app
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     # greedy and sampled requests each get the settings chosen for them (the profile measures both)
-    greedy, sampled = (tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
+    greedy, sampled = (resolved_tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
                        for t in (0.0, 1.0))
-    server = Server(target, draft if used_draft(greedy, draft) or used_draft(sampled, draft) else None, tokenizer,
-                    greedy, model_name=args.model_name or (args.target or "opttree-demo"), max_queue=args.max_queue,
-                    sampled_options=sampled)
+    draft = draft if used_draft(greedy, draft) or used_draft(sampled, draft) else None
+    if args.tp and not parallel.is_main():  # a sharded target's other ranks: rank 0's requests, step by step
+        return ranks.follow(target, draft, tokenizer)
+    leader = ranks.Leader(target, draft, tokenizer) if args.tp else None
+    server = Server(target, draft, tokenizer, greedy, model_name=args.model_name or (args.target or "opttree-demo"),
+                    max_queue=args.max_queue, sampled_options=sampled, leader=leader)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
-    GracefulServer(config, server, args.shutdown_grace).run()
+    try:
+        GracefulServer(config, server, args.shutdown_grace).run()  # releases the other ranks when it stops
+    finally:
+        server.stopped()  # also when it failed to start
     return 0
 
 
@@ -34,7 +42,7 @@ def cmd_load_test(args) -> int:
 
 
 def register(subparsers) -> None:
-    from ..flags import add_decoding_args, add_tree_args
+    from ..flags import add_decoding_args, add_tp_arg, add_tree_args
 
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                               "/v1/chat/completions, /v1/models, /health, /metrics)")
@@ -47,6 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")
+    add_tp_arg(p)
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser("load-test", help="a bounded load test of a running server: concurrent clients "

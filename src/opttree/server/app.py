@@ -12,6 +12,7 @@ refused with a 400 naming it; tree settings (`tree`, `budget`, `delta`, `max_dep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import threading
@@ -28,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine import stream
 from ..flags import used_draft
+from .ranks import Call, Leader
 from ..text import TextStream
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
@@ -142,11 +143,12 @@ class Server:
     """The models, the engine settings and the one-at-a-time decoding queue."""
 
     def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16,
-                 sampled_options: dict | None = None):
+                 sampled_options: dict | None = None, leader: Leader | None = None):
         """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
         (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
-        The draft model is passed to a request's generation when its settings' draft sources use it."""
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        The draft model is passed to a request's generation when its settings' draft sources use it.
+        `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.parallel`)."""
+        self.target, self.draft, self.tokenizer, self.leader = target, draft, tokenizer, leader
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
         self.metrics = Metrics()
@@ -184,15 +186,25 @@ class Server:
             raise OpenAIError(400, "the prompt is empty", "prompt")
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
-        draft = used_draft(options, self.draft)  # after the request's own tree fields
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        call = Call(ids, used_draft(options, self.draft) is not None,  # after the request's own tree fields
+                    dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
+                         top_p=req.top_p, seed=seed, **options))
         try:
-            run = stream(self.target, [ids], draft, tokenizer=self.tokenizer, stop=req.stop_list or None,
-                         max_new_tokens=req.new_tokens,
-                         temperature=req.temperature, top_p=req.top_p, seed=seed, **options)
+            run = self.leader.build(call) if self.leader else call.start(self.target, self.draft, self.tokenizer)
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
         return run, ids
+
+    def stopped(self) -> None:
+        """The HTTP server has stopped: a sharded target's other ranks stop too."""
+        if self.leader:
+            self.leader.release()
+
+    def discard(self, run) -> None:
+        """A generation that never ran (its request left before its turn) is dropped on every rank."""
+        if self.leader:
+            run.end()
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -242,8 +254,8 @@ class Job:
     """One request's generation: decoded in its turn; stops at the next step once cancelled (the client
     left) or once the server's shutdown grace has run out."""
 
-    def __init__(self, run, turns: Turns, expired: threading.Event):
-        self.run, self.turns, self.expired = run, turns, expired
+    def __init__(self, run, turns: Turns, expired: threading.Event, discard: Callable[[], None] = lambda: None):
+        self.run, self.turns, self.expired, self.discard = run, turns, expired, discard
         self.ticket = turns.join()
         self.cancelled = threading.Event()
         self.complete = False  # the generation ran to its end (length, EOS or stop)
@@ -254,19 +266,24 @@ class Job:
     def chunks(self) -> Iterator[list[int]]:
         if not self.turns.wait(self.ticket, self.stopped):
             return
+        steps = iter(self.run)
         try:
-            for chunk in self.run:
+            for chunk in steps:
                 yield chunk.tolist()
                 if self.stopped():
                     return
             self.complete = True
         finally:
+            steps.close()  # a generation stopped early ends here, in its decoding thread
             self.turns.leave(self.ticket)
 
     def close(self) -> None:
-        """Stop: a decoding thread stops at its next step and then leaves the line; a queued request leaves now."""
+        """Stop: a decoding thread stops at its next step and then leaves the line; a queued request leaves
+        now, and its generation, which never ran, is discarded."""
         self.cancelled.set()
         self.turns.leave(self.ticket, unless_running=True)
+        if not self.ticket.running:  # left the line before its turn: it never runs now
+            self.discard()
 
 
 def create_app(server: Server) -> FastAPI:
@@ -307,7 +324,7 @@ def create_app(server: Server) -> FastAPI:
                                            "type": "rate_limit_error", "param": None, "code": None}},
                                 status_code=429, headers={"Retry-After": "1"})
         run, ids = server.start(req)
-        job = Job(run, server.turns, server.expired)  # its turn is taken now, in arrival order
+        job = Job(run, server.turns, server.expired, lambda: server.discard(run))  # its turn is taken now, in arrival order
         server.pending += 1
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
@@ -430,3 +447,16 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.app_server.begin_shutdown(self.grace)
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, which raises a caught SIGTERM again once the server has stopped: a sharded target's
+        other ranks are released before that (`Server.stopped`), and its rank 0 then exits with status 0
+        (torchrun takes a rank ended by a signal for a failure)."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self.app_server.stopped()
+                if self.app_server.leader:
+                    self._captured_signals.clear()  # uvicorn's list of the signals it raises again
