@@ -77,3 +77,17 @@ def test_replicas_behind_a_round_robin_proxy_answer_alike(fleet):
     seeded = {client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=1, seed=9)
               .choices[0].text for _ in range(2)}
     assert len(seeded) == 1  # a seed gives the same text whichever replica answers
+
+
+def test_health_turns_503_when_a_replica_begins_to_shut_down():
+    from fastapi.testclient import TestClient
+
+    from opttree.server.app import create_app
+
+    target, draft, tok = opttree.demo_models(torch.float32)
+    server = Server(target, draft, tok, TREE, model_name="demo")
+    client = TestClient(create_app(server))
+    assert client.get("/health").status_code == 200
+    server.begin_shutdown(grace=30)  # what SIGTERM does: requests in flight may still finish
+    answer = client.get("/health")
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]

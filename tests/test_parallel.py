@@ -107,7 +107,7 @@ def test_sharded_target_is_exact_for_every_draft_and_the_ranks_agree(tmp_path):
         assert len(seen["greedy"]) == 8
         for key, tokens in seen["greedy"].items():  # ar, opt with the draft, recycling+lookup, the head
             assert tokens == seen["reference"][key.split("/")[1]], key
-        assert "tensor-parallel ranks diverged at step 1" in seen["diverged"]  # every rank raised, none hung
+        assert "tensor-parallel ranks diverged at step " in (seen["diverged"] or "")  # every rank raised, none hung
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and len(ranks[0]["sampled"]) == 40
 
 

@@ -69,7 +69,12 @@ SKIPPED = {
     r"^opttree train early-exit": "trains an exit layer (minutes: the target writes its text first); tests/test_train.py "
                                   "runs the command on a tiny target",
     r"^opttree train length-predictor": "logs minutes of runs; tests/test_train.py runs the command on a tiny target",
+    r"^torchrun ": "starts several ranks of a sharded target; tests/test_parallel.py runs generate, bench and serve "
+                   "with --tp under torchrun",
+    r"^python -m http.server|^nginx": "a stand-in for a load balancer; tests/test_fleet.py puts two replicas behind "
+                                      "a round-robin proxy",
 }
+NEEDS_TORCHRUN = r"tp_plan=|DistributedConfig"  # a snippet that shards a model runs under torchrun only
 NEEDS_GPU = r"--device cuda|\.cuda\(\)|\.to\(\"cuda\"\)"  # skipped without CUDA
 
 
@@ -116,6 +121,8 @@ def skip_reason(kind: str, text: str) -> str | None:
         for pattern, reason in SKIPPED.items():
             if re.search(pattern, text):
                 return reason
+    if kind == "python" and re.search(NEEDS_TORCHRUN, text):
+        return "a sharded target runs under torchrun; tests/tp_worker.py does the same in tests/test_parallel.py"
     if re.search(NEEDS_GPU, text) and not torch.cuda.is_available():
         return "needs a CUDA GPU"
     return None

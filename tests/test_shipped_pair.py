@@ -107,7 +107,8 @@ def test_shipped_pair_defaults_come_from_its_calibration_profile(reference_hardw
     sets budget, delta and draft temperature; flags given win; float32 has no profile (defaults)."""
     from opttree import config
     from opttree.profiles import SHIPPED_PROFILES, find_profile
-    from opttree.cli import build_parser, tree_options
+    from opttree.cli import build_parser
+    from opttree.flags import tree_options
 
     target, draft, _ = opttree.demo_models(dtype=torch.bfloat16)
     assert find_profile(target, draft) == SHIPPED_PROFILES / "bfloat16.json"

@@ -18,12 +18,12 @@ from .certify import certify
 from .chains import ChainVerifier, has_state, state_cache
 from .config import SpecConfig
 from .genconfig import Rules, config_defaults, prepare, shape_logits
-from .parallel import lockstep_for
 from .depth import DepthControl, make_depth_control
 from .device import PhaseClock, has_static_step, model_device, seeded_generator, synchronize
 from .drafters import CheckedDrafter, Drafter, ModelDrafter
 from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
                                source_names)
+from .parallel import lockstep_for
 from .policies import TreePolicy, make_policy
 from .rope import rope_switch
 from .sampling import PositionNoise
@@ -151,16 +151,22 @@ class Generation:
             try:
                 yield chunk
             except GeneratorExit:  # the caller stopped early: sharded, the other ranks stop with us
-                if self.lockstep is not None:
-                    self.lockstep.exchange(self.committed, step[2:], stop=True)
+                self._agree(step, stop=True)
                 raise
-            if self.lockstep is not None:  # the ranks agree on the tokens and use rank 0's timings
-                stopped, timings = self.lockstep.exchange(self.committed, step[2:])
-                step = (*step[:2], *timings)
-                finished = finished or stopped
+            step, stopped = self._agree(step)
+            finished = finished or stopped
             self.depth.observe(*step)  # (accepted, depth, draft_s, verify_s): how deep the next step drafts
         stats.time_s = _clock(device) - start
         stats.draft_s += self._settle_observing(phases)
+
+    def _agree(self, step: tuple, stop: bool = False) -> tuple[tuple, bool]:
+        """A target sharded over ranks: each rank checks that the others hold its tokens, takes rank 0's
+        timings for the depth control, and learns whether one of them stopped (`opttree.parallel.Lockstep`).
+        Returns (the step as the depth control observes it, whether some rank stopped)."""
+        if self.lockstep is None:
+            return step, False
+        stopped, timings = self.lockstep.exchange(self.committed, step[2:], stop)
+        return (*step[:2], *timings), stopped
 
     def _prefill(self) -> Cache:
         """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""

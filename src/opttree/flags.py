@@ -39,6 +39,7 @@ def source_names(spec: str) -> list[str]:
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that decodes (kebab-case versions of SpecConfig's fields)."""
+    parser.set_defaults(tp=False)  # `add_tp_arg` adds --tp to the commands that run sharded
     parser.add_argument("--target", help="target model directory (default: the shipped pair)")
     parser.add_argument("--draft", help="draft model directory (default: the shipped pair's draft)")
     parser.add_argument("--dtype", choices=["auto", *sorted(DTYPE_NAMES)], default="auto",
@@ -244,14 +245,13 @@ def load_pair(args):
         check_model_dir(draft_path, "--draft")
     device = resolve_device(args.device)
     draft_device = resolve_device(args.draft_device or args.device)
-    tp = getattr(args, "tp", False)
-    if tp:
+    if args.tp:
         check_tp(args, target_path, device)
     if args.dtype == "auto":
         args.dtype = auto_dtype(target_path, draft_path, device)
     dtype, draft_dtype = torch_dtype(args.dtype), torch_dtype(args.draft_dtype or args.dtype)
     attn = getattr(args, "attn_implementation", "sdpa")
-    if tp:  # transformers places each rank's shard (cuda:LOCAL_RANK on GPUs); the draft goes beside it
+    if args.tp:  # transformers places each rank's shard (cuda:LOCAL_RANK on GPUs); the draft goes beside it
         target = load_model(target_path, dtype, attn, tp_plan="auto")
         draft_device = resolve_device(args.draft_device) if args.draft_device else model_device(target)
     else:

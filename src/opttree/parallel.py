@@ -55,8 +55,9 @@ def start(device: torch.device) -> None:
                          "`torchrun --nproc-per-node K -m opttree COMMAND ... --tp` (K ranks, one per device or CPU "
                          "share); without torchrun, leave --tp out")
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        if device.type == "cuda":  # one GPU per rank, before NCCL starts
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
 
 
 def check_plan(config, path) -> None:

@@ -629,7 +629,7 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
 def calibrate_first(args, target, draft, tokenizer) -> None:
     """For generate, demo and serve: a pair run with the default settings (no --budget, --tree or
     --drafter) and no profile on this machine is calibrated first (`calibrate_on_first_use`)."""
-    if getattr(args, "tp", False):  # timings differ between ranks: a sharded pair takes the profile it has
+    if args.tp:  # timings differ between ranks: a sharded pair takes the profile it has
         return
     if args.budget is None and args.tree is None and args.drafter is None:
         calibrate_on_first_use(target, draft, tokenizer, progress=sys.stderr.isatty())

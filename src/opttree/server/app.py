@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (docs/USAGE.md, "Serving").
 
 One request decodes at a time (batch 1); the others wait their turn in arrival order in a bounded
-queue (429 when it is full). Decoding runs in a worker thread so the event loop keeps answering; a
+queue (429 when it is full). A target sharded over ranks (`--tp`) runs every generation on all of them
+(`opttree.server.ranks`). Decoding runs in a worker thread so the event loop keeps answering; a
 streaming client that disconnects cancels its request at the next step. On shutdown, requests in
 flight or queued get `grace` seconds to finish; then each ends with an error (an error event when
 streaming, a 503 otherwise) and new requests get 503. Request fields are OpenAI's, each honoured or
@@ -302,7 +303,9 @@ def create_app(server: Server) -> FastAPI:
         return _error(400, f"{param}: {first['msg']}" if param else first["msg"], param)
 
     @app.get("/health")
-    async def health():
+    async def health():  # a load balancer's readiness check: 503 once shutdown has begun
+        if server.stopping:
+            return _error(503, "the server is shutting down", kind="server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
