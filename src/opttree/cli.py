@@ -15,7 +15,8 @@ threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 from .errors import RanksDiverged  # noqa: E402
 from .names import TRAINED_SOURCES  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
-    add_decoding_args, add_tp_arg, add_tree_args, check_model_dir, load_pair, resolved_tree_options, used_draft,
+    add_decoding_args, add_tp_arg, add_tree_args, check_model_dir, load_pair, resolved_tree_options, tree_options,
+    used_draft,
 )
 
 DEMO_PROMPTS = [
@@ -154,7 +155,7 @@ def cmd_demo(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    tree = resolved_tree_options(args, target, draft)
+    tree = tree_options(args, target, draft)
     draft = used_draft(tree, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)

@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..flags import used_draft
-from .ranks import Call, Leader
 from ..text import TextStream
+from .ranks import Call, Leader
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
 
@@ -148,7 +148,7 @@ class Server:
         """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
         (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
         The draft model is passed to a request's generation when its settings' draft sources use it.
-        `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.parallel`)."""
+        `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.server.ranks`)."""
         self.target, self.draft, self.tokenizer, self.leader = target, draft, tokenizer, leader
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
