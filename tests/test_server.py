@@ -301,3 +301,38 @@ def test_sampled_requests_get_the_settings_chosen_for_sampling(pair):
     run, _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
     assert run.config.tree == "ar" and run.drafter is None
     assert len(list(run)) >= 1
+
+
+def test_every_setting_at_its_extremes_gets_a_400_naming_the_limit_or_a_right_answer(pair):
+    """No request can take the server down: past a limit, a 400 that names it (before any work); at the
+    limit, a correct answer; and the server keeps serving the others."""
+    from opttree.server.app import Limits
+
+    target, draft, tok = pair
+    url = start(Server(target, draft, tok, TREE, model_name="demo", limits=Limits(max_budget=16, max_depth=12)))
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    refused = {
+        "--max-budget": {"budget": 1_000_000}, "--max-tree-depth": {"max_depth": 100_000},
+        "context window of 2048": {"max_tokens": 10**9},
+        "at most 256 characters": {"stop": ["x" * 100_000]},
+        "tokens exceeds the target": {"prompt": "def f():\n" * 3000},
+        "seed": {"seed": 2**63}, "budget must be an integer >= 1": {"budget": 0},
+    }
+    for message, extra in refused.items():
+        began = time.perf_counter()
+        answer = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert answer.status_code == 400 and message in answer.json()["error"]["message"], (extra, answer.text)
+        assert time.perf_counter() - began < 5  # refused before any work
+    ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+    expected = tok.decode(reference(pair, ids, 8), skip_special_tokens=True)
+    for extra in ({"budget": 16, "max_depth": 12}, {"seed": 2**63 - 1}, {"seed": 0}, {"stop": ["x" * 256]}):
+        answer = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected, (extra, answer.text)
+
+
+def test_default_limits_follow_the_device_and_never_refuse_the_servers_own_settings():
+    from opttree.server.app import Limits
+
+    assert Limits.for_device("cpu") == Limits(64, 64)
+    assert Limits.for_device("cuda") == Limits(256, 64)
+    assert Limits.for_device("cpu", budget=100, max_depth=80) == Limits(100, 80)

@@ -13,7 +13,7 @@ def cmd_serve(args) -> int:
     from ..bench.calibrate import calibrate_first
     from ..flags import load_pair, resolved_tree_options, used_draft
     from . import ranks
-    from .app import GracefulServer, Server, create_app
+    from .app import GracefulServer, Limits, Server, create_app
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
@@ -24,8 +24,11 @@ def cmd_serve(args) -> int:
     if args.tp and not parallel.is_main():  # a sharded target's other ranks: rank 0's requests, step by step
         return ranks.follow(target, draft, tokenizer)
     leader = ranks.Leader(target, draft, tokenizer) if args.tp else None
+    defaults = Limits.for_device(target.device.type, max(o.get("budget") or 0 for o in (greedy, sampled)),
+                                 max(o.get("max_depth") or 0 for o in (greedy, sampled)))
+    limits = Limits(args.max_budget or defaults.max_budget, args.max_tree_depth or defaults.max_depth)
     server = Server(target, draft, tokenizer, greedy, model_name=args.model_name or (args.target or "opttree-demo"),
-                    max_queue=args.max_queue, sampled_options=sampled, leader=leader)
+                    max_queue=args.max_queue, sampled_options=sampled, leader=leader, limits=limits)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
     try:
@@ -39,6 +42,14 @@ def cmd_load_test(args) -> int:
     from .load import cmd_load_test as run
 
     return run(args)
+
+
+def positive_int(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def register(subparsers) -> None:
@@ -55,6 +66,12 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")
+    p.add_argument("--max-budget", type=positive_int, metavar="N",
+                   help="the largest `budget` a request may ask (draft nodes per step); past it, a 400 naming this "
+                        "limit (default: 256 on a GPU, 64 on a CPU, at least the server's own budget)")
+    p.add_argument("--max-tree-depth", type=positive_int, metavar="N",
+                   help="the largest `max_depth` a request may ask (draft layers per step; default: 64, at least "
+                        "the server's own)")
     add_tp_arg(p)
     p.set_defaults(func=cmd_serve)
 

@@ -35,6 +35,32 @@ from ..text import TextStream
 from .ranks import Call, Leader
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
+MAX_STOP_CHARS = 256  # a stop string's matcher costs ~its length squared (transformers' StopStringCriteria)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (`--max-budget`, `--max-tree-depth`), so that no request's
+    step outgrows what the machine carries: a step drafts at most max_depth layers of at most
+    max_budget nodes and verifies max_budget + 1 tokens."""
+
+    max_budget: int = 64
+    max_depth: int = 64
+
+    @staticmethod
+    def for_device(device_type: str, budget: int | None = None, max_depth: int | None = None) -> "Limits":
+        """The defaults: 256 nodes on a GPU (a forward over a few hundred tokens costs about one token
+        there), 64 on a CPU (where 65 tokens cost several plain steps); never below the server's own
+        settings."""
+        default = 256 if device_type == "cuda" else 64
+        return Limits(max(default, budget or 0), max(Limits.max_depth, max_depth or 0))
+
+    def check(self, req) -> None:
+        """A 400 naming the limit for a request past it."""
+        for name, value, limit, flag in (("budget", req.budget, self.max_budget, "--max-budget"),
+                                         ("max_depth", req.max_depth, self.max_depth, "--max-tree-depth")):
+            if value is not None and value > limit:
+                raise OpenAIError(400, f"{name}={value} is past this server's limit of {limit} ({flag})", name)
 
 
 class OpenAIError(Exception):
@@ -88,6 +114,8 @@ class SamplingFields(BaseModel):
             raise OpenAIError(400, "at most 4 stop sequences", "stop")
         if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
             raise OpenAIError(400, "a stop sequence must not be empty", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop_list):
+            raise OpenAIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters", "stop")
 
 
 class CompletionRequest(SamplingFields):
@@ -144,12 +172,13 @@ class Server:
     """The models, the engine settings and the one-at-a-time decoding queue."""
 
     def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16,
-                 sampled_options: dict | None = None, leader: Leader | None = None):
+                 sampled_options: dict | None = None, leader: Leader | None = None, limits: Limits = Limits()):
         """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
         (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
         The draft model is passed to a request's generation when its settings' draft sources use it.
-        `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.server.ranks`)."""
-        self.target, self.draft, self.tokenizer, self.leader = target, draft, tokenizer, leader
+        `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.server.ranks`).
+        `limits`: what one request's tree fields may ask."""
+        self.target, self.draft, self.tokenizer, self.leader, self.limits = target, draft, tokenizer, leader, limits
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
         self.metrics = Metrics()
@@ -182,6 +211,7 @@ class Server:
     def start(self, req) -> tuple[Any, list[int]]:
         """Validate and set up a generation (errors here are 400s, before anything is sent)."""
         req.refuse_unsupported()
+        self.limits.check(req)
         ids = self.prompt_ids(req)
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt")
