@@ -348,13 +348,26 @@ def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monk
     recommended = dict(budget=4, delta=0.3, tree="opt", drafter="recycling+lookup", drafter_budget=8, why="test")
     profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
                            "recommended": recommended})
-    args = argparse.Namespace(budgets=None, delta=None)
+    sampled = dict(budget=4, delta=0.6, tree="opt", drafter="model+lookup", drafter_budget=6, why="test")
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: sampled})
+    args = argparse.Namespace(budgets=None, delta=None, temperature=0.0)
     names, chosen = profile_defaults(args, target, draft, ["ar", "opt", "hf-lookup"])
     assert names == ["ar", "opt:recycling+lookup", "hf-lookup"] and chosen == "recycling+lookup"
     assert parse_budgets(args.budgets, args.delta, target, draft, chosen) == [(8, 0.3)]  # its own budget
-    given = argparse.Namespace(budgets="4", delta=None)  # budgets given: opt means the draft model, as asked
+    given = argparse.Namespace(budgets="4", delta=None, temperature=0.0)  # budgets given: opt means the draft model
     assert profile_defaults(given, target, draft, ["ar", "opt"]) == (["ar", "opt"], None)
     assert profiles.auto_settings(target, draft) == (4, 0.3) and profiles.auto_settings(target, draft, "model") == (4, 0.3)
+    # sampling: the choice measured for sampling, as generate makes it at temperature > 0
+    hot = argparse.Namespace(budgets=None, delta=None, temperature=1.0)
+    names, chosen = profile_defaults(hot, target, draft, ["ar", "opt"])
+    assert names == ["ar", "opt:model+lookup"] and hot.delta == 0.6
+    assert parse_budgets(hot.budgets, hot.delta, target, draft, chosen, 1.0) == [(6, 0.6)]
+    sampled.update(tree="ar", drafter=None)  # no tree paid when sampling: opt stays the draft model's
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: sampled})
+    assert profile_defaults(argparse.Namespace(budgets=None, delta=None, temperature=1.0), target, draft,
+                            ["ar", "opt"])[0] == ["ar", "opt"]
 
 
 def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():

@@ -107,8 +107,9 @@ def profile_defaults(args, target, draft, names: list[str]) -> tuple[list[str], 
 
     profiled = find_profile(target, draft) is not None
     chosen = None
-    if args.budgets is None and profiled:
-        chosen = profile_sources(target, draft).get("drafter")
+    if args.budgets is None and profiled:  # the choice measured for this temperature (greedy or sampled)
+        sources = profile_sources(target, draft, args.temperature)
+        chosen = sources.get("drafter") if sources.get("tree", "opt") == "opt" else None
         if chosen in (None, "model") or "opt" not in names:
             chosen = None
         else:
@@ -118,19 +119,21 @@ def profile_defaults(args, target, draft, names: list[str]) -> tuple[list[str], 
     if args.budgets is None:
         args.budgets = "auto" if profiled else BENCH_BUDGETS
     if args.delta is None:
-        args.delta = auto_settings(target, draft)[1] if profiled else DEFAULT_DELTA
+        args.delta = auto_settings(target, draft, temperature=args.temperature)[1] if profiled else DEFAULT_DELTA
     return names, chosen
 
 
-def parse_budgets(text: str, delta: float, target, draft, drafter: str | None = None) -> list[tuple[int, float | None]]:
+def parse_budgets(text: str, delta: float, target, draft, drafter: str | None = None, temperature: float = 0.0
+                  ) -> list[tuple[int, float | None]]:
     """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated
-    budget (the one measured with `drafter`, when that is the profile's choice) and delta."""
+    budget (the one measured with `drafter`, when that is the profile's choice) and delta, for greedy
+    decoding or for sampling as `temperature` says."""
     budgets = []
     for item in parse_list(text, str, "--budgets"):
         if item == "auto":
             from ..profiles import auto_settings
 
-            budget, auto_delta = auto_settings(target, draft, drafter)
+            budget, auto_delta = auto_settings(target, draft, drafter, temperature)
             budgets.append((budget, auto_delta))
             continue
         if not item.isdigit() or int(item) < 1:
@@ -179,7 +182,8 @@ def cmd_bench(args) -> int:
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
     names, chosen = profile_defaults(args, target, draft, names)
-    specs = same_everywhere(expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen)),
+    specs = same_everywhere(expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen,
+                                                         args.temperature)),
                             "methods and budgets")  # under --tp, every rank runs the same
     from ..parts import shipped_part
 
