@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -159,6 +160,9 @@ def resolve_device(name: str) -> "torch.device":
     return device
 
 
+DTYPE_ROUNDS = 3  # --dtype auto's measurement: rounds over both dtypes, the median kept
+
+
 def auto_dtype(target_path, draft_path, device: "torch.device", tokens: int = 9, draft_layers: int = 3) -> str:
     """--dtype auto: the dtype in which one tree step (a target forward over `tokens` tokens and
     `draft_layers` draft forwards) measures faster here; cached per model pair and hardware."""
@@ -175,12 +179,13 @@ def auto_dtype(target_path, draft_path, device: "torch.device", tokens: int = 9,
     cache = profile_dir() / f"dtype-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if cache.exists():
         return json.loads(cache.read_text())["dtype"]
-    step_ms = {}
-    for name in ("bfloat16", "float32"):
-        target = load_model(target_path, torch_dtype(name)).to(device)
-        step_ms[name] = forward_ms(target, tokens)
-        if draft_path:
-            step_ms[name] += draft_layers * forward_ms(load_model(draft_path, torch_dtype(name)).to(device), tokens - 1)
+    pairs = {name: (load_model(target_path, torch_dtype(name)).to(device),
+                    draft_path and load_model(draft_path, torch_dtype(name)).to(device)) for name in ("bfloat16", "float32")}
+    rounds = {name: [] for name in pairs}
+    for _ in range(DTYPE_ROUNDS):  # interleaved, so that a machine's drift or a slow start falls on both
+        for name, (target, draft) in pairs.items():
+            rounds[name].append(forward_ms(target, tokens) + (draft_layers * forward_ms(draft, tokens - 1) if draft else 0))
+    step_ms = {name: statistics.median(ms) for name, ms in rounds.items()}
     chosen = choose_dtype(step_ms)
     print(f"opttree: --dtype auto chose {chosen}: a tree step (target over {tokens} tokens + {draft_layers} draft "
           f"layers) measured {step_ms['bfloat16']:.1f} ms in bfloat16 and {step_ms['float32']:.1f} ms in float32 "
