@@ -16,6 +16,10 @@ def test_a_curve_where_bf16_loses_chooses_fp32():
     assert hardware.choose_dtype({"bfloat16": 43.4, "float32": 22.5}) == "float32"  # AVX2-like
     assert hardware.choose_dtype({"bfloat16": 17.7, "float32": 19.4}) == "bfloat16"  # bf16 hardware
     assert hardware.choose_dtype({"bfloat16": 20.0, "float32": 19.5}) == "bfloat16"  # a tie: half the memory
+    # without bf16 hardware a tie goes to float32 (bf16's cost grows faster with the tree there)
+    assert hardware.choose_dtype({"bfloat16": 99.9, "float32": 98.8}, bf16_hardware=False) == "float32"
+    assert hardware.choose_dtype({"bfloat16": 95.0, "float32": 98.8}, bf16_hardware=False) == "float32"
+    assert hardware.choose_dtype({"bfloat16": 80.0, "float32": 98.8}, bf16_hardware=False) == "bfloat16"
 
 
 def test_the_key_follows_restricted_kernels():

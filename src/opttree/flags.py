@@ -186,7 +186,7 @@ def auto_dtype(target_path, draft_path, device: "torch.device", tokens: int = 9,
         for name, (target, draft) in pairs.items():
             rounds[name].append(forward_ms(target, tokens) + (draft_layers * forward_ms(draft, tokens - 1) if draft else 0))
     step_ms = {name: statistics.median(ms) for name, ms in rounds.items()}
-    chosen = choose_dtype(step_ms)
+    chosen = choose_dtype(step_ms, bf16_hardware=hardware_key(device).get("bf16_hardware", False))
     print(f"opttree: --dtype auto chose {chosen}: a tree step (target over {tokens} tokens + {draft_layers} draft "
           f"layers) measured {step_ms['bfloat16']:.1f} ms in bfloat16 and {step_ms['float32']:.1f} ms in float32 "
           f"on this machine ({describe(hardware_key(device))}); cached in {cache}", file=sys.stderr)

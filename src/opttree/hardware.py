@@ -75,10 +75,13 @@ def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     return 1000 * statistics.median(times[1:])
 
 
-def choose_dtype(step_ms: dict[str, float]) -> str:
-    """The dtype whose measured step costs least; bfloat16 on a tie within 5 % (half the memory).
+def choose_dtype(step_ms: dict[str, float], bf16_hardware: bool = True) -> str:
+    """The dtype whose measured step costs least. On a tie within 5 %: bfloat16 where the CPU has bf16
+    hardware (half the memory), float32 where it has not (there bfloat16's cost grows faster with the
+    tree's size than the measured step shows, and float32 is the exact reference).
     step_ms: {dtype name: ms of a target forward over budget + 1 tokens (+ the draft's)}."""
     best = min(step_ms, key=step_ms.get)
-    if "bfloat16" in step_ms and step_ms["bfloat16"] <= 1.05 * step_ms[best]:
-        return "bfloat16"
+    tie = "bfloat16" if bf16_hardware else "float32"
+    if tie in step_ms and step_ms[tie] <= 1.05 * step_ms[best]:
+        return tie
     return best
