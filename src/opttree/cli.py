@@ -301,11 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Loggers of libraries imported with transformers that warn on every command about their own packaging
+# (torchao's kernels built for another Python; torch's deprecation of torchao's Enum registration)
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def quiet_transformers() -> None:
-    """No weight-loading progress bars on every command."""
+    """No weight-loading progress bars on every command, and no warnings that are not about the command."""
+    import logging as stdlib_logging
+
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    for name in NOISY_LOGGERS:
+        stdlib_logging.getLogger(name).setLevel(stdlib_logging.ERROR)
 
 
 def silence_other_ranks(args):
