@@ -59,6 +59,40 @@ def test_hybrids_are_identical_to_generate(model_type):
             assert out.stats.mean_accepted_length > 2, out.stats
 
 
+# Hybrids whose layer pattern is set by their own fields (no `layer_types`): tiny configs that their own
+# generate runs on a CPU (the torch fallbacks of the Mamba kernels)
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+PATTERNED = {
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  mamba_dt_rank=8),  # Mamba + attention, mixture of experts (Jamba)
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8,
+                  mamba_chunk_size=16),  # Mamba-2 + attention (Bamba)
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=16, head_dim=16),  # Mamba-2 and attention side by side in each layer
+    "zamba2": dict(mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, chunk_size=16, num_key_value_heads=4,
+                   layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], use_mem_rope=False),  # shared attention
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(PATTERNED))
+def test_patterned_hybrids_are_identical_to_generate(model_type):
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[model_type](**{**SMALL, **PATTERNED[model_type]})
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert has_state(target) and probe_chains(target) is None
+    reference = hf_greedy(target, PROMPT, 24, eos_token_id=[])
+    draft = tiny_model("llama", vocab=96, hidden=32, layers=1, seed=3)
+    for model_draft, options in [(Oracle(reference, 96), {"budget": 8}), (draft, {"budget": 4}), (None, {"budget": 4})]:
+        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=24, eos_token_id=[], **options)
+        assert torch.equal(out.sequences, reference), (model_type, options)
+        if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
+            assert out.stats.mean_accepted_length > 2, out.stats
+
+
 def test_sampled_tokens_follow_the_target_distribution():
     target = hybrid("lfm2", vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.6)
     draft = tiny_model("llama", vocab=6, hidden=32, layers=1, seed=4, init=0.6)
