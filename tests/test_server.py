@@ -336,3 +336,28 @@ def test_default_limits_follow_the_device_and_never_refuse_the_servers_own_setti
     assert Limits.for_device("cpu") == Limits(64, 64)
     assert Limits.for_device("cuda") == Limits(256, 64)
     assert Limits.for_device("cpu", budget=100, max_depth=80) == Limits(100, 80)
+
+
+def test_metrics_count_queue_time_and_what_is_running(pair):
+    target, draft, tok = pair
+    url = start(Server(target, draft, tok, TREE, model_name="demo"))
+
+    def metric(name: str) -> float:
+        return float(next(l for l in httpx.get(url + "/metrics").text.splitlines() if l.startswith(name + " ")).split()[-1])
+
+    assert metric("opttree:num_requests_running") == 0
+    long = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 200, "temperature": 0}))
+    long.start()
+    for _ in range(500):
+        if metric("opttree:num_requests_running") == 1:
+            break
+        time.sleep(0.01)
+    assert metric("opttree:num_requests_running") == 1  # the long request decodes ...
+    waited = time.perf_counter()
+    httpx.post(url + "/v1/completions", timeout=120, json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    waited = time.perf_counter() - waited
+    long.join()
+    assert metric("opttree:num_requests_running") == 0
+    assert metric("opttree:request_queue_time_seconds_count") == 2
+    assert 0 < metric("opttree:request_queue_time_seconds_sum") < waited  # ... while the short one waited its turn

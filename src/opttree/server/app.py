@@ -154,6 +154,9 @@ class Metrics:
                               "new tokens per step, bonus included, over all requests", registry=r)
         self.latency = prom.Histogram("opttree:e2e_request_latency_seconds", "request latency", registry=r)
         self.waiting = prom.Gauge("opttree:num_requests_waiting", "requests queued or running", registry=r)
+        self.running = prom.Gauge("opttree:num_requests_running", "requests decoding now (0 or 1)", registry=r)
+        self.queue_time = prom.Histogram("opttree:request_queue_time_seconds", "time a request waited for its turn",
+                                         registry=r)
         self._tokens = self._steps = 0
 
     def observe(self, stats) -> None:
@@ -270,6 +273,11 @@ class Turns:
             ticket.running = ticket in self._line  # else it left the line (closed) before its turn
             return ticket.running
 
+    def running(self) -> int:
+        """How many tickets are decoding now (0 or 1)."""
+        with self._changed:
+            return int(bool(self._line) and self._line[0].running)
+
     def leave(self, ticket: Ticket, unless_running: bool = False) -> None:
         with self._changed:
             if not (unless_running and ticket.running):
@@ -290,6 +298,7 @@ class Job:
         self.ticket = turns.join()
         self.cancelled = threading.Event()
         self.complete = False  # the generation ran to its end (length, EOS or stop)
+        self.joined, self.waited_s = time.perf_counter(), None  # seconds before its turn, once it began
 
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self.expired.is_set()
@@ -297,6 +306,7 @@ class Job:
     def chunks(self) -> Iterator[list[int]]:
         if not self.turns.wait(self.ticket, self.stopped):
             return
+        self.waited_s = time.perf_counter() - self.joined
         steps = iter(self.run)
         try:
             for chunk in steps:
@@ -346,6 +356,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         server.metrics.waiting.set(server.pending)
+        server.metrics.running.set(server.turns.running())
         return PlainTextResponse(prom.generate_latest(server.metrics.registry).decode(),
                                  media_type=prom.CONTENT_TYPE_LATEST)
 
@@ -381,6 +392,8 @@ def create_app(server: Server) -> FastAPI:
             server.pending -= 1
             server.metrics.observe(run.stats)
             server.metrics.latency.observe(time.perf_counter() - began)
+            if job.waited_s is not None:
+                server.metrics.queue_time.observe(job.waited_s)
             server.metrics.requests.labels(request.url.path, status).inc()
 
         if not req.stream:
