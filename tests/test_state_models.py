@@ -35,32 +35,8 @@ class Oracle(ScriptedDrafter):
         return torch.log_softmax(logq, dim=-1)
 
 
-def hybrid(model_type: str, **extra):
-    if model_type == "granitemoehybrid":
-        extra.setdefault("mamba_chunk_size", 8)  # transformers' torch chunk scan pads every forward to a chunk
-    try:
-        return tiny(model_type, "sdpa", layer_types=HYBRIDS[model_type], **extra)
-    except ValueError:
-        return tiny(model_type, "eager", layer_types=HYBRIDS[model_type], **extra)
-
-
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
-def test_hybrids_are_identical_to_generate(model_type):
-    target = hybrid(model_type)
-    assert has_state(target) and probe_chains(target) is None
-    reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
-    vocab = target.get_output_embeddings().weight.shape[0]
-    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
-    for model_draft, options in [(Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}),
-                                 (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})]:
-        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=30, eos_token_id=[], **options)
-        assert torch.equal(out.sequences, reference), (model_type, options)
-        if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
-            assert out.stats.mean_accepted_length > 2, out.stats
-
-
-# Hybrids whose layer pattern is set by their own fields (no `layer_types`): tiny configs that their own
-# generate runs on a CPU (the torch fallbacks of the Mamba kernels)
+# Hybrids whose layer pattern is set by their own fields (no `layer_types`; the sweep's generic tiny config
+# breaks them): small configs that their own generate runs on a CPU (the torch fallbacks of the Mamba kernels)
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
 PATTERNED = {
@@ -76,18 +52,31 @@ PATTERNED = {
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(PATTERNED))
-def test_patterned_hybrids_are_identical_to_generate(model_type):
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+def hybrid(model_type: str, **extra):
+    if model_type in PATTERNED:
+        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    config = CONFIG_MAPPING[model_type](**{**SMALL, **PATTERNED[model_type]})
-    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        torch.manual_seed(0)
+        config = CONFIG_MAPPING[model_type](**{**SMALL, **PATTERNED[model_type], **extra})
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    if model_type == "granitemoehybrid":
+        extra.setdefault("mamba_chunk_size", 8)  # transformers' torch chunk scan pads every forward to a chunk
+    try:
+        return tiny(model_type, "sdpa", layer_types=HYBRIDS[model_type], **extra)
+    except ValueError:
+        return tiny(model_type, "eager", layer_types=HYBRIDS[model_type], **extra)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(PATTERNED))
+def test_hybrids_are_identical_to_generate(model_type):
+    target = hybrid(model_type)
     assert has_state(target) and probe_chains(target) is None
-    reference = hf_greedy(target, PROMPT, 24, eos_token_id=[])
-    draft = tiny_model("llama", vocab=96, hidden=32, layers=1, seed=3)
-    for model_draft, options in [(Oracle(reference, 96), {"budget": 8}), (draft, {"budget": 4}), (None, {"budget": 4})]:
-        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=24, eos_token_id=[], **options)
+    reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
+    for model_draft, options in [(Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}),
+                                 (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})]:
+        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=30, eos_token_id=[], **options)
         assert torch.equal(out.sequences, reference), (model_type, options)
         if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
             assert out.stats.mean_accepted_length > 2, out.stats
