@@ -52,8 +52,10 @@ def test_empty_and_malformed_prompts(pair):
         opttree.generate(target, torch.empty(1, 0, dtype=torch.long), draft)
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 96\)"):
         opttree.generate(target, torch.tensor([[3, 500]]), draft)
-    with pytest.raises(NotImplementedError, match="batch size 2"):
-        opttree.generate(target, torch.ones(2, 3, dtype=torch.long), draft)
+    with pytest.raises(ValueError, match=r"must have shape \(1, T\) or \(T,\)"):
+        opttree.generate(target, torch.ones(1, 2, 3, dtype=torch.long), draft)
+    with pytest.raises(ValueError, match="must be in"):  # a batch's rows are checked one by one
+        opttree.generate(target, torch.tensor([[3, 5], [3, 500]]), draft)
     still_works(target, draft)
 
 

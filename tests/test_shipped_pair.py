@@ -67,10 +67,10 @@ def test_demo_warns_when_the_machine_looked_disturbed(capsys, monkeypatch):
 
 def test_demo_says_which_prompt_differs_and_where(capsys, monkeypatch):
     """A drafted output that differs from plain decoding (forced here) is named: prompt and token."""
-    import opttree.engine
+    import opttree.speculator
     from opttree.cli import DEMO_PROMPTS
 
-    real = opttree.engine.generate
+    real = opttree.speculator.generate
     second = opttree.demo_models()[2](DEMO_PROMPTS[1], return_tensors="pt").input_ids
 
     def altered(target, ids, draft, **kwargs):
@@ -80,7 +80,7 @@ def test_demo_says_which_prompt_differs_and_where(capsys, monkeypatch):
             out.sequences[0, ids.shape[1] + 2] += 1  # new token 2 changes
         return out
 
-    monkeypatch.setattr(opttree.engine, "generate", altered)
+    monkeypatch.setattr(opttree.speculator, "generate", altered)
     assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["identical_to_ar"] == 2 and report["differences"] == [{"prompt": 2, "token": 2}]

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 import opttree
 from opttree.cache import cache_argument, compact, static_cache
-from opttree.engine import use_static
+from opttree.speculator import use_static
 from opttree.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
 from opttree.verify import verify_tree
 

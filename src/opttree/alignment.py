@@ -36,7 +36,7 @@ def paired_logits(
     temperature 0, sampled otherwise), then one forward of each model over prompt + continuation.
     Yields float32 (target logits (P, V), draft logits (P, V)) at the P positions that predict the
     continuation's tokens, on the CPU; a padded (or shorter) draft's logits over the target's V ids."""
-    from .engine import generate
+    from .speculator import generate
 
     for i, prompt in enumerate(prompts_ids):
         prompt = torch.as_tensor(prompt).view(-1)

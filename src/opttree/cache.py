@@ -114,18 +114,66 @@ def compact(cache: Cache, start: int, keep: torch.Tensor) -> None:
 
     keep: (K,) long offsets relative to `start`, increasing. In place; the cache ends at start + K.
     """
-    end = start + keep.shape[0]
+    compact_rows(cache, [start], start, [keep])
+
+
+def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch.Tensor]) -> None:
+    """Per row b of the batch: keep positions [0, starts[b]) and the rows `source + keeps[b]`, moved to
+    starts[b], starts[b] + 1, ...; drop the rest. The cache then ends at the longest row's end; a
+    shorter row's positions past its own end are padding that its masks never attend to.
+
+    source: where the step's rows begin (the longest row's prefix; = starts[0] for one sequence).
+    keeps: per row, (K_b,) long offsets relative to `source`, increasing. In place.
+    """
+    end = max(start + keep.shape[0] for start, keep in zip(starts, keeps))
     for layer in cache.layers:
-        if isinstance(layer, RollbackLayer):
-            layer.keep(start, keep)
+        if isinstance(layer, RollbackLayer):  # the static path: one sequence, rows at its prefix
+            assert len(starts) == 1 and source == starts[0], "a static cache holds one sequence"
+            layer.keep(starts[0], keeps[0])
             continue
         if layer.keys is None or layer.keys.numel() == 0:
             continue
-        rows = start + keep
-        layer.keys[..., start:end, :] = layer.keys[..., rows, :]  # (B, H, K, Dh); the gather copies first
-        layer.values[..., start:end, :] = layer.values[..., rows, :]
+        for row, (start, keep) in enumerate(zip(starts, keeps)):
+            rows, stop = source + keep, start + keep.shape[0]
+            layer.keys[row, :, start:stop] = layer.keys[row, :, rows]  # (H, K, Dh); the gather copies first
+            layer.values[row, :, start:stop] = layer.values[row, :, rows]
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
+
+
+def stack_rows(caches: list[Cache], lengths: list[int]) -> Cache:
+    """B caches of one sequence each, of `lengths` positions (0: nothing cached) -> one dynamic cache of B
+    rows, each padded at its end to the longest; the padding is never attended to (the tree masks)."""
+    longest = max(lengths)
+    filled = [cache for cache, length in zip(caches, lengths) if length]
+    if not filled:
+        return new_cache()
+    data = []
+    for i, layer in enumerate(filled[0].layers):
+        if layer.keys is None or layer.keys.numel() == 0:  # a layer that shares another's keys
+            data.append((None, None))
+            continue
+        pair = []
+        for kind in ("keys", "values"):
+            like = getattr(layer, kind)  # (1, H, T, Dh)
+            rows = [getattr(cache.layers[i], kind)[..., :length, :] if length else like[..., :0, :]
+                    for cache, length in zip(caches, lengths)]
+            pair.append(torch.cat([torch.cat([states, like.new_zeros(*like.shape[:2], longest - states.shape[2],
+                                                                      like.shape[3])], dim=2) for states in rows]))
+        data.append(tuple(pair))  # (B, H, longest, Dh) each
+    return DynamicCache(ddp_cache_data=data)
+
+
+def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
+    """Keep the batch rows `rows` (their positions: `lengths`), in that order; the cache then ends at the
+    longest of them. In place."""
+    end = max(lengths)
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = torch.tensor(rows, device=layer.keys.device)
+        layer.keys = layer.keys.index_select(0, index)[..., :end, :]
+        layer.values = layer.values.index_select(0, index)[..., :end, :]
 
 
 def truncate(cache: Cache, length: int) -> None:

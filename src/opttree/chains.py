@@ -45,13 +45,20 @@ class ChainVerifier:
     """One step's verification of a tree on a state model: `logits`, then `commit` after acceptance (the
     calls of `opttree.verify.TreeVerifier`)."""
 
+    rows = 1  # one sequence: its cache's batch axis holds the chains
+
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.saved: list[dict] | None = None
 
-    def logits(self, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int) -> torch.Tensor:
-        """(N + 1, V) the target's logits at [root] + nodes; the cache is replicated and extended (and
-        restored by `commit`)."""
+    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]
+               ) -> list[torch.Tensor]:
+        """[(N + 1, V)] the target's logits at [root] + nodes of the one row; the cache is replicated and
+        extended (and restored by `commit`)."""
+        (root,), (tree,), (prefix_len,) = roots, trees, prefix_lens
+        return [self._logits(cache, root, tree, prefix_len)]
+
+    def _logits(self, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int) -> torch.Tensor:
         device = root.device
         if len(tree) == 0:  # the root alone: it is the step's one committed token, nothing to restore
             self.saved = None
@@ -69,8 +76,10 @@ class ChainVerifier:
         nodes = out[chain_of, tree.depths]  # (N, V): node i's logits sit at column depth_i of its chain
         return torch.cat([out[0, :1], nodes])  # (N+1, V)
 
-    def commit(self, cache: Cache, root: torch.Tensor, tree: DraftTree, accepted: torch.Tensor, prefix_len: int) -> None:
+    def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
+               prefix_lens: list[int]) -> None:
         """Back to the saved cache, then the root and the accepted nodes' tokens (A,) through it."""
+        (root,), (tree,), (accepted,), (prefix_len,) = roots, trees, accepted, prefix_lens
         if self.saved is None:  # an empty tree: the cache already holds the root
             return
         for layer, state in zip(cache.layers, self.saved):
@@ -115,11 +124,11 @@ def probe_chains(model: PreTrainedModel) -> str | None:
         verifier._run(cache, tokens[None, :6], 0)  # the prefill
         tree = DraftTree(tokens[7:10], torch.tensor([-1, 0, 1], device=device), torch.tensor([1, 2, 3], device=device),
                          torch.zeros(3, device=device), torch.full((3,), -1, device=device))
-        logits = verifier.logits(cache, tokens[6], tree, 6)  # (4, V): one chain, positions 6..9
+        (logits,) = verifier.logits(cache, [tokens[6]], [tree], [6])  # (4, V): one chain, positions 6..9
         if not _close(logits, full[6:10]):
             return "a forward of several new tokens from a cached state differs from a forward of the whole sequence"
-        verifier.commit(cache, tokens[6], tree, torch.tensor([0, 1], device=device), 6)  # root + 2: the cache holds 0..8
-        step = ChainVerifier(model).logits(cache, tokens[9], DraftTree.empty(device), 9)  # (1, V) at position 9
+        verifier.commit(cache, [tokens[6]], [tree], [torch.tensor([0, 1], device=device)], [6])  # root + 2: the cache holds 0..8
+        (step,) = ChainVerifier(model).logits(cache, [tokens[9]], [DraftTree.empty(device)], [9])  # (1, V) at position 9
         if not _close(step, full[9:10]):
             return "after restoring the saved state and replaying the accepted tokens, the next step differs"
     return None

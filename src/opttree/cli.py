@@ -76,7 +76,7 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from .bench.calibrate import calibrate_first
-    from .engine import stream
+    from .speculator import stream
     from .text import TextStream
 
     prompt = read_prompt(args)
@@ -151,7 +151,7 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 def cmd_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
     from .bench.calibrate import calibrate_first, noise_problem, probe_ms
-    from .engine import generate
+    from .speculator import generate
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings

@@ -48,7 +48,7 @@ class SpecConfig:
     length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
     # The static path: the target's tree forwards have one shape (the tree padded to the budget, keys over a
     # preallocated cache compacted in place), what torch.compile and CUDA graphs need (`opttree.compile_model`).
-    # None = on for a target compiled by `compile_model`, else off (`opttree.engine.use_static`)
+    # None = on for a target compiled by `compile_model`, else off (`opttree.speculator.use_static`)
     static: bool | None = None
 
     def __post_init__(self) -> None:

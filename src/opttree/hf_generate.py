@@ -20,7 +20,7 @@ import inspect
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .engine import stream
+from .speculator import stream
 from .genconfig import Rules, per_node_processors, sampling_settings, stopping_settings
 from .stats import GenerationStats
 

@@ -91,17 +91,21 @@ def tree_attention_mask(parents: torch.Tensor, prefix_len: int, ancestors: torch
 
 
 def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int,
-                     ancestors: torch.Tensor | None = None) -> torch.Tensor:
+                     ancestors: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
     """The fixed-shape version of `tree_attention_mask`: [root] + N nodes padded to `width` nodes, over
-    a preallocated cache of `capacity` positions (where the W + 1 rows land at prefix_len, ...).
-    (W + 1, capacity) bool: the real rows as `tree_attention_mask`'s, False past them; a padding row
-    attends to itself only (its output is never read, and no row is all-masked)."""
+    `capacity` keys where the W + 1 rows land at `start` (default prefix_len). (W + 1, capacity) bool:
+    the real rows see the prefix [0, prefix_len) and their tree, nothing else (keys in [prefix_len,
+    start) are another sequence's longer prefix in a batch, keys past the tree a preallocated cache's
+    unused rows); a padding row attends to itself only (its output is never read, and no row is all-masked)."""
     n = parents.shape[0]
-    assert n <= width and prefix_len + width + 1 <= capacity, (n, width, prefix_len, capacity)
+    start = prefix_len if start is None else start
+    assert n <= width and prefix_len <= start and start + width + 1 <= capacity, (n, width, prefix_len, start, capacity)
     allowed = torch.zeros(width + 1, capacity, dtype=torch.bool, device=parents.device)  # (W+1, C)
-    allowed[: n + 1, : prefix_len + n + 1] = tree_attention_mask(parents, prefix_len, ancestors)
+    allowed[: n + 1, :prefix_len] = True
+    tree = tree_attention_mask(parents, 0, ancestors)  # (N+1, N+1) over [root] + nodes
+    allowed[: n + 1, start : start + n + 1] = tree
     pad = torch.arange(n + 1, width + 1, device=parents.device)  # (W-N,)
-    allowed[pad, prefix_len + pad] = True
+    allowed[pad, start + pad] = True
     return allowed
 
 

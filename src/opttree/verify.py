@@ -12,11 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
 from .attention import key_positions, layer_masks, mask_layout
-from .cache import cache_argument, capacity, compact, is_static, truncate
+from .cache import cache_argument, capacity, compact_rows, is_static
 from .config import SpecConfig
 from .device import static_step
 from .sampling import PositionNoise, race, target_probs, warp_logits
-from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
+from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,23 @@ class StepReadout:
     def read(tree: DraftTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> "StepReadout":
         """One `.tolist()` of (length, depth, bonus, tokens and slots along the path). path: (N,) from
         `accept_path`, its first `length` entries the accepted nodes."""
-        n = len(tree)
-        depth = tree.depths.max().view(1) if n else tree.depths.new_zeros(1)
-        values = torch.cat([length.view(1), depth, bonus.view(1), tree.tokens[path], tree.draft_slots[path]]).tolist()
-        a = values[0]
-        return StepReadout(a, values[3 : 3 + a] + [values[2]], values[3 + n : 3 + n + a], values[1])
+        return StepReadout.read_rows([(tree, path, length, bonus)])[0]
+
+    @staticmethod
+    def read_rows(rows: list[tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list["StepReadout"]:
+        """`read` for every row of a batch, in one `.tolist()`: (tree, path, length, bonus) per row."""
+        parts = []
+        for tree, path, length, bonus in rows:
+            depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
+            parts += [length.view(1).to(tree.tokens.device), depth, bonus.view(1), tree.tokens[path],
+                      tree.draft_slots[path]]
+        values, out, at = torch.cat(parts).tolist(), [], 0
+        for tree, *_ in rows:
+            n, (a, depth, bonus) = len(tree), values[at : at + 3]
+            row = values[at + 3 : at + 3 + 2 * n]
+            out.append(StepReadout(a, row[:a] + [bonus], row[n : n + a], depth))
+            at += 3 + 2 * n
+        return out
 
 
 @dataclass(frozen=True)
@@ -101,18 +113,39 @@ def masked_forward(
     static cache's capacity); None = causal (the model's own mask). `forward`: what runs the model
     (default: the model itself). `keys`: returns the (K,) positions of the keys, for layers with a
     window (`opttree.attention`); default: the cache holds positions 0..K-Q-1 and the new rows follow.
-    Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)).
+    A batch: input_ids and positions (B, Q), allowed (B, Q, K), `keys` returns (B, K).
+    Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)); a batch
+    keeps its batch axis: (B, Q, V), ((B, Q, H), ...).
     """
-    with masked_attention_kernels(input_ids.device):
+    batched = input_ids.dim() == 2
+    ids, where = (input_ids, positions) if batched else (input_ids[None], positions[None])  # (B, Q)
+    bias = None
+    if allowed is not None:
+        rows = allowed if batched else allowed[None]  # (B, Q, K)
+        count = rows.shape[0]
+        row_keys = [lambda b=b: keys()[b] for b in range(count)] if batched and keys is not None else [keys] * count
+        bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
+    with masked_attention_kernels(ids.device):
         out = (forward or model)(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=None if allowed is None else attention_bias(model, allowed, positions, keys),
+            input_ids=ids,
+            position_ids=where,
+            attention_mask=bias,
             **{cache_argument(model): cache},
             use_cache=True,
             output_hidden_states=hidden,
         )
+    if batched:
+        return (out.logits, out.hidden_states) if hidden else out.logits  # (B, Q, V), ((B, Q, H),)
     return (out.logits[0], tuple(h[0] for h in out.hidden_states)) if hidden else out.logits[0]  # (Q, V), ((Q, H),)
+
+
+def _stack(masks: list) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Per-row 4D masks (1, 1, Q, K) (or dicts of them, by layer type) -> one (B, 1, Q, K) (or a dict)."""
+    if len(masks) == 1:
+        return masks[0]
+    if isinstance(masks[0], dict):
+        return {kind: torch.cat([mask[kind] for mask in masks]) for kind in masks[0]}
+    return torch.cat(masks)
 
 
 def attention_bias(model, allowed: torch.Tensor, positions: torch.Tensor,
@@ -154,47 +187,66 @@ def verify_tree(
     """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
     call and `prefix_len + N + 1` after it (a static cache: `prefix_len + W + 1`, compaction drops the
     padding). Returns logits (N + 1, V): row 0 = root; with `hidden`, (logits, every layer's hidden
-    states ((N + 1, H), ...)).
+    states ((N + 1, H), ...)). One sequence of `verify_trees`."""
+    return verify_trees(target, cache, [root], [tree], [prefix_len], hidden, width, compiled)[0]
 
-    Over a static cache (`opttree.cache.static_cache`) the forward has one shape per `width`: the tree is
-    padded to `width` nodes (padding rows attend to themselves only and are never read) and the keys
-    span the cache's whole capacity; it runs the model's compiled step if it has one (`static_step`)
-    and `compiled`."""
-    tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
-    positions = position_ids(tree.depths, prefix_len)  # (N+1,)
-    if not is_static(cache):  # no tree: one token after the cache, the model's own causal mask
-        allowed = tree_attention_mask(tree.parents, prefix_len, tree.ancestors) if len(tree) else None  # (N+1, P+N+1)
-        return masked_forward(target, cache, tokens, positions, allowed, hidden)
-    n, width = len(tree), max(width, len(tree))  # a tree past the width gets a shape of its own
-    allowed = padded_tree_mask(tree.parents, prefix_len, width, capacity(cache), tree.ancestors)  # (W+1, C)
-    forward = static_step(target) if compiled and cache.is_initialized else target  # a first forward allocates: eager
-    padded = pad_nodes(positions, width, prefix_len)  # (W+1,)
-    out = masked_forward(target, cache, pad_nodes(tokens, width, 0), padded, allowed, hidden, forward,
-                         keys=lambda: key_positions(prefix_len, padded, capacity(cache)))
+
+def verify_trees(
+    target: PreTrainedModel, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int],
+    hidden: bool = False, width: int = 0, compiled: bool = True,
+) -> list:
+    """One target forward over a batch of [root] + tree, one row per sequence: row b's cache holds its
+    `prefix_lens[b]` committed tokens (the cache itself is as long as the longest). Every tree is padded
+    to the widest (padding rows attend to themselves only and are never read) and lands after the
+    longest prefix; a row attends to its own prefix and its own tree's ancestors, nothing else, at
+    positions prefix_len + depth. Returns per row the logits (N_b + 1, V), row 0 = root; with `hidden`,
+    (logits, every layer's hidden states ((N_b + 1, H), ...)).
+
+    Over a static cache (`opttree.cache.static_cache`, one sequence) the forward has one shape per
+    `width`: the tree is padded to `width` nodes and the keys span the cache's whole capacity; it runs
+    the model's compiled step if it has one (`static_step`) and `compiled`."""
+    static, start = is_static(cache), max(prefix_lens)  # the step's rows land at the longest prefix
+    assert not static or len(trees) == 1, "a static cache holds one sequence"
+    sizes = [len(tree) for tree in trees]
+    width = max(width, *sizes) if static else max(sizes)  # a tree past the static width gets a shape of its own
+    keys = capacity(cache) if static else start + width + 1
+    tokens = torch.stack([pad_nodes(torch.cat([root.view(1), tree.tokens]), width, 0)
+                          for root, tree in zip(roots, trees)])  # (B, W+1)
+    positions = torch.stack([pad_nodes(position_ids(tree.depths, p), width, p)
+                             for tree, p in zip(trees, prefix_lens)])  # (B, W+1)
+    if not static and width == 0 and all(p == start for p in prefix_lens):
+        allowed = None  # the roots alone, one token after each cache: the model's own causal mask
+    else:
+        allowed = torch.stack([padded_tree_mask(tree.parents, p, width, keys, tree.ancestors, start)
+                               for tree, p in zip(trees, prefix_lens)])  # (B, W+1, K)
+    forward = static_step(target) if static and compiled and cache.is_initialized else None  # a first forward allocates
+    out = masked_forward(target, cache, tokens, positions, allowed, hidden, forward,
+                         keys=lambda: torch.stack([key_positions(start, row, keys) for row in positions]))
+    logits, states = out if hidden else (out, None)  # (B, W+1, V), ((B, W+1, H),)
     if not hidden:
-        return out[: n + 1]  # (N+1, V)
-    logits, states = out
-    return logits[: n + 1], tuple(h[: n + 1] for h in states)
+        return [logits[b, : n + 1] for b, n in enumerate(sizes)]
+    return [(logits[b, : n + 1], tuple(h[b, : n + 1] for h in states)) for b, n in enumerate(sizes)]
 
 
 class TreeVerifier:
-    """A KV model's verification step: `logits` runs one forward over [root] + tree under the tree mask
-    (`verify_tree`); `commit` compacts the cache to the root and the accepted path. The other kind is
-    `opttree.chains.ChainVerifier`, for models with state layers; both take the same calls."""
+    """A KV model's verification step: `logits` runs one forward over each row's [root] + tree under its
+    tree mask (`verify_trees`); `commit` compacts each row's cache to its root and accepted path. The
+    other kind is `opttree.chains.ChainVerifier`, for models with state layers; both take the same calls."""
+
+    rows = None  # how many sequences it verifies at once (None: any)
 
     def __init__(self, target: PreTrainedModel, hidden: bool = False, width: int = 0):
         self.target, self.hidden, self.width = target, hidden, width
 
-    def logits(self, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int):
-        """(N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states)."""
-        return verify_tree(self.target, cache, root, tree, prefix_len, self.hidden, self.width)
+    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]) -> list:
+        """Per row, (N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states)."""
+        return verify_trees(self.target, cache, roots, trees, prefix_lens, self.hidden, self.width)
 
-    def commit(self, cache: Cache, root: torch.Tensor, tree: DraftTree, accepted: torch.Tensor, prefix_len: int) -> None:
-        """Keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree."""
-        if accepted.shape[0]:
-            compact(cache, prefix_len, torch.cat([accepted.new_zeros(1), accepted + 1]))
-        else:  # the root alone stays, where it is
-            truncate(cache, prefix_len + 1)
+    def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
+               prefix_lens: list[int]) -> None:
+        """Per row, keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree."""
+        keeps = [torch.cat([path.new_zeros(1), path + 1]) for path in accepted]  # (A + 1,) offsets after the prefix
+        compact_rows(cache, prefix_lens, max(prefix_lens), keeps)
 
 
 def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

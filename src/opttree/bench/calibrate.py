@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..cache import cache_argument, context_window, new_cache, truncate
 from ..drafters import ModelDrafter
-from ..engine import _vocab_size, generate
+from ..speculator import _vocab_size, generate
 from ..hardware import hardware_key
 from ..policies import sequoia
 from ..profiles import (  # noqa: F401 (also read as opttree.bench.calibrate.<name>)

@@ -38,6 +38,10 @@ def register(subparsers) -> None:
                            f"sources include '{source}' (opt:{source}, opt:{source}+lookup, ...)")
     add_length_predictor_arg(bench)
     bench.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (default: 1)")
+    bench.add_argument("--batch", type=int, default=1, help="B > 1: every method also runs groups of B prompts as "
+                       "one batch, beside the same B one after another (labels 'METHOD xB'; tokens/s in aggregate). "
+                       "opttree's methods and hf-ar take batches; transformers' assisted and lookup peers do not "
+                       "(default: 1)")
     bench.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     bench.add_argument("--per-category", type=int, help="at most this many prompts of each category")
     bench.add_argument("--limit", type=int, help="at most this many prompts in all")
@@ -198,7 +202,8 @@ def cmd_bench(args) -> int:
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
-    records = run_bench(target, draft, cases, specs, settings, args.repeats, progress=not args.no_progress)
+    records = run_bench(target, draft, cases, specs, settings, args.repeats, progress=not args.no_progress,
+                        batch=args.batch)
     results = {
         "meta": bench_meta(args, target, draft, settings, specs, len(cases)),
         "prompts": [{"prompt_id": c.prompt.id, "category": c.prompt.category, "prompt_tokens": c.ids.shape[1]}
@@ -225,7 +230,7 @@ def cmd_bench(args) -> int:
 
 def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
-    from ..engine import use_static
+    from ..speculator import use_static
     from . import report
     from .methods import find_method
 

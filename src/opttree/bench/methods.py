@@ -25,7 +25,7 @@ from ..cache import cache_argument
 from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..names import TRAINED_SOURCES
-from ..engine import generate
+from ..speculator import generate
 from ..policies import available, make_policy
 
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of hf-lookup
@@ -75,7 +75,7 @@ class Run:
     verify_s: float | None = None
 
 
-RunFn = Callable[[torch.Tensor], Run]  # prompt ids (1, T) -> Run
+RunFn = Callable[[torch.Tensor], Run]  # prompt ids (1, T) -> Run; a list of them (one batch) -> [Run]
 Factory = Callable[[object, object, Settings, MethodSpec], RunFn]  # (target, draft, settings, spec)
 
 
@@ -122,12 +122,15 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     options.update(profile_options(target, draft, policy, settings.temperature))
     options["draft_temperature"] = settings.draft_temperature if draft is not None else 1.0
 
-    def run(prompt_ids: torch.Tensor) -> Run:
+    def run(prompt_ids: torch.Tensor | list[torch.Tensor]) -> Run | list[Run]:
+        batch = isinstance(prompt_ids, list)  # (1, T) prompts as one batch
         start = time.perf_counter()
-        out = generate(target, prompt_ids, draft, **options)
+        outs = generate(target, [ids[0] for ids in prompt_ids] if batch else prompt_ids, draft, **options)
         elapsed = seconds_since(start, target)
-        return Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed,
-                   out.stats.draft_s, out.stats.verify_s)
+        runs = [Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram),
+                    elapsed / len(prompt_ids) if batch else elapsed, out.stats.draft_s, out.stats.verify_s)
+                for out in (outs if batch else [outs])]
+        return runs if batch else runs[0]
 
     return run
 
@@ -147,7 +150,9 @@ def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int 
         if lookup is not None:
             kwargs["prompt_lookup_num_tokens"] = lookup
 
-        def run(prompt_ids: torch.Tensor) -> Run:
+        def run(prompt_ids: torch.Tensor | list[torch.Tensor]) -> Run | list[Run]:
+            if isinstance(prompt_ids, list):
+                return run_batch(prompt_ids)
             prompt_len = prompt_ids.shape[1]
             if compiled:
                 kwargs.update(compiled_kwargs(target, prompt_len + settings.max_new_tokens))
@@ -161,9 +166,32 @@ def hf_method(assistant: bool = False, schedule: str | None = None, lookup: int 
             histogram = None if emitted is None else accepted_histogram([e - 1 for e in emitted])
             return Run(out[0, prompt_len:].tolist(), len(cache_lens) or None, histogram, elapsed)
 
+        def run_batch(prompts: list[torch.Tensor]) -> list[Run]:
+            """(1, T) prompts as one left-padded batch, as transformers takes one (plain decoding only: its
+            assisted generation and prompt lookup take one sequence). Each run gets an equal share of the time."""
+            if assistant or lookup is not None or compiled:
+                raise ValueError(f"{spec.name} takes one prompt at a time (transformers refuses a batch): leave it "
+                                 "out of a --batch run")
+            width = max(ids.shape[1] for ids in prompts)
+            pad = kwargs["pad_token_id"]
+            ids = torch.stack([torch.cat([ids.new_full((width - ids.shape[1],), pad), ids[0]]) for ids in prompts])
+            mask = torch.stack([torch.arange(width, device=ids.device) >= width - p.shape[1] for p in prompts]).long()
+            torch.manual_seed(settings.seed)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=mask, **kwargs)
+            elapsed = seconds_since(start, target)
+            return [Run(_until_eos(row[width:].tolist(), settings.eos_token_id), None, None, elapsed / len(prompts))
+                    for row in out]
+
         return run
 
     return make
+
+
+def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """A batch row's new tokens up to its EOS (included); transformers pads the rest."""
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
 def compiled_kwargs(target, length: int) -> dict:

@@ -56,10 +56,16 @@ def build_runners(target, draft, specs: list[MethodSpec], settings: Settings) ->
 
 
 def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int = 1,
-              progress: bool = True) -> list[dict]:
-    """Every method on every case, `repeats` times, interleaved. Returns the raw records."""
+              progress: bool = True, batch: int = 1) -> list[dict]:
+    """Every method on every case, `repeats` times, interleaved. Returns the raw records. With `batch`
+    B > 1, every method runs each group of B cases twice, interleaved: one after another (its label), and
+    as one batch (label `METHOD xB`, each row's time an equal share of the batch's)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
+    if batch > 1:
+        return run_batched(target, draft, cases, specs, settings, repeats, progress, batch)
     if not cases:
         raise ValueError("no prompts to run (all filtered out or too long for the target's context)")
     assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
@@ -82,6 +88,39 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
             reference = runs[specs[0].label].token_ids if settings.temperature == 0 else None
             records += [{**record(case, spec, settings, repeat, runs[spec.label], reference), **costs[spec.label]}
                         for spec in specs]
+    bar.close()
+    return records
+
+
+def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int,
+                progress: bool, batch: int) -> list[dict]:
+    """`run_bench` with B > 1: per group of B cases, each method one prompt after another and as one batch."""
+    runners = build_runners(target, draft, specs, settings)
+    warm_up(target, draft, specs, settings, cases[0].ids)
+    for label, runner in runners.items():  # the batch path warms up too, and refuses here, not half-way
+        runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:2]])
+    groups = [cases[i : i + batch] for i in range(0, len(cases), batch)]
+    batched = {spec.label: MethodSpec(spec.name, spec.budget, spec.delta) for spec in specs}
+    records = []
+    bar = tqdm(total=repeats * len(groups) * len(specs) * 2, desc=f"bench (batch {batch})", unit="run",
+               disable=not progress)
+    for repeat in range(repeats):
+        for g, group in enumerate(groups):
+            shift = (g + repeat) % len(specs)
+            alone, together = {}, {}
+            for spec in specs[shift:] + specs[:shift]:
+                bar.set_postfix_str(f"group {g} {spec.label}", refresh=False)
+                alone[spec.label] = [runners[spec.label](case.ids) for case in group]
+                bar.update()
+                together[spec.label] = runners[spec.label]([case.ids for case in group])
+                bar.update()
+            reference = alone[specs[0].label] if settings.temperature == 0 else None
+            for spec in specs:
+                for i, case in enumerate(group):
+                    ref = None if reference is None else reference[i].token_ids
+                    records.append(dict(record(case, spec, settings, repeat, alone[spec.label][i], ref), batch=1))
+                    row = record(case, batched[spec.label], settings, repeat, together[spec.label][i], ref)
+                    records.append(dict(row, label=f"{spec.label} x{len(group)}", batch=len(group)))
     bar.close()
     return records
 

@@ -1,7 +1,10 @@
 """Drafters: who proposes tokens. A tree policy drives a drafter through this protocol.
 
 Optional: a drafter with `prompt_rows = R > 0` also gets `seed(tokens (R,), logits (R, V))`, the
-target's logits at the prompt's last R positions, from the prefill (Token Recycling's cold start).
+target's logits at the prompt's last R positions, from the prefill (Token Recycling's cold start);
+one with `wants_hidden = True` gets the target's hidden states (`seed_hidden`, `Verification.hidden_states`);
+one with `reads_target_cache = True` gets the target's cache after the prefill (`share_target_cache`)
+and decodes one sequence at a time (it drafts on that cache).
 Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
 """
 

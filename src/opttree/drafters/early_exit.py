@@ -130,6 +130,8 @@ class EarlyExitDrafter:
         self.fed = 0  # positions 0..fed-1 are in the exit layer's cache
         self.pending = torch.empty(0, self.exit.norm.weight.shape[-1], device=self.device)  # (P, H) not fed yet
 
+    reads_target_cache = True  # drafts on the target's own cache: the engine shares it (`share_target_cache`)
+
     def share_target_cache(self, cache: DynamicCache) -> None:
         """The target's cache, read at each root (it holds the committed tokens but the root)."""
         self.target_cache = cache

@@ -217,7 +217,8 @@ class DrafterCandidates:
         self.wants_hidden = getattr(drafter, "wants_hidden", False)
         if self.wants_hidden:
             self.seed_hidden = drafter.seed_hidden
-        if hasattr(drafter, "share_target_cache"):
+        self.reads_target_cache = getattr(drafter, "reads_target_cache", False)
+        if self.reads_target_cache:
             self.share_target_cache = drafter.share_target_cache
 
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
@@ -236,6 +237,7 @@ class Sources:
         self.first, self.candidates = first, candidates
         self.prompt_rows = max([getattr(s, "prompt_rows", 0) for s in [first, *candidates]])
         self.wants_hidden = any(getattr(s, "wants_hidden", False) for s in [first, *candidates])
+        self.reads_target_cache = any(getattr(s, "reads_target_cache", False) for s in [first, *candidates])
         self.root_logq: torch.Tensor | None = None
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -254,7 +256,7 @@ class Sources:
 
     def share_target_cache(self, cache) -> None:
         for source in [self.first, *self.candidates]:
-            if hasattr(source, "share_target_cache"):
+            if getattr(source, "reads_target_cache", False):
                 source.share_target_cache(cache)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..engine import stream
+from ..speculator import stream
 from ..errors import RanksDiverged
 from ..parallel import rank
 
@@ -24,14 +24,14 @@ PING_SECONDS = 60.0  # an idle server's rank 0 tells the others it is alive this
 
 @dataclass
 class Call:
-    """One generation as every rank starts it: `engine.stream(target, ids, draft if with_draft, **kwargs)`."""
+    """One generation as every rank starts it: `speculator.stream(target, ids, draft if with_draft, **kwargs)`."""
 
     ids: list[int]
     with_draft: bool
     kwargs: dict = field(default_factory=dict)
 
     def start(self, target, draft, tokenizer):
-        return stream(target, [self.ids], draft if self.with_draft else None, tokenizer=tokenizer, **self.kwargs)
+        return stream(target, self.ids, draft if self.with_draft else None, tokenizer=tokenizer, **self.kwargs)
 
 
 def _broadcast(message: tuple | None) -> tuple:

@@ -48,7 +48,7 @@ def logged_steps(target, draft, prompts: list[torch.Tensor], options: dict, desc
     "accepted" (N,), "prompt" (N,)} over the steps max_new_tokens did not cap."""
     from tqdm import tqdm
 
-    from ..engine import stream
+    from ..speculator import stream
 
     hidden = target.config.get_text_config().hidden_size
     rows: dict[str, list] = {"feature": [], "root": [], "accepted": [], "prompt": []}

@@ -1,0 +1,344 @@
+"""Settings -> a running generation: `Speculator` (a target and its draft with the tree settings checked
+once) turns `Request`s (a prompt and its own sampling settings) into the rows of one `Generation`
+(`opttree.engine`); `stream` and `generate` are its one-call forms."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from .arguments import eos_list, prompt_and_mask, spec_options
+from .cache import check_model, context_window
+from .certify import certify
+from .chains import has_state
+from .config import SpecConfig
+from .depth import DepthControl, make_depth_control
+from .device import has_static_step, model_device
+from .drafters import CheckedDrafter, Drafter, ModelDrafter
+from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
+                               source_names)
+from .engine import Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
+from .genconfig import Rules, config_defaults, prepare
+from .policies import TreePolicy, make_policy
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to generate, with the settings that may differ from request to request (None: the
+    speculator's, else the target's generation_config, else SpecConfig's defaults)."""
+
+    prompt: object  # token ids: (T,), (1, T), a list of ints, or a mapping with "input_ids"
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None  # stop strings (they need the speculator's tokenizer)
+    logits_processor: object = None  # added to the generation_config's processors, as generate's argument
+
+    def settings(self) -> dict:
+        """The SpecConfig fields this request sets."""
+        names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class Speculator:
+    """A target, its draft (a model, a `Drafter` or None: the train-free sources) and the tree settings
+    (SpecConfig's fields, transformers' spellings `do_sample` / `max_length` too), checked once here;
+    then `generate` / `stream` any number of requests, one at a time or several as one batch.
+
+        speculator = opttree.Speculator(target, draft, budget=16)
+        outs = speculator.generate([opttree.Request(ids1), opttree.Request(ids2, temperature=0.7, seed=3)])
+
+    A batch verifies every row's tree in one target forward per step; each row is exactly what its
+    request gives alone (greedy: `target.generate`; sampled: the same draws from its seed, unless its
+    children are sampled from the recycling matrix, which learns from every row)."""
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | Drafter | None = None, *, tokenizer=None,
+                 eos_token_id: int | Sequence[int] | None = None, generation_config=None, **options):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.eos = None if eos_token_id is None else eos_list(eos_token_id)
+        self.generation_config = generation_config or target.generation_config
+        self.options = options
+        self.config, _ = self._settings({}, prompt_len=None)  # every setting checked now, by name
+
+    def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
+               depth: DepthControl | None = None, attention_mask=None) -> Generation:
+        """A `Generation`: chunks (C,) for one request, (row index, chunk) pairs for a list of them.
+        `rules` (custom_generate's preparation) and `depth` (a depth control) apply to one request."""
+        batch = isinstance(requests, (list, tuple))
+        items = list(requests) if batch else [requests]
+        if not items or not all(isinstance(item, Request) for item in items):
+            raise TypeError("Speculator.stream / generate take an opttree.Request or a non-empty list of them")
+        if batch and (rules is not None or depth is not None):
+            raise ValueError("rules= and depth= belong to one sequence: pass a single prompt")
+        rows = [self._row(item, batch, rules, depth, attention_mask) for item in items]
+        shapes = {(shape.width, shape.static) for _, shape in rows}
+        if len(shapes) > 1:
+            raise ValueError("a batch's requests must share the tree width and cache kind")
+        (width, static), = shapes
+        return Generation(self.target, [row for row, _ in rows], width, static, batch)
+
+    def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
+        """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""
+        return self.stream(requests, **kwargs).finish()
+
+    def _settings(self, request: dict, prompt_len: int | None, mask=None) -> tuple[SpecConfig, TreePolicy]:
+        """The resolved settings of one request: the speculator's options, then the request's, then the
+        generation_config's, then the defaults; max_depth and children by the drafter when not given."""
+        options = {**self.options, **request}
+        auto_depth = options.get("max_depth") is None
+        options = {k: v for k, v in options.items() if not (k == "max_depth" and v is None)}
+        if prompt_len is None:  # checked before any prompt: a max_length is resolved per request
+            options.pop("max_length", None)
+        options = spec_options(options, prompt_len or 1, mask)
+        config = SpecConfig(**{**config_defaults(self.generation_config, options), **options})
+        with_draft = self.draft is not None
+        if auto_depth:
+            config = replace(config, max_depth=default_max_depth(config, with_draft))
+        policy = make_policy(config)
+        if config.children != default_children(config, with_draft, policy):
+            config = replace(config, children=default_children(config, with_draft, policy))
+            policy = make_policy(config)
+        if policy.needs_drafter:
+            spec = config.drafter or default_drafter(with_draft, config.datastore is not None)
+            source_names(spec)  # a malformed drafter spec fails here, naming it
+        elif config.drafter is not None or config.datastore is not None:
+            raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
+                             f"{config.datastore!r} do not apply")
+        return config, policy
+
+    def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask
+             ) -> tuple[Row, "_Shape"]:
+        """One request's row: its settings, policy, drafter and stop rule."""
+        target = self.target
+        prompt, own_mask = prompt_and_mask(request.prompt)
+        ids = _prompt_ids(prompt, target)
+        config, policy = self._settings(request.settings(), ids.shape[0], mask if own_mask is None else own_mask)
+        max_len = ids.shape[0] + config.max_new_tokens
+        _check_fits(target, "target", max_len)
+        check_model(target, "target", max_len)
+        static = bool(config.static) if batch else _static_choice(target, config, policy, max_len)
+        config = replace(config, static=static)
+        keys = static_rows(target, max_len, tree_width(config, policy)) if static else max_len + config.budget + 1
+        certify(target, "target", max_len, keys - max_len, static=static)  # keys: what a step spans
+        if rules is None:
+            rules = prepare(target, self.generation_config, ids, config, self.eos, _stop_strings(request.stop),
+                            self.tokenizer, request.logits_processor)
+        drafter = None
+        if policy.needs_drafter:
+            config = replace(config, drafter=config.drafter or default_drafter(self.draft is not None,
+                                                                               config.datastore is not None))
+            drafter, policy = _sources(target, self.draft, policy, config, max_len)
+        if rules.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
+        stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer)
+        depth = depth or make_depth_control(config, target)  # how deep each step drafts
+        row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target))
+        return row, _Shape(tree_width(config, policy), static)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    width: int  # the static path's padded tree size
+    static: bool
+
+
+def stream(
+    target: PreTrainedModel,
+    input_ids,
+    draft: PreTrainedModel | Drafter | None = None,
+    *,
+    tokenizer=None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: str | Sequence[str] | None = None,
+    logits_processor=None,
+    generation_config=None,
+    rules: Rules | None = None,
+    depth: DepthControl | None = None,
+    **options,
+) -> Generation:
+    """Speculative generation as an iterator of emitted token chunks. Options are `SpecConfig`'s
+    fields (tree, drafter, budget, delta, max_depth, max_new_tokens, temperature, top_p, top_k, seed,
+    draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model;
+    max_depth defaults to 8 with a draft model, else to the budget (see `default_max_depth`).
+    Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
+    `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
+    `attention_mask` are understood; `input_ids` may be a BatchEncoding.
+
+    A batch: a list of prompts (each a 1-D sequence of ids, of any lengths), or a (B, T) tensor with
+    B > 1 (its `attention_mask` marking left or right padding). The rows are verified together, one
+    target forward per step, each exactly as it would be alone (its own drafter, tree, random stream
+    seeded with `seed`, and stop rule); the generation then yields (row index, chunk) pairs.
+
+    The target's generation_config is honoured as `target.generate` honours it: its logits processors
+    (repetition penalty, suppressed or bad words, minimum length, forced EOS, ...) are applied at every
+    node, its EOS ids and stop strings stop generation, and its do_sample / temperature / top_k / top_p /
+    max_new_tokens fill in the settings not passed here. `generation_config` replaces the target's and
+    `logits_processor` adds processors, as generate's arguments of those names do. `rules` replaces
+    that preparation (custom_generate passes what transformers prepared); `depth` replaces the depth
+    control `depth_control` names (`opttree train length-predictor` records the steps with one).
+    The same as `Speculator(target, draft, ...).stream(Request(...))`."""
+    input_ids, mask = prompt_and_mask(input_ids)
+    prompts, batch = _prompts(input_ids, mask, target)
+    speculator = Speculator(target, draft, tokenizer=tokenizer, eos_token_id=eos_token_id,
+                            generation_config=generation_config, **options)
+    requests = [Request(ids, stop=stop, logits_processor=logits_processor) for ids in prompts]
+    return speculator.stream(requests if batch else requests[0], rules=rules, depth=depth,
+                             attention_mask=None if batch else mask)
+
+
+def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> GenerationOutput | list[GenerationOutput]:
+    """Generate with speculative decoding; same output as `target.generate` (exactly, at temperature 0).
+
+    Returns `.sequences` (1, prompt + new) and `.stats`; for a batch of prompts, a list of them, one
+    per prompt in order. Arguments as for `stream`.
+    """
+    return stream(target, input_ids, draft, **kwargs).finish()
+
+
+def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePolicy, max_len: int) -> bool:
+    """Whether this generation takes the static path (`use_static`). Asked for, it must be possible;
+    chosen for the user, it is skipped where it is not certified exact (a local window shorter than the
+    preallocated cache, for one) and for the early-exit source, which drafts on the target's own
+    growing cache."""
+    self_drafts = policy.needs_drafter and bool(config.drafter) and "early-exit" in source_names(config.drafter)
+    if config.static and self_drafts:
+        raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
+                         "drafts on the target's own growing cache, and the static path preallocates it; "
+                         "use static=False")
+    if has_state(target):
+        if config.static:
+            raise ValueError("static=True does not combine with a target of recurrent / convolution state layers: "
+                             "they are verified as a batch of chains over transformers' own cache; use static=False")
+        return False
+    if config.static is not None:
+        return config.static
+    if self_drafts or not use_static(None, target):
+        return False
+    try:
+        rows = static_rows(target, max_len, tree_width(config, policy))
+        certify(target, "target", max_len, rows - max_len, static=True)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def use_static(static: bool | None, target: PreTrainedModel) -> bool:
+    """Whether a generation takes the static path: as asked, else the environment's OPTTREE_STATIC
+    (1 / 0: how the test suite runs it both ways), else where it measured faster: for a target with a
+    compiled fixed-shape step (`compile_model`). Eager, the padding costs about what the preallocated
+    cache saves (docs/BENCHMARKS.md, "Static shapes"). `_static_choice` adds what a generation allows."""
+    if static is not None:
+        return static
+    forced = os.environ.get("OPTTREE_STATIC", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"OPTTREE_STATIC must be 1 or 0 (or unset), got {forced!r}")
+    return forced == "1" if forced else has_static_step(target)
+
+
+def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):
+    """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked and wrapped, the
+    sources combined (`opttree.drafters.sources`)."""
+    vocab = _vocab_size(target)
+    if isinstance(draft, PreTrainedModel):
+        _check_vocab(target, draft)
+        _check_fits(draft, "draft", max_len)
+        check_model(draft, "draft", max_len)
+        certify(draft, "draft", max_len, config.budget + 1)
+        draft = ModelDrafter(draft, config.draft_temperature, vocab=vocab)
+    elif draft is not None:
+        if config.draft_temperature != 1:
+            raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
+                             "log-probabilities (scale them there)")
+        draft = CheckedDrafter(draft, vocab)
+    return make_sources(config.drafter, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
+
+
+def _stop_strings(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return stop
+
+
+def _prompts(input_ids, mask, target: PreTrainedModel) -> tuple[list[torch.Tensor], bool]:
+    """The prompt(s) as (T,) id tensors, and whether they are a batch: a list of several prompts, or a
+    (B, T) tensor with B > 1 whose `mask` (if any) marks left or right padding. A list of one prompt is
+    that prompt, as a (1, T) tensor is."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and not _is_id(input_ids[0]):
+        if len(input_ids) == 1:
+            return [_prompt_ids(input_ids[0], target)], False
+        if mask is not None:
+            raise ValueError("a list of prompts has no padding: pass attention_mask only with a (B, T) tensor")
+        return [_prompt_ids(ids, target) for ids in input_ids], True
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2 or ids.shape[0] == 1:
+        return [_prompt_ids(ids, target)], False
+    if mask is None:
+        return [_prompt_ids(row, target) for row in ids], True
+    mask = torch.as_tensor(mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+    return [_prompt_ids(_unpadded(row, keep, b), target) for b, (row, keep) in enumerate(zip(ids, mask))], True
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, numbers.Integral) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
+def _unpadded(row: torch.Tensor, keep: torch.Tensor, b: int) -> torch.Tensor:
+    """(T,) ids and their (T,) attention mask -> the prompt's own tokens (the ones, which must be contiguous)."""
+    where = keep.eq(1).nonzero().flatten().tolist()
+    if not where or where[-1] - where[0] + 1 != len(where) or not bool((keep.eq(0) | keep.eq(1)).all()):
+        raise ValueError(f"attention_mask row {b} must be ones over the prompt and zeros over padding on either side")
+    return row[where[0] : where[-1] + 1]
+
+
+def _prompt_ids(input_ids, target: PreTrainedModel) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.numel() == 0:
+        raise ValueError("empty prompt: input_ids must hold at least one token")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    ids = ids.long()
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"a prompt of a batch must be one sequence, got shape {tuple(ids.shape)}")
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape (1, T) or (T,), got {tuple(ids.shape)}")
+    vocab = _vocab_size(target)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {int(ids.min())} max {int(ids.max())}")
+    return ids
+
+
+def _vocab_size(model: PreTrainedModel) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+
+
+def _check_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Sizes may differ by padding (Qwen2.5-7B / 0.5B: 152064 / 151936 rows over one tokenizer); the
+    drafter then works over the target's ids. Only the models are known here, not the tokenizer's real
+    size, so a difference up to 1/8 of the target's vocabulary is taken as padding."""
+    vt, vd = _vocab_size(target), _vocab_size(draft)
+    if abs(vt - vd) > vt // 8:
+        raise ValueError(
+            f"draft and target vocabularies differ by more than padding: target has {vt} tokens, draft has {vd} "
+            f"(up to {vt // 8} rows apart is taken as padding); the draft must share the target's tokenizer"
+        )
+
+
+def _check_fits(model: PreTrainedModel, role: str, max_len: int) -> None:
+    window = context_window(model)
+    if window is not None and max_len > window:
+        raise ValueError(
+            f"prompt + max_new_tokens = {max_len} tokens exceeds the {role} model's context window of {window}"
+        )

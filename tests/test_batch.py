@@ -1,0 +1,157 @@
+"""A batch of prompts of different lengths in one generation: every row exactly what that prompt gives
+alone (greedy: transformers' own generate; sampled: the same tokens as the prompt run alone with the
+same seed), whatever else is in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from arch_configs import tiny
+from helpers import hf_greedy
+
+import opttree
+
+NEW = 24
+# the CI sweep's architectures that tree speculation drives (gemma3_text with windows of 16 positions:
+# sliding layers whose masks a longer row's padding must not shift), sdpa and eager
+ARCHS = [("llama", "sdpa", {}), ("gpt2", "eager", {}), ("gemma3_text", "sdpa", {"sliding_window": 16}),
+         ("gemma3_text", "eager", {"sliding_window": 16}), ("phi3", "sdpa", {}), ("deepseek_v3", "sdpa", {})]
+METHODS = [dict(), dict(drafter="recycling"), dict(drafter="lookup", budget=64), dict(tree="chain", budget=4),
+           dict(tree="static"), dict(tree="ar"), dict(tree="sequoia", budget=8), dict(tree="eagle2"),
+           dict(tree="dyspec")]
+WITH_DRAFT = [dict(), dict(drafter="model+lookup"), dict(tree="chain"), dict(tree="dyspec", budget=8)]
+
+
+def prompts(sizes, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # repeated stretches, so that the train-free sources find something to propose
+    return [torch.randint(3, 24, (size,), generator=g).remainder(7 + size % 5) + 3 for size in sizes]
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=lambda a: f"{a[0]}-{a[1]}")
+def models(request):
+    arch, attn, extra = request.param
+    return tiny(arch, attn, seed=1, **extra), tiny(arch, attn, seed=2, **extra)
+
+
+def check_rows(target, batch, outs):
+    outs = [outs] if len(batch) == 1 else outs  # a list of one prompt is that prompt
+    assert isinstance(outs, list) and len(outs) == len(batch)
+    for prompt, out in zip(batch, outs):
+        ref = hf_greedy(target, prompt[None], NEW)
+        assert torch.equal(out.sequences, ref), (prompt.shape[0], out.new_tokens, ref[0, prompt.shape[0]:])
+        assert out.stats.new_tokens == ref.shape[1] - prompt.shape[0]
+
+
+@pytest.mark.parametrize("sizes", [[200], [3, 9], [5, 40, 3, 17, 120]], ids=lambda s: f"B{len(s)}")
+def test_every_row_of_a_batch_is_its_prompts_own_greedy_output(models, sizes):
+    target, draft = models
+    batch = prompts(sizes, seed=len(sizes))
+    for method in METHODS:
+        check_rows(target, batch, opttree.generate(target, batch, max_new_tokens=NEW, eos_token_id=[], **method))
+    for method in WITH_DRAFT:
+        check_rows(target, batch, opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[],
+                                                   **method))
+
+
+def test_a_batch_of_sixteen(models):
+    target, draft = models
+    batch = prompts([3 + 13 * i for i in range(16)], seed=16)
+    check_rows(target, batch, opttree.generate(target, batch, max_new_tokens=NEW, eos_token_id=[]))
+    check_rows(target, batch, opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[]))
+
+
+def test_rows_that_end_early_leave_the_batch_and_the_others_go_on():
+    target = tiny("llama", seed=1)
+    batch = prompts([4, 30, 11], seed=3)
+    alone = opttree.generate(target, batch[1], max_new_tokens=40, eos_token_id=[]).new_tokens.tolist()
+    stop = alone[2]  # row 1 ends at its third token at the latest; the others may end there too
+    run = opttree.stream(target, batch, max_new_tokens=40, eos_token_id=stop)
+    seen = {b: [] for b in range(3)}
+    for b, chunk in run:
+        seen[b].append(chunk)
+    for b, prompt in enumerate(batch):
+        ref = hf_greedy(target, prompt[None], 40, eos_token_id=stop)
+        assert torch.equal(torch.cat([prompt, *seen[b]]), ref[0])
+        assert torch.equal(run.rows[b].committed, ref[0])
+    assert run.rows[1].stats.new_tokens == alone.index(stop) + 1 <= 3
+
+
+def test_a_padded_tensor_batch_with_its_attention_mask():
+    """As transformers takes a batch: (B, T) left- or right-padded, the mask marking the prompt."""
+    target = tiny("llama", seed=1)
+    batch = prompts([6, 2, 9], seed=4)
+    for side in ("left", "right"):
+        width = max(p.shape[0] for p in batch)
+        ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+        for b, prompt in enumerate(batch):
+            span = slice(width - prompt.shape[0], width) if side == "left" else slice(0, prompt.shape[0])
+            ids[b, span], mask[b, span] = prompt, 1
+        check_rows(target, batch, opttree.generate(target, {"input_ids": ids, "attention_mask": mask},
+                                                   max_new_tokens=NEW, eos_token_id=[]))
+    holes = torch.ones(3, 9, dtype=torch.long)
+    holes[0, 4] = 0
+    with pytest.raises(ValueError, match="attention_mask row 0"):
+        opttree.generate(target, {"input_ids": torch.ones(3, 9, dtype=torch.long), "attention_mask": holes})
+
+
+@pytest.mark.parametrize("method", [dict(), dict(tree="sequoia", budget=8), dict(tree="opt", children="sampled"),
+                                    dict(tree="opt", children="top", top_k=20, top_p=0.9)])
+def test_a_sampled_row_is_the_same_whatever_else_is_in_the_batch(method):
+    """Each row draws from its own generator, seeded with `seed`: alone or beside others, the same tokens.
+    (Not with children sampled from the recycling matrix: it learns from every row and every generation,
+    so such a row's draws depend on what it learned before; its distribution is exact all the same.)"""
+    target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
+    batch = prompts([7, 3, 25, 12], seed=5)
+    for d in (draft,) if method.get("children") == "sampled" else (None, draft):
+        options = dict(max_new_tokens=NEW, temperature=1.0, seed=11, eos_token_id=[], **method)
+        together = opttree.generate(target, batch, d, **options)
+        for prompt, out in zip(batch, together):
+            assert torch.equal(out.sequences, opttree.generate(target, prompt, d, **options).sequences)
+
+
+def test_a_list_of_one_prompt_is_that_prompt_and_a_list_of_requests_is_a_batch():
+    target = tiny("llama", seed=1)
+    prompt = prompts([5])[0]
+    alone = opttree.generate(target, prompt[None], max_new_tokens=8)
+    assert torch.equal(opttree.generate(target, [prompt.tolist()], max_new_tokens=8).sequences, alone.sequences)
+    speculator = opttree.Speculator(target, max_new_tokens=8)
+    (out,) = speculator.generate([opttree.Request(prompt)])
+    assert torch.equal(out.sequences, alone.sequences)
+    run = speculator.stream([opttree.Request(prompt)])
+    assert all(b == 0 for b, _ in run)
+    with pytest.raises(ValueError, match="per row"):
+        run.stats
+
+
+def test_a_speculator_checks_its_settings_once_and_each_request_keeps_its_own():
+    target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
+    with pytest.raises(ValueError, match="budget must be"):
+        opttree.Speculator(target, draft, budget=0)
+    with pytest.raises(TypeError, match="unknown argument"):
+        opttree.Speculator(target, draft, bugdet=8)
+    speculator = opttree.Speculator(target, draft, budget=8, eos_token_id=[], max_new_tokens=40)
+    batch = prompts([6, 19, 3], seed=8)
+    requests = [opttree.Request(batch[0], max_new_tokens=5), opttree.Request(batch[1], temperature=0.8, seed=4),
+                opttree.Request(batch[2], top_k=5, temperature=1.0, seed=9, max_new_tokens=30)]
+    outs = speculator.generate(requests)
+    for request, out in zip(requests, outs):
+        alone = opttree.generate(target, request.prompt, draft, budget=8, eos_token_id=[],
+                                 **{"max_new_tokens": 40, **request.settings()})
+        assert torch.equal(out.sequences, alone.sequences)
+    assert [out.stats.new_tokens for out in outs] == [5, 40, 30]
+    with pytest.raises(ValueError, match="temperature must be"):
+        speculator.generate(opttree.Request(batch[0], temperature=-1.0))
+    with pytest.raises(TypeError, match="opttree.Request"):
+        speculator.generate([batch[0]])
+
+
+def test_what_decodes_one_sequence_at_a_time_is_refused_for_a_batch():
+    target = tiny("llama", seed=1)
+    batch = prompts([4, 6])
+    with pytest.raises(NotImplementedError, match="static path"):
+        opttree.generate(target, batch, static=True, max_new_tokens=4)
+    with pytest.raises(ValueError, match="single prompt"):
+        opttree.generate(target, batch, depth=object(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="must be in"):
+        opttree.generate(target, [batch[0], torch.tensor([3, 500])], max_new_tokens=4)
