@@ -397,6 +397,25 @@ def model_dirs(tmp_path_factory):
     return root / "target", root / "draft", prompts
 
 
+def test_bench_batch_runs_each_method_alone_and_batched_and_checks_every_row(model_dirs, tmp_path, monkeypatch,
+                                                                             capsys):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft, prompts = model_dirs
+    pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt,opt:recycling+lookup,hf-ar", "--budgets",
+               "4", "--batch", "2", "--max-new-tokens", "10", "--out", str(tmp_path / "b"), "--no-progress", "--json"])
+    assert rc == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["category"] == "all"]
+    assert [r["method"] for r in rows] == ["ar", "ar x2", "opt", "opt x2", "opt:recycling+lookup",
+                                           "opt:recycling+lookup x2", "hf-ar", "hf-ar x2"]
+    assert all(r["mismatches"] == 0 for r in rows)  # every batched row is plain greedy decoding's output
+    records = json.loads((tmp_path / "b" / "results.json").read_text())["records"]
+    assert {r["batch"] for r in records} == {1, 2}
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "hf-assisted", "--batch", "2",
+               "--max-new-tokens", "4", "--out", str(tmp_path / "c"), "--no-progress"])
+    assert rc == 2 and "hf-assisted takes one prompt at a time" in capsys.readouterr().err
+
+
 def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
     target, draft, prompts = model_dirs

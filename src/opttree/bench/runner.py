@@ -94,13 +94,13 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
 
 def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int,
                 progress: bool, batch: int) -> list[dict]:
-    """`run_bench` with B > 1: per group of B cases, each method one prompt after another and as one batch."""
+    """`run_bench` with B > 1: per group of B cases, each method one prompt after another and as one batch
+    (method and label `... xB`). A last group of fewer cases runs as a smaller batch."""
     runners = build_runners(target, draft, specs, settings)
     warm_up(target, draft, specs, settings, cases[0].ids)
-    for label, runner in runners.items():  # the batch path warms up too, and refuses here, not half-way
+    for runner in runners.values():  # the batch path warms up too, and refuses here, not half-way
         runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:2]])
     groups = [cases[i : i + batch] for i in range(0, len(cases), batch)]
-    batched = {spec.label: MethodSpec(spec.name, spec.budget, spec.delta) for spec in specs}
     records = []
     bar = tqdm(total=repeats * len(groups) * len(specs) * 2, desc=f"bench (batch {batch})", unit="run",
                disable=not progress)
@@ -119,8 +119,9 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
                 for i, case in enumerate(group):
                     ref = None if reference is None else reference[i].token_ids
                     records.append(dict(record(case, spec, settings, repeat, alone[spec.label][i], ref), batch=1))
-                    row = record(case, batched[spec.label], settings, repeat, together[spec.label][i], ref)
-                    records.append(dict(row, label=f"{spec.label} x{len(group)}", batch=len(group)))
+                    row = record(case, spec, settings, repeat, together[spec.label][i], ref)
+                    records.append(dict(row, method=f"{spec.name} x{len(group)}", label=f"{spec.label} x{len(group)}",
+                                        batch=len(group)))
     bar.close()
     return records
 
