@@ -155,3 +155,21 @@ def test_what_decodes_one_sequence_at_a_time_is_refused_for_a_batch():
         opttree.generate(target, batch, depth=object(), max_new_tokens=4)
     with pytest.raises(ValueError, match="must be in"):
         opttree.generate(target, [batch[0], torch.tensor([3, 500])], max_new_tokens=4)
+
+
+def test_custom_generate_takes_a_padded_batch_as_generate_does():
+    """target.generate(custom_generate=...) with a left-padded batch returns what transformers' own batched
+    generate returns: the input rows, then each row's tokens, padded after the row's end."""
+    from helpers import char_tokenizer
+
+    target = tiny("llama", seed=1)
+    tok = char_tokenizer()
+    tok.padding_side = "left"
+    enc = tok(["abcab", "xy", "pqrstpqrst"], return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=7)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, **kwargs)
+    theirs = target.generate(**enc, **kwargs)
+    assert torch.equal(ours, theirs)
+    assert len(opttree.custom_generate.stats) == 3
+    with pytest.raises(ValueError, match="MinLengthLogitsProcessor"):
+        target.generate(**enc, custom_generate=opttree.custom_generate, min_length=14, **kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.generation import logits_process as lp
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .speculator import stream
@@ -55,9 +56,10 @@ class CustomGenerate:
         unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
         if unknown:
             raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
-        positions = model_kwargs.get("position_ids")
-        if positions is not None and not torch.equal(positions.reshape(-1).cpu(), torch.arange(input_ids.shape[-1])):
-            raise ValueError("opttree's custom_generate numbers the prompt's positions 0..T-1: pass no other position_ids")
+        positions, mask = model_kwargs.get("position_ids"), model_kwargs.get("attention_mask")
+        if positions is not None and not _own_positions(positions, input_ids, mask):
+            raise ValueError("opttree's custom_generate numbers each prompt's positions 0..T-1 (padding left out): "
+                             "pass no other position_ids")
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("opttree's custom_generate starts from the prompt: pass no filled cache (past_key_values)")
@@ -75,18 +77,59 @@ class CustomGenerate:
             seed = int(torch.randint(0, 2**62, (1,)))
         draft = assistant_model if assistant_model is not None else from_generate_call("assistant_model")
         streamer = streamer if streamer is not None else from_generate_call("streamer")
-        run = stream(model, input_ids, draft, seed=seed, max_new_tokens=stopping["max_new_tokens"], rules=rules,
-                     attention_mask=model_kwargs.get("attention_mask"), **options)
-        for chunk in run:  # generate() has already put the prompt into the streamer
+        if input_ids.shape[0] > 1:
+            sequences = self._batch(model, input_ids, mask, draft, streamer, rules, generation_config,
+                                    seed=seed, max_new_tokens=stopping["max_new_tokens"], **options)
+        else:
+            run = stream(model, input_ids, draft, seed=seed, max_new_tokens=stopping["max_new_tokens"], rules=rules,
+                         attention_mask=mask, **options)
+            for chunk in run:  # generate() has already put the prompt into the streamer
+                if streamer is not None:
+                    streamer.put(chunk.cpu())
             if streamer is not None:
-                streamer.put(chunk.cpu())
-        if streamer is not None:
-            streamer.end()
-        self.stats = run.stats
-        sequences = run.sequences.to(input_ids.device)
+                streamer.end()
+            self.stats = run.stats
+            sequences = run.sequences.to(input_ids.device)
         if generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
+
+    def _batch(self, model, input_ids: torch.Tensor, mask, draft, streamer, rules: Rules, generation_config,
+               **options) -> torch.Tensor:
+        """A (B, T) batch, padded as its attention mask says: each row decoded as its own prompt, returned
+        as `generate` returns a batch: the input rows, then each row's new tokens, padded after its end
+        with the pad token up to the longest. `.stats` is then the list of the rows' statistics."""
+        if streamer is not None:
+            raise ValueError("a streamer takes one sequence (transformers' streamers refuse batches too)")
+        padded = mask is not None and not bool(torch.as_tensor(mask).eq(1).all())
+        length_bound = [type(p).__name__ for p in rules.processors if isinstance(p, POSITION_COUNTING)]
+        if padded and length_bound:
+            raise ValueError(f"the logits processors {length_bound} count a padded batch's padding as tokens in "
+                             "transformers' generate: opttree decodes each row unpadded and would differ; pass prompts "
+                             "of one length, or generate them one at a time")
+        batch = input_ids if mask is None else {"input_ids": input_ids, "attention_mask": mask}
+        outs = stream(model, batch, draft, rules=rules, **options).finish()
+        self.stats = [out.stats for out in outs]
+        pad = generation_config.pad_token_id  # transformers' choice when none is set: the first EOS id
+        if pad is None:
+            pad = rules.eos_token_id[0] if rules.eos_token_id else 0
+        longest = max(out.stats.new_tokens for out in outs)
+        new = torch.full((len(outs), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for row, out in zip(new, outs):
+            row[: out.stats.new_tokens] = out.new_tokens.to(input_ids.device)
+        return torch.cat([input_ids, new], dim=1)
+
+
+def _own_positions(positions: torch.Tensor, input_ids: torch.Tensor, mask) -> bool:
+    """Whether (B, T) position ids number each row's tokens 0, 1, ... where the attention mask keeps them."""
+    keep = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
+    own = keep.long().cumsum(-1) - 1  # (B, T)
+    return bool(positions.expand_as(input_ids).cpu()[keep.cpu()].eq(own.cpu()[keep.cpu()]).all())
+
+
+# processors whose rule reads the sequence's length (padding included, in a padded batch of generate)
+POSITION_COUNTING = (lp.MinLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
+                     lp.ExponentialDecayLengthPenalty, lp.SuppressTokensAtBeginLogitsProcessor)
 
 custom_generate = CustomGenerate()

@@ -70,13 +70,14 @@ class Speculator:
     def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
                depth: DepthControl | None = None, attention_mask=None) -> Generation:
         """A `Generation`: chunks (C,) for one request, (row index, chunk) pairs for a list of them.
-        `rules` (custom_generate's preparation) and `depth` (a depth control) apply to one request."""
+        `rules` (custom_generate's preparation) replaces every row's; `depth` (a depth control, which
+        learns as it goes) applies to one request."""
         batch = isinstance(requests, (list, tuple))
         items = list(requests) if batch else [requests]
         if not items or not all(isinstance(item, Request) for item in items):
             raise TypeError("Speculator.stream / generate take an opttree.Request or a non-empty list of them")
-        if batch and (rules is not None or depth is not None):
-            raise ValueError("rules= and depth= belong to one sequence: pass a single prompt")
+        if batch and depth is not None:
+            raise ValueError("depth= belongs to one sequence: pass a single prompt")
         rows = [self._row(item, batch, rules, depth, attention_mask) for item in items]
         shapes = {(shape.width, shape.static) for _, shape in rows}
         if len(shapes) > 1:
@@ -105,10 +106,7 @@ class Speculator:
         if config.children != default_children(config, with_draft, policy):
             config = replace(config, children=default_children(config, with_draft, policy))
             policy = make_policy(config)
-        if policy.needs_drafter:
-            spec = config.drafter or default_drafter(with_draft, config.datastore is not None)
-            source_names(spec)  # a malformed drafter spec fails here, naming it
-        elif config.drafter is not None or config.datastore is not None:
+        if not policy.needs_drafter and (config.drafter is not None or config.datastore is not None):
             raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                              f"{config.datastore!r} do not apply")
         return config, policy
