@@ -173,3 +173,32 @@ def test_custom_generate_takes_a_padded_batch_as_generate_does():
     assert len(opttree.custom_generate.stats) == 3
     with pytest.raises(ValueError, match="MinLengthLogitsProcessor"):
         target.generate(**enc, custom_generate=opttree.custom_generate, min_length=14, **kwargs)
+
+
+def test_requests_join_and_leave_a_running_batch_between_steps():
+    """Continuous batching: requests admitted while the batch runs and one cancelled half-way; every row
+    that runs to its end is its prompt's own greedy output, and the others are unharmed."""
+    target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
+    speculator = opttree.Speculator(target, draft, budget=6, eos_token_id=[], max_new_tokens=NEW)
+    first = prompts([9, 30], seed=21)
+    later = prompts([4, 60, 17], seed=22)
+    run = speculator.stream([opttree.Request(p) for p in first])
+    chunks, admitted = {}, []
+    for b, chunk in run:
+        chunks.setdefault(b, []).append(chunk)
+        seen = sum(len(c) for c in chunks.values())  # chunks so far: a new request every two
+        if len(admitted) < len(later) and seen >= 2 * (len(admitted) + 1):
+            admitted.append(speculator.admit(run, opttree.Request(later[len(admitted)])))
+        if b == 1 and len(chunks[1]) == 2:
+            run.cancel(1)  # row 1 leaves after its second chunk
+    assert admitted == [2, 3, 4]
+    everyone = first + later
+    for b, prompt in enumerate(everyone):
+        ref = hf_greedy(target, prompt[None], NEW)[0]
+        got = torch.cat([prompt, *chunks[b]])
+        if b == 1:
+            assert torch.equal(got, ref[: got.shape[0]]) and got.shape[0] < ref.shape[0]
+        else:
+            assert torch.equal(got, ref), b
+    with pytest.raises(ValueError, match="does not admit"):
+        speculator.admit(speculator.stream(opttree.Request(first[0])), opttree.Request(later[0]))

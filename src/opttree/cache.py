@@ -141,11 +141,12 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
         layer.values = layer.values[..., :end, :]
 
 
-def stack_rows(caches: list[Cache], lengths: list[int]) -> Cache:
-    """B caches of one sequence each, of `lengths` positions (0: nothing cached) -> one dynamic cache of B
-    rows, each padded at its end to the longest; the padding is never attended to (the tree masks)."""
-    longest = max(lengths)
-    filled = [cache for cache, length in zip(caches, lengths) if length]
+def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
+    """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
+    length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
+    to the longest; the padding is never attended to (the tree masks)."""
+    longest = max(length for _, lengths in parts for length in lengths)
+    filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
         return new_cache()
     data = []
@@ -155,11 +156,14 @@ def stack_rows(caches: list[Cache], lengths: list[int]) -> Cache:
             continue
         pair = []
         for kind in ("keys", "values"):
-            like = getattr(layer, kind)  # (1, H, T, Dh)
-            rows = [getattr(cache.layers[i], kind)[..., :length, :] if length else like[..., :0, :]
-                    for cache, length in zip(caches, lengths)]
-            pair.append(torch.cat([torch.cat([states, like.new_zeros(*like.shape[:2], longest - states.shape[2],
-                                                                      like.shape[3])], dim=2) for states in rows]))
+            like = getattr(layer, kind)  # (b, H, T, Dh)
+            heads, dim = like.shape[1], like.shape[3]
+            blocks = []
+            for cache, lengths in parts:
+                states = getattr(cache.layers[i], kind) if max(lengths) else like.new_zeros(len(lengths), heads, 0, dim)
+                pad = like.new_zeros(states.shape[0], heads, longest - states.shape[2], dim)
+                blocks.append(torch.cat([states, pad], dim=2))  # (b_j, H, longest, Dh)
+            pair.append(torch.cat(blocks))
         data.append(tuple(pair))  # (B, H, longest, Dh) each
     return DynamicCache(ddp_cache_data=data)
 

@@ -101,6 +101,7 @@ class Row:
         self.feature: torch.Tensor | None = None  # (H,) the target's last-layer state at the last token it ran
         self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
         self.finished = False
+        self.began = 0.0  # perf_counter when its prefill began
 
     @property
     def prefix_len(self) -> int:
@@ -191,6 +192,9 @@ class Generation:
         self.lockstep = lockstep_for(target)  # a target sharded over ranks: they compare every step (`opttree.parallel`)
         if len(rows) > 1:
             _check_batchable(self, rows)
+        self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
+        self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
+        self.phases = PhaseClock(self.device)
 
     @property
     def stats(self) -> GenerationStats:
@@ -222,43 +226,81 @@ class Generation:
         return self.rows[0]
 
     def __iter__(self) -> Iterator:
-        device, rows = self.device, self.rows
-        phases = PhaseClock(device)
-        start = _clock(device)
+        device, rows, phases = self.device, self.rows, self.phases
         # Inference mode is entered per step and never held across a yield: streams interleaved in
         # one thread stay independent, and the caller's code between chunks keeps its own grad mode.
         with torch.inference_mode():
-            cache = self._prefill()
-        for row in rows:
-            row.stats.prefill_s = _clock(device) - start
-        active = list(range(len(rows)))  # the rows still running, in cache order
-        while active:
+            self._join(list(range(len(rows))))
+        while self.active:
+            running = list(self.active)  # rows admitted during this step's yields run from the next one
             with torch.inference_mode():
-                results = self._step(cache, [rows[b] for b in active], phases)
-            now = time.perf_counter() - start  # the step has synchronised (its readout)
-            for b, (chunk, finished, step) in zip(active, results):
-                rows[b].stats.time_s = now
+                results = self._step(self.cache, [rows[b] for b in running], phases)
+            now = time.perf_counter()  # the step has synchronised (its readout)
+            for b, (chunk, finished, step) in zip(running, results):
+                rows[b].stats.time_s = now - rows[b].began
                 try:
                     yield chunk if self.single else (b, chunk)
                 except GeneratorExit:  # the caller stopped early: sharded, the other ranks stop with us
                     self._agree(step, stop=True)
                     raise
                 step, stopped = self._agree(step)
-                rows[b].finished = finished or stopped
+                rows[b].finished = rows[b].finished or finished or stopped
                 rows[b].depth.observe(*step)  # (accepted, depth, draft_s, verify_s): how deep the next step drafts
                 if rows[b].finished:
-                    rows[b].stats.time_s = _clock(device) - start
+                    rows[b].stats.time_s = _clock(device) - rows[b].began
                     rows[b].stats.draft_s += rows[b].settle_observing(phases)
-            if any(rows[b].finished for b in active):
-                active = self._leave(cache, active)
+            self._leave()
 
-    def _leave(self, cache: Cache, active: list[int]) -> list[int]:
-        """Rows that finished leave the batch and its cache: they cost nothing more. Returns the rows left."""
-        kept = [k for k, b in enumerate(active) if not self.rows[b].finished]
-        if kept and len(kept) < len(active):
+    def admit(self, row: Row) -> int:
+        """Continuous batching: `row` joins the batch between two steps, while the generation runs (or
+        before it starts): prefilled alone, then stacked into the cache; its chunks follow as
+        (index, chunk) pairs from the next step on. Returns its index in `.rows`."""
+        if self.single:
+            raise ValueError("one sequence does not admit others: start a batch (a list of prompts or requests)")
+        self.rows.append(row)
+        _check_batchable(self, [self.rows[b] for b in self.active] + [row])
+        if row.wants_hidden and not self.wants_hidden:
+            self.wants_hidden = self.verifier.hidden = True
+        if self.cache is not None:  # running: it joins now; before the start, the first prefill takes it
             with torch.inference_mode():
-                select_rows(cache, kept, [self.rows[active[k]].prefix_len for k in kept])
-        return [active[k] for k in kept]
+                self._join([len(self.rows) - 1])
+        return len(self.rows) - 1
+
+    def cancel(self, b: int) -> None:
+        """Row b leaves the batch (a request cancelled between steps); the others go on."""
+        self.rows[b].finished = True
+        self._leave()
+
+    def _join(self, new: list[int]) -> None:
+        """Rows `new` start: each prefilled into a cache of its own, then one cache of all running rows
+        (`stack_rows`)."""
+        start = _clock(self.device)
+        caches = [self._new_cache(self.rows[b]) for b in new]
+        for b, cache in zip(new, caches):
+            self.rows[b].prefill(self.target, cache)
+        if self.cache is None and len(caches) == 1:
+            self.cache = caches[0]
+        else:
+            parts = ([] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])])
+            parts += [(cache, [self.rows[b].prefix_len]) for b, cache in zip(new, caches)]
+            self.cache = stack_rows(parts)
+        self.active += new
+        row = self.rows[new[0]]
+        if self.rope_switch is not None:  # one sequence (`_check_batchable`)
+            self.long_keys = row.prefix_len > self.rope_switch
+        if row.self_drafts:  # a self-drafter runs the target's first layers (one sequence: `_check_batchable`)
+            row.drafter.share_target_cache(self.cache)
+        prefill_s = _clock(self.device) - start
+        for b in new:
+            self.rows[b].began, self.rows[b].stats.prefill_s = start, prefill_s
+
+    def _leave(self) -> None:
+        """Rows that finished leave the batch and its cache: they cost nothing more."""
+        kept = [k for k, b in enumerate(self.active) if not self.rows[b].finished]
+        if kept and len(kept) < len(self.active):
+            with torch.inference_mode():
+                select_rows(self.cache, kept, [self.rows[self.active[k]].prefix_len for k in kept])
+        self.active = [self.active[k] for k in kept]
 
     def _agree(self, step: tuple, stop: bool = False) -> tuple[tuple, bool]:
         """A target sharded over ranks: each rank checks that the others hold its tokens, takes rank 0's
@@ -268,19 +310,6 @@ class Generation:
             return step, False
         stopped, timings = self.lockstep.exchange(self.rows[0].committed, step[2:], stop)
         return (*step[:2], *timings), stopped
-
-    def _prefill(self) -> Cache:
-        """The target's cache of every row's committed[:-1]: one row's cache each, then stacked (`stack_rows`)."""
-        caches = [self._new_cache(row) for row in self.rows]
-        for row, cache in zip(self.rows, caches):
-            row.prefill(self.target, cache)
-        cache = caches[0] if len(caches) == 1 else stack_rows(caches, [row.prefix_len for row in self.rows])
-        row = self.rows[0]
-        if self.rope_switch is not None:
-            self.long_keys = row.prefix_len > self.rope_switch
-        if row.self_drafts:  # a self-drafter runs the target's first layers (one row: `_check_batchable`)
-            row.drafter.share_target_cache(cache)
-        return cache
 
     def _new_cache(self, row: Row) -> Cache:
         if self.static:

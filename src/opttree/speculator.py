@@ -79,11 +79,14 @@ class Speculator:
         if batch and depth is not None:
             raise ValueError("depth= belongs to one sequence: pass a single prompt")
         rows = [self._row(item, batch, rules, depth, attention_mask) for item in items]
-        shapes = {(shape.width, shape.static) for _, shape in rows}
-        if len(shapes) > 1:
-            raise ValueError("a batch's requests must share the tree width and cache kind")
-        (width, static), = shapes
-        return Generation(self.target, [row for row, _ in rows], width, static, batch)
+        _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
+        return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch)
+
+    def admit(self, run: Generation, request: Request) -> int:
+        """Continuous batching: `request` joins the running batch `run` (a `stream` of a list) between two
+        of its steps; returns its row index (its chunks come as (index, chunk) pairs)."""
+        row, _ = self._row(request, True, None, None, None)  # a batch's rows take the dynamic path
+        return run.admit(row)
 
     def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
         """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""
