@@ -200,5 +200,7 @@ def test_requests_join_and_leave_a_running_batch_between_steps():
             assert torch.equal(got, ref[: got.shape[0]]) and got.shape[0] < ref.shape[0]
         else:
             assert torch.equal(got, ref), b
+    with pytest.raises(ValueError, match="has ended"):
+        speculator.admit(run, opttree.Request(later[0]))
     with pytest.raises(ValueError, match="does not admit"):
         speculator.admit(speculator.stream(opttree.Request(first[0])), opttree.Request(later[0]))

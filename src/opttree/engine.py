@@ -195,6 +195,7 @@ class Generation:
         self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
         self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
         self.phases = PhaseClock(self.device)
+        self.ended = False  # every row has finished: nothing more runs
 
     @property
     def stats(self) -> GenerationStats:
@@ -250,6 +251,7 @@ class Generation:
                     rows[b].stats.time_s = _clock(device) - rows[b].began
                     rows[b].stats.draft_s += rows[b].settle_observing(phases)
             self._leave()
+        self.ended = True
 
     def admit(self, row: Row) -> int:
         """Continuous batching: `row` joins the batch between two steps, while the generation runs (or
@@ -257,6 +259,8 @@ class Generation:
         (index, chunk) pairs from the next step on. Returns its index in `.rows`."""
         if self.single:
             raise ValueError("one sequence does not admit others: start a batch (a list of prompts or requests)")
+        if self.ended:
+            raise ValueError("this batch has ended (every row finished): start a new one")
         self.rows.append(row)
         _check_batchable(self, [self.rows[b] for b in self.active] + [row])
         if row.wants_hidden and not self.wants_hidden:
