@@ -261,8 +261,8 @@ class Generation:
             raise ValueError("one sequence does not admit others: start a batch (a list of prompts or requests)")
         if self.ended:
             raise ValueError("this batch has ended (every row finished): start a new one")
+        _check_batchable(self, [self.rows[b] for b in self.active] + [row])  # refused: it never joins `rows`
         self.rows.append(row)
-        _check_batchable(self, [self.rows[b] for b in self.active] + [row])
         if row.wants_hidden and not self.wants_hidden:
             self.wants_hidden = self.verifier.hidden = True
         if self.cache is not None:  # running: it joins now; before the start, the first prefill takes it
@@ -362,7 +362,7 @@ class Generation:
         results = []
         for i, (row, tree) in enumerate(zip(rows, trees)):
             draft_s = phases.seconds(marks[i], marks[i + 1]) + row.settle_observing(phases)
-            path, _, bonus = paths[i]
+            bonus = paths[i][2]
             emitted = torch.cat([tree.tokens[accepted[i]], bonus.view(1)])  # (A + 1,) on the device
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonus, hidden[i], readouts[i]), phases)
             results.append(row.emit(emitted, readouts[i], len(tree), draft_s, verify_s))

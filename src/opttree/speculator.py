@@ -78,7 +78,7 @@ class Speculator:
             raise TypeError("Speculator.stream / generate take an opttree.Request or a non-empty list of them")
         if batch and depth is not None:
             raise ValueError("depth= belongs to one sequence: pass a single prompt")
-        rows = [self._row(item, batch, rules, depth, attention_mask) for item in items]
+        rows = [self._row(item, len(items) > 1, rules, depth, attention_mask) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
         return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch)
 
@@ -116,7 +116,8 @@ class Speculator:
 
     def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask
              ) -> tuple[Row, "_Shape"]:
-        """One request's row: its settings, policy, drafter and stop rule."""
+        """One request's row: its settings, policy, drafter and stop rule; `batch`: one of several rows
+        (the dynamic path, unless static=True asks for a refusal)."""
         target = self.target
         prompt, own_mask = prompt_and_mask(request.prompt)
         ids = _prompt_ids(prompt, target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -40,8 +41,7 @@ class StepReadout:
         parts = []
         for tree, path, length, bonus in rows:
             depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
-            parts += [length.view(1).to(tree.tokens.device), depth, bonus.view(1), tree.tokens[path],
-                      tree.draft_slots[path]]
+            parts += [length.view(1), depth, bonus.view(1), tree.tokens[path], tree.draft_slots[path]]
         values, out, at = torch.cat(parts).tolist(), [], 0
         for tree, *_ in rows:
             n, (a, depth, bonus) = len(tree), values[at : at + 3]
@@ -123,7 +123,11 @@ def masked_forward(
     if allowed is not None:
         rows = allowed if batched else allowed[None]  # (B, Q, K)
         count = rows.shape[0]
-        row_keys = [lambda b=b: keys()[b] for b in range(count)] if batched and keys is not None else [keys] * count
+        if batched and keys is not None:
+            every = functools.cache(keys)  # (B, K), built at most once, where a layer type has a window
+            row_keys = [lambda b=b: every()[b] for b in range(count)]
+        else:
+            row_keys = [keys] * count
         bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
     with masked_attention_kernels(ids.device):
         out = (forward or model)(

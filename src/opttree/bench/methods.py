@@ -25,7 +25,7 @@ from ..cache import cache_argument
 from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..names import TRAINED_SOURCES
-from ..speculator import Request, Speculator, generate
+from ..speculator import Request, Speculator
 from ..policies import available, make_policy
 
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of hf-lookup
@@ -122,15 +122,15 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     options.update(profile_options(target, draft, policy, settings.temperature))
     options["draft_temperature"] = settings.draft_temperature if draft is not None else 1.0
 
+    speculator = Speculator(target, draft, **options)  # the settings, checked once for every run
+
     def run(prompt_ids: torch.Tensor | list[torch.Tensor]) -> Run | list[Run]:
         batch = isinstance(prompt_ids, list)  # (1, T) prompts as one batch
         start = time.perf_counter()
-        outs = (Speculator(target, draft, **options).generate([Request(ids) for ids in prompt_ids]) if batch
-                else generate(target, prompt_ids, draft, **options))
-        elapsed = seconds_since(start, target)
-        runs = [Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram),
-                    elapsed / len(prompt_ids) if batch else elapsed, out.stats.draft_s, out.stats.verify_s)
-                for out in (outs if batch else [outs])]
+        outs = speculator.generate([Request(ids) for ids in prompt_ids] if batch else [Request(prompt_ids)])
+        elapsed = seconds_since(start, target) / len(outs)  # a batch's rows: an equal share each
+        runs = [Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed,
+                    out.stats.draft_s, out.stats.verify_s) for out in outs]
         return runs if batch else runs[0]
 
     return run
