@@ -3,11 +3,15 @@
 #   scripts/gpu_figures.sh check   OUT_DIR   # CUDA tests (greedy identity, seeded sampling, host syncs)
 #   scripts/gpu_figures.sh curves  OUT_DIR   # latency curves and per-step time split, shipped pair and 1.1B inflated target
 #   scripts/gpu_figures.sh calibrate OUT_DIR # opttree calibrate's budget x delta grid for the shipped pair
-#   scripts/gpu_figures.sh bench   OUT_DIR   # HumanEval bench against transformers' peers, both targets
-#   scripts/gpu_figures.sh all     OUT_DIR   # all of the above, in that order
-# Wheels carried along in wheels/ (e.g. the transformers this project pins) are installed first, without
-# dependencies: a GPU host's image may have an older transformers.
-# HUMANEVAL (default ../shared/data/humaneval.jsonl), LIMIT (prompts, default 20) and BUDGETS (16,64) can be overridden.
+#   scripts/gpu_figures.sh bench   OUT_DIR   # HumanEval bench against transformers' peers (compiled included), TARGETS
+#   scripts/gpu_figures.sh profile OUT_DIR   # per step: wall time, kernels, GPU busy; eager and compiled (CUDA graphs), 1B target
+#   scripts/gpu_figures.sh batch   OUT_DIR   # a batch of BATCH prompts against one at a time and transformers' batched generate, 1B
+#   scripts/gpu_figures.sh defaults OUT_DIR  # no flags (first-use choices on this GPU), shipped pair
+#   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
+# Packages carried along in wheels/ are installed first, without dependencies: *.whl with pip, *.tar.xz as an
+# unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
+# a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
+# LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8) can be overridden.
 set -euo pipefail
 what=$1 out=$2
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -16,6 +20,11 @@ humaneval=${HUMANEVAL:-../shared/data/humaneval.jsonl}
 big=/tmp/opttree-target-1b
 mkdir -p "$out"
 if compgen -G "wheels/*.whl" > /dev/null; then python3 -m pip install -q --no-deps wheels/*.whl; fi
+for package in wheels/*.tar.xz; do
+    [ -e "$package" ] || continue
+    mkdir -p /tmp/opttree-packages && tar xJf "$package" -C /tmp/opttree-packages
+    export PYTHONPATH=/tmp/opttree-packages:$PYTHONPATH
+done
 shipped_target=$(opttree models --path target) shipped_draft=$(opttree models --path draft)  # unpacked once
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -28,7 +37,10 @@ if [ "$what" = all ]; then
 fi
 case $what in
 check)
-    python3 -m pytest -q -rs -s tests/test_devices.py 2>&1 | tail -25
+    # the CUDA cases only (the CPU ones run everywhere); serially where pytest-xdist is missing
+    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4" || echo "-o addopts=")
+    python3 -m pytest -q -rs $workers --durations=5 tests/test_devices.py \
+        -k "cuda or another_device or host_syncs or graph_captured" 2>&1 | tail -30
     ;;
 curves)  # latency curves and the per-step time split (scripts/gpu_profile.py), both targets
     inflated
@@ -41,12 +53,26 @@ calibrate)  # the full calibration grid of the shipped pair (~7 min on an H100)
     ;;
 bench)
     inflated
-    for target in $big $shipped_target; do
-        name=$([ "$target" = $big ] && echo 1b || echo shipped)
+    for name in ${TARGETS:-1b shipped}; do
+        target=$([ "$name" = 1b ] && echo $big || echo $shipped_target)
         opttree bench --target $target --draft $shipped_draft --device cuda --dtype bfloat16 \
-            --prompts "$humaneval" --limit "${LIMIT:-20}" --methods ar,opt,hf-assisted,hf-lookup \
-            --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens 128 --out /tmp/bench-$name --no-progress
-        mkdir -p "$out/bench-$name"; cp /tmp/bench-$name/{results.md,results.json} "$out/bench-$name/"
+            --prompts "$humaneval" --limit "${LIMIT:-20}" \
+            --methods ar,hf-ar,hf-compiled,hf-lookup,opt,opt:recycling+lookup \
+            --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens 128 --out "$out/bench-$name" --no-progress
     done
+    ;;
+profile)
+    inflated
+    python3 scripts/gpu_step_profile.py --target $big --draft $shipped_draft --compiled ar,opt:recycling+lookup@16
+    ;;
+batch)
+    inflated
+    opttree bench --target $big --draft $shipped_draft --device cuda --dtype bfloat16 --prompts "$humaneval" \
+        --limit "${BATCH:-8}" --batch "${BATCH:-8}" --methods ar,hf-ar,opt,opt:recycling+lookup --budgets 16 \
+        --delta 0.3 --max-new-tokens 128 --out "$out/batch-1b" --no-progress
+    ;;
+defaults)  # what a user gets with no flags: the first-use choices made on this GPU (an empty cache)
+    OPTTREE_CACHE_DIR=/tmp/opttree-empty-cache opttree bench --device cuda --prompts "$humaneval" \
+        --limit "${LIMIT:-20}" --methods ar,opt,hf-ar,hf-lookup --out "$out/defaults" --no-progress
     ;;
 esac

@@ -119,3 +119,40 @@ def test_compiled_models_stay_exact():
     for prompt, ref in refs:
         out = opttree.generate(target, prompt, draft, budget=8, max_new_tokens=16, eos_token_id=[])
         assert torch.equal(out.sequences, ref)
+
+
+@needs_cuda
+def test_graph_captured_static_step_is_exact_and_never_recompiles():
+    """`compile_model(target)` on CUDA: the fixed-shape step under CUDA graphs (torch.compile's
+    reduce-overhead), exact in float32 against transformers' generate, for 20 prompt lengths of one
+    capacity bucket with one compiled graph (counted), under OPT-Tree and the train-free sources."""
+    import torch._dynamo
+
+    target = tiny_model("llama", seed=1, layers=2, hidden=64).to("cuda")
+    draft = tiny_model("llama", seed=2, layers=1, hidden=32).to("cuda")
+    lengths = list(range(3, 63, 3))  # 20 lengths, one bucket
+    ids = [(torch.arange(length, device="cuda") % 11 + 3)[None] for length in lengths]
+    refs = [hf_greedy(target, prompt, 24) for prompt in ids]
+    opttree.compile_model(target)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for method in (dict(), dict(drafter="recycling+lookup")):
+        for prompt, ref in zip(ids, refs):
+            out = opttree.generate(target, prompt, draft if not method else None, budget=8, max_new_tokens=24,
+                                   eos_token_id=[], **method)
+            assert torch.equal(out.sequences, ref), (prompt.shape[1], method)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", [dict(), dict(drafter="recycling+lookup"), dict(tree="ar")], ids=str)
+def test_a_batch_on_device_is_every_prompts_own_greedy_output(device, method):
+    """Prompts of different lengths in one generation on the device: each row is what transformers'
+    generate gives that prompt alone."""
+    target = tiny_model("qwen2", seed=1, layers=2, hidden=64).to(device)
+    draft = tiny_model("qwen2", seed=2, layers=1, hidden=32).to(device)
+    batch = [prompt[0].to(device) for prompt in prompts(5, seed=11)]
+    outs = opttree.generate(target, batch, None if method else draft, budget=8, max_new_tokens=24, eos_token_id=[],
+                            **method)
+    for prompt, out in zip(batch, outs):
+        assert torch.equal(out.sequences, hf_greedy(target, prompt[None], 24)), (prompt.shape[0], method)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import context_window
+from ..cache import context_window, static_capacity
 from ..counters import StepCounter
 from ..parallel import sharded
 from .methods import MethodSpec, Run, RunFn, Settings, find_method
@@ -70,7 +70,7 @@ def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], setting
         raise ValueError("no prompts to run (all filtered out or too long for the target's context)")
     assert specs[0].name == "ar", "ar runs first in the spec list: it is the baseline"
     runners = build_runners(target, draft, specs, settings)
-    warmup_s = warm_up(target, draft, specs, settings, cases[0].ids)
+    warmup_s = warm_up(target, draft, specs, settings, cases)
     # a target sharded over ranks (--tp) is not counted: the op counter does not see through its DTensors
     costs = {s.label: {} for s in specs} if sharded(target) else host_costs(target, draft, specs, settings, cases[0].ids)
     for label, seconds in warmup_s.items():
@@ -97,7 +97,7 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
     """`run_bench` with B > 1: per group of B cases, each method one prompt after another and as one batch
     (method and label `... xB`). A last group of fewer cases runs as a smaller batch."""
     runners = build_runners(target, draft, specs, settings)
-    warm_up(target, draft, specs, settings, cases[0].ids)
+    warm_up(target, draft, specs, settings, cases)
     for runner in runners.values():  # the batch path warms up too, and refuses here, not half-way
         runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:2]])
     groups = [cases[i : i + batch] for i in range(0, len(cases), batch)]
@@ -126,16 +126,23 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
     return records
 
 
-def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, ids: torch.Tensor) -> dict[str, float]:
-    """Short untimed runs per method, on the prompt and on its first half (allocations, lazy inits,
-    caches of the kernels; a compiled method compiles here, its dynamic-shape graph included).
-    Returns each method's warm-up seconds."""
+def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, cases: list[Case]) -> dict[str, float]:
+    """Short untimed runs per method, on the first prompt and on its first half (allocations, lazy inits,
+    caches of the kernels; a compiled method compiles here, its dynamic-shape graph included), then on
+    one prompt per static-cache capacity bucket the timed runs will use: a compiled fixed-shape step
+    (opttree's `--compile`, hf-compiled) compiles once per bucket, and that belongs here, not in a timed
+    run. Returns each method's warm-up seconds."""
     short = Settings(**{**asdict(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
+    ids = cases[0].ids
+    limit = context_window(target)
+    buckets = sorted({static_capacity(case.ids.shape[1] + settings.max_new_tokens, limit) for case in cases})
+    # a prompt just past half a bucket lands in that bucket with the warm-up's few new tokens and any tree
+    in_buckets = [ids.repeat(1, bucket // ids.shape[1] + 1)[:, : bucket // 2 + 1] for bucket in buckets]
     seconds = {}
     for label, runner in build_runners(target, draft, specs, short).items():
         start = time.perf_counter()
-        runner(ids)
-        runner(ids[:, : max(ids.shape[1] // 2, 1)])
+        for prompt in [ids, ids[:, : max(ids.shape[1] // 2, 1)], *in_buckets]:
+            runner(prompt)
         seconds[label] = time.perf_counter() - start
     return seconds
 

@@ -1,0 +1,96 @@
+"""What a step costs on a GPU, method by method: wall time, kernels launched and GPU busy fraction per step.
+
+python scripts/gpu_step_profile.py --target DIR --draft DIR [--methods ar,opt@16,...] [--compiled ar,...]
+
+Each method (`POLICY[:DRAFTER][@BUDGET]`) generates --max-new-tokens tokens from one HumanEval-style
+prompt, greedy: one warm-up, one timed run (wall time per step, tokens/s, mean accepted length), one
+run under torch.profiler (CUDA kernels, memcpys and memsets per step; their summed device time). GPU busy =
+device time / the timed run's wall time (the profiled run's own wall time is inflated by the profiler).
+The methods of --compiled then run again on the target's compiled fixed-shape step (CUDA graphs),
+after a warm-up that compiles it (its time is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import opttree
+
+PROMPT = 'def binary_search(items, target):\n    """Return the index of target in items, or -1."""\n'
+
+
+def parse(method: str) -> dict:
+    """'POLICY[:DRAFTER][@BUDGET]' -> generate's keyword arguments."""
+    name, _, budget = method.partition("@")
+    policy, _, drafter = name.partition(":")
+    return dict(tree=policy, **({"drafter": drafter} if drafter else {}), **({"budget": int(budget)} if budget else {}))
+
+
+def run(target, draft, ids, kwargs, max_new_tokens):
+    uses_draft = kwargs["tree"] != "ar" and "model" in kwargs.get("drafter", "model")
+    return opttree.generate(target, ids, draft if uses_draft else None, max_new_tokens=max_new_tokens,
+                            eos_token_id=[], **kwargs)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(target, draft, ids, method: str, max_new_tokens: int) -> dict:
+    kwargs = parse(method)
+    run(target, draft, ids, kwargs, 16)  # warm-up
+    sync()
+    start = time.perf_counter()
+    out = run(target, draft, ids, kwargs, max_new_tokens)
+    sync()
+    wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        profiled = run(target, draft, ids, kwargs, max_new_tokens)
+        sync()
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_s = sum(e.time_range.elapsed_us() for e in device) / 1e6
+    s = out.stats  # greedy: the profiled run takes the same steps
+    assert torch.equal(profiled.sequences, out.sequences)
+    return {"method": method, "tokens/s": s.new_tokens / wall, "MAL": s.mean_accepted_length,
+            "ms/step": 1000 * wall / s.steps, "kernels/step": len(device) / s.steps, "GPU busy %": 100 * busy_s / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--methods", default="ar,opt@16,opt@64,opt:recycling+lookup@16,opt:recycling+lookup@64")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--compiled", default="", help="methods to run again on the compiled step (comma-separated)")
+    parser.add_argument("--device", default="cuda", help="(cpu: to try the script; no kernels to count there)")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(args.device)
+    target, draft = load(args.target), load(args.draft)
+    ids = AutoTokenizer.from_pretrained(args.target)(PROMPT, return_tensors="pt").input_ids.to(args.device)
+    methods = args.methods.split(",")
+    rows = [measure(target, draft, ids, m, args.max_new_tokens) for m in methods]
+    if args.compiled:
+        opttree.compile_model(target)
+        for m in args.compiled.split(","):
+            start = time.perf_counter()
+            run(target, draft, ids, parse(m), 16)
+            print(f"compile + capture of {m}+compile: {time.perf_counter() - start:.1f} s", flush=True)
+            rows.append(measure(target, draft, ids, m, args.max_new_tokens) | {"method": m + "+compile"})
+    print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
+    print("| method | tokens/s | MAL | ms/step | kernels/step | GPU busy % |\n|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['method']} | {r['tokens/s']:.1f} | {r['MAL']:.2f} | {r['ms/step']:.2f} | {r['kernels/step']:.0f} "
+              f"| {r['GPU busy %']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
