@@ -295,12 +295,12 @@ def test_sampled_requests_get_the_settings_chosen_for_sampling(pair):
                     sampled_options=dict(tree="dyspec", budget=3, delta=0.3, drafter="model"))
     greedy, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
     sampled, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
-    assert (greedy.config.tree, greedy.config.budget) == ("opt", 4)
-    assert (sampled.config.tree, sampled.config.budget, sampled.config.children) == ("dyspec", 3, "auto")
+    assert (greedy.row.config.tree, greedy.row.config.budget) == ("opt", 4)
+    assert (sampled.row.config.tree, sampled.row.config.budget, sampled.row.config.children) == ("dyspec", 3, "auto")
     plain = Server(target, draft, tok, TREE, model_name="demo", sampled_options=dict(tree="ar"))
-    run, _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
-    assert run.config.tree == "ar" and run.drafter is None
-    assert len(list(run)) >= 1
+    job, _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
+    assert job.row.config.tree == "ar" and job.row.drafter is None
+    assert len(list(job.chunks())) >= 1 and job.complete
 
 
 def test_every_setting_at_its_extremes_gets_a_400_naming_the_limit_or_a_right_answer(pair):
@@ -361,3 +361,63 @@ def test_metrics_count_queue_time_and_what_is_running(pair):
     assert metric("opttree:num_requests_running") == 0
     assert metric("opttree:request_queue_time_seconds_count") == 2
     assert 0 < metric("opttree:request_queue_time_seconds_sum") < waited  # ... while the short one waited its turn
+
+
+CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(path):\n",
+                "def is_prime(n):\n", "def merge_sort(items):\n", "def read_json(path):\n"]
+
+
+def _batching_server(pair, max_batch: int) -> tuple[Server, list[int]]:
+    """A Server whose batcher records the rows of every step."""
+    target, draft, tok = pair
+    server = Server(target, draft, tok, TREE, model_name="demo", max_batch=max_batch)
+    rows: list[int] = []
+    observe = server.batcher.on_step
+    server.batcher.on_step = lambda n, tokens, drafted: (rows.append(n), observe(n, tokens, drafted))
+    return server, rows
+
+
+def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair):
+    """Continuous batching: requests arriving together share each step's target forward (up to
+    --max-batch rows), join and leave between steps, and each gets exactly what it gets alone: greedy
+    ones their greedy output, sampled ones the draws of their seed."""
+    from opttree.server.app import CompletionRequest
+
+    target, draft, tok = pair
+    server, rows = _batching_server(pair, max_batch=4)
+    asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
+            for i, p in enumerate(CODE_PROMPTS)]
+    with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
+        jobs = [server.start(CompletionRequest(**ask))[0] for ask in asks]
+    answers = [[t for chunk in job.chunks() for t in chunk] for job in jobs]
+    for ask, job, answer in zip(asks, jobs, answers):
+        ids = tok(ask["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
+        sampling = dict(temperature=ask["temperature"], seed=ask["seed"]) if ask["temperature"] else {}
+        assert answer == reference(pair, ids, ask["max_tokens"], **sampling), ask
+        assert job.complete and job.stats.new_tokens == ask["max_tokens"]
+    assert max(rows) == 4 and min(rows) >= 1  # the batch filled up to --max-batch, never past it
+    text = create_app(server) and __import__("prometheus_client").generate_latest(server.metrics.registry).decode()
+    assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
+
+
+def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pair):
+    """A request cancelled mid-way leaves the batch at the next step; one whose prefill fails ends with
+    that error; the rows beside them finish exactly as alone, and the server goes on serving."""
+    from opttree.server.app import CompletionRequest
+
+    target, draft, tok = pair
+    server, rows = _batching_server(pair, max_batch=8)
+    long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0]
+    next(long.chunks())  # it runs
+    broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0]
+    broken.row.prefill = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))
+    fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0]
+    long.close()
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        list(broken.chunks())
+    answer = [t for chunk in fine.chunks() for t in chunk]
+    ids = tok(CODE_PROMPTS[2], return_tensors="pt", add_special_tokens=False).input_ids
+    assert answer == reference(pair, ids, 24) and fine.complete
+    assert not long.complete and long.stats.new_tokens < 400 and not broken.complete
+    again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0]
+    assert len([t for chunk in again.chunks() for t in chunk]) == 5 and server.running() == 0

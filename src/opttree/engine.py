@@ -195,6 +195,7 @@ class Generation:
         self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
         self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
         self.phases = PhaseClock(self.device)
+        self.started = False  # the rows given at the start are prefilled (the first step is under way)
         self.ended = False  # every row has finished: nothing more runs
 
     @property
@@ -227,31 +228,60 @@ class Generation:
         return self.rows[0]
 
     def __iter__(self) -> Iterator:
-        device, rows, phases = self.device, self.rows, self.phases
-        # Inference mode is entered per step and never held across a yield: streams interleaved in
-        # one thread stay independent, and the caller's code between chunks keeps its own grad mode.
-        with torch.inference_mode():
-            self._join(list(range(len(rows))))
+        self.begin()
         while self.active:
-            running = list(self.active)  # rows admitted during this step's yields run from the next one
-            with torch.inference_mode():
-                results = self._step(self.cache, [rows[b] for b in running], phases)
-            now = time.perf_counter()  # the step has synchronised (its readout)
+            running, results = self._advance()
             for b, (chunk, finished, step) in zip(running, results):
-                rows[b].stats.time_s = now - rows[b].began
                 try:
                     yield chunk if self.single else (b, chunk)
                 except GeneratorExit:  # the caller stopped early: sharded, the other ranks stop with us
                     self._agree(step, stop=True)
                     raise
-                step, stopped = self._agree(step)
-                rows[b].finished = rows[b].finished or finished or stopped
-                rows[b].depth.observe(*step)  # (accepted, depth, draft_s, verify_s): how deep the next step drafts
-                if rows[b].finished:
-                    rows[b].stats.time_s = _clock(device) - rows[b].began
-                    rows[b].stats.draft_s += rows[b].settle_observing(phases)
+                self._settle(b, finished, step)
             self._leave()
         self.ended = True
+
+    def step(self) -> list[tuple[int, torch.Tensor]]:
+        """One step of every running row, for a caller that admits and cancels rows between steps (a
+        server's scheduler): the (row index, chunk) pairs of the step; rows that finished with it have
+        left the batch (`rows[b].finished`). An empty list once every row has finished (`ended`)."""
+        self.begin()
+        if not self.active:
+            return []
+        running, results = self._advance()
+        for b, (_, finished, step) in zip(running, results):
+            self._settle(b, finished, step)
+        self._leave()
+        return [(b, chunk) for b, (chunk, _, _) in zip(running, results)]
+
+    def begin(self) -> None:
+        """Prefill the rows given at the start (and those admitted before it), once; the first step
+        does it otherwise. A caller that admits rows one by one calls it to see a prefill fail alone."""
+        if not self.started:
+            self.started = True
+            with torch.inference_mode():
+                self._join(list(range(len(self.rows))))
+
+    def _advance(self) -> tuple[list[int], list[tuple]]:
+        """One step of the running rows (rows admitted from now on run from the next one): their indices
+        and (chunk, finished, what the depth control observes) each."""
+        running = list(self.active)
+        with torch.inference_mode():
+            results = self._step(self.cache, [self.rows[b] for b in running], self.phases)
+        now = time.perf_counter()  # the step has synchronised (its readout)
+        for b in running:
+            self.rows[b].stats.time_s = now - self.rows[b].began
+        return running, results
+
+    def _settle(self, b: int, finished: bool, step: tuple) -> None:
+        """Row b after its chunk was taken: whether it ends, and what its depth control learns."""
+        row = self.rows[b]
+        step, stopped = self._agree(step)
+        row.finished = row.finished or finished or stopped
+        row.depth.observe(*step)  # (accepted, depth, draft_s, verify_s): how deep the next step drafts
+        if row.finished:
+            row.stats.time_s = _clock(self.device) - row.began
+            row.stats.draft_s += row.settle_observing(self.phases)
 
     def admit(self, row: Row) -> int:
         """Continuous batching: `row` joins the batch between two steps, while the generation runs (or
@@ -265,7 +295,7 @@ class Generation:
         self.rows.append(row)
         if row.wants_hidden and not self.wants_hidden:
             self.wants_hidden = self.verifier.hidden = True
-        if self.cache is not None:  # running: it joins now; before the start, the first prefill takes it
+        if self.started:  # running: it joins now; before the start, the first prefill takes it
             with torch.inference_mode():
                 self._join([len(self.rows) - 1])
         return len(self.rows) - 1
@@ -305,6 +335,8 @@ class Generation:
             with torch.inference_mode():
                 select_rows(self.cache, kept, [self.rows[self.active[k]].prefix_len for k in kept])
         self.active = [self.active[k] for k in kept]
+        if not self.active:  # every row has finished: the batch has ended and admits no more
+            self.ended, self.cache = True, None
 
     def _agree(self, step: tuple, stop: bool = False) -> tuple[tuple, bool]:
         """A target sharded over ranks: each rank checks that the others hold its tokens, takes rank 0's

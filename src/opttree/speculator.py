@@ -68,25 +68,30 @@ class Speculator:
         self.config, _ = self._settings({}, prompt_len=None)  # every setting checked now, by name
 
     def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
-               depth: DepthControl | None = None, attention_mask=None) -> Generation:
+               depth: DepthControl | None = None, attention_mask=None, joinable: bool = False) -> Generation:
         """A `Generation`: chunks (C,) for one request, (row index, chunk) pairs for a list of them.
         `rules` (custom_generate's preparation) replaces every row's; `depth` (a depth control, which
-        learns as it goes) applies to one request."""
+        learns as it goes) applies to one request. `joinable`: a batch that other requests will join
+        while it runs (`admit`), so even a list of one takes the path of several rows."""
         batch = isinstance(requests, (list, tuple))
         items = list(requests) if batch else [requests]
         if not items or not all(isinstance(item, Request) for item in items):
             raise TypeError("Speculator.stream / generate take an opttree.Request or a non-empty list of them")
         if batch and depth is not None:
             raise ValueError("depth= belongs to one sequence: pass a single prompt")
-        rows = [self._row(item, len(items) > 1, rules, depth, attention_mask) for item in items]  # one: any path
+        several = len(items) > 1 or joinable
+        rows = [self._row(item, several, rules, depth, attention_mask) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
-        return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch)
+        return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch or joinable)
 
     def admit(self, run: Generation, request: Request) -> int:
         """Continuous batching: `request` joins the running batch `run` (a `stream` of a list) between two
         of its steps; returns its row index (its chunks come as (index, chunk) pairs)."""
-        row, _ = self._row(request, True, None, None, None)  # a batch's rows take the dynamic path
-        return run.admit(row)
+        return run.admit(self.row(request))
+
+    def row(self, request: Request) -> Row:
+        """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path."""
+        return self._row(request, True, None, None, None)[0]
 
     def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
         """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""

@@ -28,7 +28,8 @@ def cmd_serve(args) -> int:
                                  max(o.get("max_depth") or 0 for o in (greedy, sampled)))
     limits = Limits(args.max_budget or defaults.max_budget, args.max_tree_depth or defaults.max_depth)
     server = Server(target, draft, tokenizer, greedy, model_name=args.model_name or (args.target or "opttree-demo"),
-                    max_queue=args.max_queue, sampled_options=sampled, leader=leader, limits=limits)
+                    max_queue=args.max_queue, sampled_options=sampled, leader=leader, limits=limits,
+                    max_batch=args.max_batch)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
     try:
@@ -63,6 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     p.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: --target)")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429 (default: 16)")
+    p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                   help="requests decoding together at most (continuous batching: they join and leave between "
+                        "steps; the others wait in arrival order; default: 8; a --tp target decodes one at a time)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")

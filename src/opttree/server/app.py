@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app of `opttree serve` over the speculative engine (docs/USAGE.md, "Serving").
 
-One request decodes at a time (batch 1); the others wait their turn in arrival order in a bounded
-queue (429 when it is full). A target sharded over ranks (`--tp`) runs every generation on all of them
-(`opttree.server.ranks`). Decoding runs in a worker thread so the event loop keeps answering; a
-streaming client that disconnects cancels its request at the next step. On shutdown, requests in
+Requests decode together (continuous batching, `opttree.server.batcher`): up to `max_batch` rows in one
+running batch, one target forward per step for all of them; the others wait their turn in arrival
+order in a bounded queue (429 when it is full). A target sharded over ranks (`--tp`) runs one
+request at a time, on all of them (`opttree.server.ranks`). Decoding runs outside the event loop,
+which keeps answering; a streaming client that disconnects cancels its request at the next step. On shutdown, requests in
 flight or queued get `grace` seconds to finish; then each ends with an error (an error event when
 streaming, a 503 otherwise) and new requests get 503. Request fields are OpenAI's, each honoured or
 refused with a 400 naming it; tree settings (`tree`, `budget`, `delta`, `max_depth`,
@@ -31,7 +32,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..flags import used_draft
+from ..speculator import Request as GenerationRequest
+from ..speculator import Speculator
 from ..text import TextStream
+from .batcher import Batcher, BatchJob
 from .ranks import Call, Leader
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
@@ -154,7 +158,15 @@ class Metrics:
                               "new tokens per step, bonus included, over all requests", registry=r)
         self.latency = prom.Histogram("opttree:e2e_request_latency_seconds", "request latency", registry=r)
         self.waiting = prom.Gauge("opttree:num_requests_waiting", "requests queued or running", registry=r)
-        self.running = prom.Gauge("opttree:num_requests_running", "requests decoding now (0 or 1)", registry=r)
+        self.running = prom.Gauge("opttree:num_requests_running", "requests decoding now (rows of the batch)",
+                                  registry=r)
+        self.step_tokens = prom.Histogram("opttree:iteration_tokens_total", "tokens emitted per step, all rows",
+                                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.batch_rows = prom.Histogram("opttree:batch_size", "rows (requests) in a step's batch",
+                                         buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.row_nodes = prom.Histogram("opttree:spec_decode_draft_nodes_per_request_step",
+                                        "draft nodes one request sent to verification in one step",
+                                        buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_time = prom.Histogram("opttree:request_queue_time_seconds", "time a request waited for its turn",
                                          registry=r)
         self._tokens = self._steps = 0
@@ -170,22 +182,33 @@ class Metrics:
         self._steps += stats.steps
         self.mal.set(self._tokens / self._steps if self._steps else 0.0)
 
+    def observe_step(self, rows: int, tokens: int, drafted: list[int]) -> None:
+        """One step of the batch (`Batcher`'s on_step): its rows, their tokens, each row's draft nodes."""
+        self.batch_rows.observe(rows)
+        self.step_tokens.observe(tokens)
+        for nodes in drafted:
+            self.row_nodes.observe(nodes)
+
 
 class Server:
-    """The models, the engine settings and the one-at-a-time decoding queue."""
+    """The models, the engine settings and the decoding: a running batch that requests join (`Batcher`),
+    or with a sharded target one request at a time in arrival order (`Turns`)."""
 
     def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16,
-                 sampled_options: dict | None = None, leader: Leader | None = None, limits: Limits = Limits()):
+                 sampled_options: dict | None = None, leader: Leader | None = None, limits: Limits = Limits(),
+                 max_batch: int = 8):
         """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
         (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
         The draft model is passed to a request's generation when its settings' draft sources use it.
         `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.server.ranks`).
-        `limits`: what one request's tree fields may ask."""
+        `limits`: what one request's tree fields may ask. `max_batch`: rows decoding together at most."""
         self.target, self.draft, self.tokenizer, self.leader, self.limits = target, draft, tokenizer, leader, limits
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
         self.metrics = Metrics()
-        self.turns = Turns()  # one decoding at a time, in arrival order
+        self.turns = Turns()  # sharded: one decoding at a time, in arrival order
+        self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step)
+        self.speculators: dict[str, Speculator] = {}  # by settings: each checked once
         # a thread per admitted request (those waiting their turn block in it), so none waits for a thread
         self.threads = ThreadPoolExecutor(max_workers=max_queue + 4, thread_name_prefix="opttree-decode")
         self.pending = 0
@@ -211,8 +234,12 @@ class Server:
             return req.prompt
         return self.tokenizer(req.prompt, add_special_tokens=False).input_ids
 
-    def start(self, req) -> tuple[Any, list[int]]:
-        """Validate and set up a generation (errors here are 400s, before anything is sent)."""
+    def running(self) -> int:
+        """Requests decoding now."""
+        return self.batcher.running() if self.batcher else self.turns.running()
+
+    def start(self, req) -> tuple[BatchJob | Job, list[int]]:
+        """Validate a request and queue its generation (errors here are 400s, before anything is sent)."""
         req.refuse_unsupported()
         self.limits.check(req)
         ids = self.prompt_ids(req)
@@ -221,14 +248,29 @@ class Server:
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        call = Call(ids, used_draft(options, self.draft) is not None,  # after the request's own tree fields
-                    dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
-                         top_p=req.top_p, seed=seed, **options))
+        with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
+        sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
+                        top_p=req.top_p, seed=seed)
         try:
-            run = self.leader.build(call) if self.leader else call.start(self.target, self.draft, self.tokenizer)
+            if self.leader:
+                run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
+                return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now
+            row = self._speculator(options, with_draft).row(GenerationRequest(ids, **sampling))
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
-        return run, ids
+        job = BatchJob(row, self.expired, self.batcher)
+        self.batcher.submit(job)
+        return job, ids
+
+    def _speculator(self, options: dict, with_draft: bool) -> Speculator:
+        """The settings checked once per distinct set of them (the greedy, the sampled and the requests' own)."""
+        key = repr((sorted(options.items()), with_draft))
+        if key not in self.speculators:
+            if len(self.speculators) >= 64:  # requests' own tree fields: keep the most recent settings
+                self.speculators.pop(next(iter(self.speculators)))
+            self.speculators[key] = Speculator(self.target, self.draft if with_draft else None,
+                                               tokenizer=self.tokenizer, **options)
+        return self.speculators[key]
 
     def stopped(self) -> None:
         """The HTTP server has stopped: a sharded target's other ranks stop too."""
@@ -237,8 +279,7 @@ class Server:
 
     def discard(self, run) -> None:
         """A generation that never ran (its request left before its turn) is dropped on every rank."""
-        if self.leader:
-            run.end()
+        run.end()
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -300,6 +341,10 @@ class Job:
         self.complete = False  # the generation ran to its end (length, EOS or stop)
         self.joined, self.waited_s = time.perf_counter(), None  # seconds before its turn, once it began
 
+    @property
+    def stats(self):
+        return self.run.stats
+
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self.expired.is_set()
 
@@ -356,7 +401,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         server.metrics.waiting.set(server.pending)
-        server.metrics.running.set(server.turns.running())
+        server.metrics.running.set(server.running())
         return PlainTextResponse(prom.generate_latest(server.metrics.registry).decode(),
                                  media_type=prom.CONTENT_TYPE_LATEST)
 
@@ -367,8 +412,7 @@ def create_app(server: Server) -> FastAPI:
             return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
                                            "type": "rate_limit_error", "param": None, "code": None}},
                                 status_code=429, headers={"Retry-After": "1"})
-        run, ids = server.start(req)
-        job = Job(run, server.turns, server.expired, lambda: server.discard(run))  # its turn is taken now, in arrival order
+        job, ids = server.start(req)  # in line now, in arrival order
         server.pending += 1
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
@@ -384,13 +428,13 @@ def create_app(server: Server) -> FastAPI:
             return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": finish}
 
         def usage() -> dict:
-            n = run.stats.new_tokens
+            n = job.stats.new_tokens
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         def done(status: str) -> None:
             job.close()  # a decoding thread stops at its next step; a queued one leaves the line
             server.pending -= 1
-            server.metrics.observe(run.stats)
+            server.metrics.observe(job.stats)
             server.metrics.latency.observe(time.perf_counter() - began)
             if job.waited_s is not None:
                 server.metrics.queue_time.observe(job.waited_s)
@@ -406,7 +450,7 @@ def create_app(server: Server) -> FastAPI:
                 done("503")
                 return _error(503, shut_down, kind="server_error")
             text = TextStream(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
-            finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
+            finish = "length" if job.stats.new_tokens >= max_tokens else "stop"
             done("200")
             return {"id": rid, "object": kind, "created": created, "model": server.model_name,
                     "choices": [choice(text, finish, delta=False)], "usage": usage()}
@@ -452,7 +496,7 @@ def create_app(server: Server) -> FastAPI:
                         yield event({"error": {"message": shut_down, "type": "server_error"}})
                         return
                     tail = deltas.push([], final=True)
-                    finish = "length" if run.stats.new_tokens >= max_tokens else "stop"
+                    finish = "length" if job.stats.new_tokens >= max_tokens else "stop"
                     last = {**header, "choices": [choice(tail or None if chat else tail, finish, delta=True)]}
                     if req.stream_options and req.stream_options.get("include_usage"):
                         last["usage"] = usage()

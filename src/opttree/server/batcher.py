@@ -1,0 +1,147 @@
+"""Continuous batching for `opttree serve`: one running batch (`opttree.engine.Generation`) that
+requests join between two steps, in arrival order, up to `max_rows` at once, and leave when they
+finish, fail or are cancelled (the client left, or the shutdown grace ran out). Each request keeps
+its own row: its settings, random stream, stop rule and stream of chunks. One thread steps the batch;
+the HTTP handlers' threads read their request's chunks from a queue."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+from ..engine import Generation, Row
+
+_END = object()  # a job's queue: no more chunks
+
+
+class BatchJob:
+    """One request's place in the batch: its row and the chunks the scheduler hands it."""
+
+    def __init__(self, row: Row, expired: threading.Event, batcher: "Batcher"):
+        self.row, self.expired, self.batcher = row, expired, batcher
+        self.cancelled = threading.Event()
+        self.complete = False  # the row ran to its end (length, EOS or stop)
+        self.joined, self.waited_s = time.perf_counter(), None  # seconds before it joined the batch, once it did
+        self._chunks: queue.Queue = queue.Queue()
+
+    @property
+    def stats(self):
+        return self.row.stats
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or self.expired.is_set()
+
+    def chunks(self) -> Iterator[list[int]]:
+        """The row's chunks as the scheduler emits them; ends when the row does (an error is raised here)."""
+        while (item := self._chunks.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop: a waiting request leaves the line now, a running one the batch before its next step."""
+        self.batcher.withdraw(self)
+
+    def put(self, chunk: list[int]) -> None:
+        self._chunks.put(chunk)
+
+    def end(self, complete: bool = False, error: BaseException | None = None) -> None:
+        self.complete = complete
+        if error is not None:
+            self._chunks.put(error)
+        self._chunks.put(_END)
+
+
+class Batcher:
+    """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops
+    the stopped ones and steps the batch. `on_step(rows, tokens, drafted)` observes each step: how many
+    rows ran, the tokens they emitted, the draft nodes each row verified."""
+
+    def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None):
+        if max_rows < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {max_rows}")
+        self.target, self.max_rows, self.on_step = target, max_rows, on_step
+        self.waiting: deque[BatchJob] = deque()
+        self.changed = threading.Condition()
+        self.run: Generation | None = None
+        self.jobs: dict[int, BatchJob] = {}  # row index in `run` -> its job
+        threading.Thread(target=self._loop, daemon=True, name="opttree-batch").start()
+
+    def submit(self, job: BatchJob) -> None:
+        with self.changed:
+            self.waiting.append(job)
+            self.changed.notify()
+
+    def withdraw(self, job: BatchJob) -> None:
+        """A job that leaves before it joined the batch ends now; one in the batch at the next step."""
+        job.cancelled.set()
+        with self.changed:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                job.end()
+            self.changed.notify()
+
+    def running(self) -> int:
+        """Rows in the batch now."""
+        return len(self.jobs)
+
+    def _loop(self) -> None:
+        while True:
+            with self.changed:
+                while not self.waiting and not self.jobs:
+                    self.changed.wait()
+                room = self.max_rows - len(self.jobs)
+                arrivals = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            for b in [b for b, job in self.jobs.items() if job.stopped()]:
+                self.run.cancel(b)
+                self.jobs.pop(b).end()
+            for i, job in enumerate(arrivals):
+                if not self._admit(job):  # it decodes alone: first in line again, once the batch has drained
+                    with self.changed:
+                        self.waiting.extendleft(reversed(arrivals[i:]))
+                    break
+            if self.jobs:
+                self._step()
+
+    def _admit(self, job: BatchJob) -> bool:
+        """`job` joins the batch, or ends (stopped, or failed alone); False: it cannot share a batch
+        (e.g. the early-exit source, a target of state layers) and must wait for this one to end."""
+        if job.stopped():
+            job.end()
+            return True
+        try:
+            if self.run is None or self.run.ended:  # a new batch
+                run = Generation(self.target, [job.row], width=0, static=False, batch=True)
+                run.begin()  # prefilled now
+                self.run, b = run, 0
+            else:
+                b = self.run.admit(job.row)  # prefilled now
+        except NotImplementedError:
+            return False
+        except Exception as err:  # this request fails; the batch goes on
+            job.end(error=err)
+            return True
+        job.waited_s = time.perf_counter() - job.joined
+        self.jobs[b] = job
+        return True
+
+    def _step(self) -> None:
+        drafted = {b: job.stats.drafted_tokens for b, job in self.jobs.items()}
+        try:
+            pairs = self.run.step()
+        except Exception as err:  # the step failed: every row in it fails, the next requests start afresh
+            for job in self.jobs.values():
+                job.end(error=err)
+            self.jobs.clear()
+            self.run = None
+            return
+        tokens = 0
+        for b, chunk in pairs:
+            tokens += chunk.shape[0]
+            self.jobs[b].put(chunk.tolist())
+        self.on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs])
+        for b in [b for b in self.jobs if self.run.rows[b].finished]:
+            self.jobs.pop(b).end(complete=True)
