@@ -246,9 +246,36 @@ def top_nodes(tree: DraftTree, n: int, by: torch.Tensor | None = None) -> DraftT
     on its path (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
     if len(tree) == 0:
         return tree
-    on_path = tree.ancestors  # (N, N)
-    scores = tree.scores if by is None else by
-    path_min = torch.where(on_path, scores[None, :], float("inf")).amin(dim=1)  # (N,)
+    path_min = path_min_scores(tree, by)  # (N,)
     order = torch.sort(path_min, descending=True, stable=True).indices
     order = order[path_min[order] > float("-inf")][:n]
     return subtree(tree, order.sort().values)
+
+
+def path_min_scores(tree: DraftTree, by: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) each node's lowest score (or `by` (N,)) on its path from the root: a node never outranks its parent."""
+    scores = tree.scores if by is None else by
+    return torch.where(tree.ancestors, scores[None, :], float("inf")).amin(dim=1)
+
+
+def allocate(trees: list[DraftTree], n: int) -> list[DraftTree]:
+    """Batch-level OPT-Tree: one budget of n nodes for several rows' candidate trees, given to the n nodes
+    with the largest path score across all of them (a node counts at the lowest score on its path, ties
+    go to the earlier row, then the earlier node). With scores that fall along a path (log p-hat: path
+    probabilities), this maximises the sum of the rows' expected accepted lengths over every way of
+    splitting n nodes among them, and each row keeps a tree (a kept node's parent is kept). Trees with
+    sampled nodes (draft_probs) are not split: their nodes were drawn for their own budget."""
+    split = [i for i, tree in enumerate(trees) if tree.draft_probs is None and len(tree)]
+    if not split:
+        return trees
+    scores = torch.cat([path_min_scores(trees[i]) for i in split])  # (M,) every candidate of the split trees
+    order = torch.sort(scores, descending=True, stable=True).indices
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    kept[order[: max(n, 0)]] = True
+    kept &= scores > float("-inf")
+    out, start = list(trees), 0
+    for i in split:
+        size = len(trees[i])
+        out[i] = subtree(trees[i], kept[start : start + size].nonzero().flatten())
+        start += size
+    return out

@@ -1,0 +1,93 @@
+"""Aggregate throughput of `opttree serve` under concurrent clients: continuous batching (several
+--max-batch values, 1 = one request at a time) in one process, interleaved round by round.
+
+    python scripts/serve_throughput.py --prompts ../shared/data/humaneval.jsonl --limit 16 --max-tokens 64 \
+        --clients 1,8 --batches 1,8 --rounds 2
+
+Each (max-batch, clients) cell sends the same prompts (temperature 0) from that many client threads
+over HTTP to a real uvicorn server with the shipped pair in float32 and prints the tokens per second
+over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
+first cell (greedy: they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import torch
+import uvicorn
+
+import opttree
+from opttree.bench.prompts import load_prompts
+from opttree.server.app import GracefulServer, Server, create_app
+
+
+def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = GracefulServer(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"), server, 5)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", uv, thread
+
+
+def load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[float, list[float], list[str], int]:
+    """Every prompt once, from `clients` threads: (seconds, latencies, answers in prompt order, tokens)."""
+    def ask(prompt: str) -> tuple[float, str, int]:
+        began = time.perf_counter()
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+        return time.perf_counter() - began, out["choices"][0]["text"], out["usage"]["completion_tokens"]
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(ask, prompts))
+    return time.perf_counter() - began, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")
+    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--clients", default="1,8")
+    parser.add_argument("--batches", default="1,8", help="--max-batch values to compare")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--drafter", default="recycling+lookup")
+    parser.add_argument("--budget", type=int, default=16)
+    args = parser.parse_args()
+    target, draft, tok = opttree.demo_models(torch.float32)
+    prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
+    options = dict(tree="opt", drafter=args.drafter, budget=args.budget)
+    servers = {b: serve(Server(target, draft if "model" in args.drafter else None, tok, options, model_name="demo",
+                               max_batch=b, max_queue=64)) for b in map(int, args.batches.split(","))}
+    reference, table = None, {}
+    for _ in range(args.rounds):
+        for b, (url, _, _) in servers.items():
+            for clients in map(int, args.clients.split(",")):
+                seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens)
+                reference = reference or answers
+                table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference))
+    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature 0, opt:{args.drafter}@{args.budget}, "
+          f"fp32, {args.rounds} rounds (tokens/s: mean of rounds)")
+    print("| --max-batch | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n|---:|---:|---:|---:|---:|---|")
+    for (b, clients), runs in table.items():
+        lat = np.concatenate([r[1] for r in runs])
+        print(f"| {b} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
+              f"{np.percentile(lat, 99):.2f} | {all(r[2] for r in runs)} |")
+    for _, uv, thread in servers.values():
+        uv.should_exit = True
+        thread.join(10)
+
+
+if __name__ == "__main__":
+    main()
