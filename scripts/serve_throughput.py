@@ -2,12 +2,14 @@
 --max-batch values, 1 = one request at a time) in one process, interleaved round by round.
 
     python scripts/serve_throughput.py --prompts ../shared/data/humaneval.jsonl --limit 16 --max-tokens 64 \
-        --clients 1,8 --batches 1,8 --rounds 2
+        --clients 1,8 --batches 1,8 --batch-budgets off,auto --rounds 2
 
 Each (max-batch, clients) cell sends the same prompts (temperature 0) from that many client threads
 over HTTP to a real uvicorn server with the shipped pair in float32 and prints the tokens per second
 over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
-first cell (greedy: they must).
+first cell (greedy: they must). --batch-budgets: each request its own tree (off), or one node budget a
+step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the target's latency curve
+measured here first (auto).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 import uvicorn
 
 import opttree
+from opttree.bench.calibrate import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
+from opttree.policies.batch import BatchBudget
 from opttree.server.app import GracefulServer, Server, create_app
 
 
@@ -61,6 +65,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--clients", default="1,8")
     parser.add_argument("--batches", default="1,8", help="--max-batch values to compare")
+    parser.add_argument("--batch-budgets", default="off", help="off, auto or node counts (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--drafter", default="recycling+lookup")
     parser.add_argument("--budget", type=int, default=16)
@@ -68,8 +73,19 @@ def main() -> None:
     target, draft, tok = opttree.demo_models(torch.float32)
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
     options = dict(tree="opt", drafter=args.drafter, budget=args.budget)
-    servers = {b: serve(Server(target, draft if "model" in args.drafter else None, tok, options, model_name="demo",
-                               max_batch=b, max_queue=64)) for b in map(int, args.batches.split(","))}
+    allocators = {"off": None}
+    for choice in args.batch_budgets.split(","):
+        if choice == "auto":
+            top = max(map(int, args.batches.split(","))) * (args.budget + 1)
+            ids = tok(prompts[0], return_tensors="pt").input_ids
+            curve = latency_curves({"target": target}, context_ids([ids[0]], 200), top, repeats=3)["target"]
+            allocators[choice] = BatchBudget(curve=curve)
+        elif choice != "off":
+            allocators[choice] = BatchBudget(fixed=int(choice))
+    servers = {(b, name): serve(Server(target, draft if "model" in args.drafter else None, tok, options,
+                                       model_name="demo", max_batch=b, max_queue=64, batch_budget=allocator))
+               for b in map(int, args.batches.split(",")) for name, allocator in allocators.items()
+               if name in args.batch_budgets.split(",")}
     reference, table = None, {}
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
@@ -79,10 +95,11 @@ def main() -> None:
                 table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference))
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature 0, opt:{args.drafter}@{args.budget}, "
           f"fp32, {args.rounds} rounds (tokens/s: mean of rounds)")
-    print("| --max-batch | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n|---:|---:|---:|---:|---:|---|")
-    for (b, clients), runs in table.items():
+    print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n"
+          "|---:|---|---:|---:|---:|---:|---|")
+    for ((b, budget), clients), runs in table.items():
         lat = np.concatenate([r[1] for r in runs])
-        print(f"| {b} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
+        print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
               f"{np.percentile(lat, 99):.2f} | {all(r[2] for r in runs)} |")
     for _, uv, thread in servers.values():
         uv.should_exit = True

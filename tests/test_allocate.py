@@ -75,3 +75,44 @@ def test_sampled_trees_keep_their_own_nodes():
                         torch.full((5, 8), 1 / 8))
     kept = allocate([plain, sampled], 1)
     assert len(kept[0]) == 1 and kept[1] is sampled
+
+
+def best_split_sum(trees: list[DraftTree], n: int) -> float:
+    return max(sum(expected_accepted(t, s) for t, s in zip(trees, split))
+               for split in itertools.product(*[closed_subsets(t) for t in trees]) if sum(map(len, split)) <= n)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_batch_budget_maximises_the_batchs_tokens_per_second_under_the_curve(seed):
+    """BatchBudget's N: the argmax over N of (rows + best sum of p-hat with N nodes) / T(rows + N), by brute
+    force over every split, for curves flat, rising, and past their measured end."""
+    from opttree.policies.batch import BatchBudget
+
+    g = torch.Generator().manual_seed(100 + seed)
+    sizes = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(int(torch.randint(2, 4, (1,), generator=g)))]
+    trees = [random_tree(g, size, sum(sizes[:r])) for r, size in enumerate(sizes)]
+    rows, total = len(trees), sum(sizes)
+    for curve in ([1.0] * 20, [1.0 + 0.2 * k for k in range(20)], [1.0 + 0.05 * k * k for k in range(20)], [1.0, 1.3]):
+        budget = BatchBudget(curve=curve)
+        values = [(rows + best_split_sum(trees, n)) / float(budget.seconds(torch.tensor([rows + n]))[0])
+                  for n in range(total + 1)]
+        chosen = budget.best_total(trees)
+        assert values[chosen] == pytest.approx(max(values), rel=1e-9), (curve, values, chosen)
+        kept = budget(trees)
+        assert sum(map(len, kept)) == chosen
+
+
+def test_the_batch_budget_shrinks_toward_plain_decoding_when_tokens_cost_in_proportion():
+    """A flat curve (tokens cost nothing: a GPU far from its bend) verifies every candidate; a curve where
+    time grows in proportion to the tokens (a machine past its bend) verifies none: plain decoding."""
+    from opttree.policies.batch import BatchBudget
+
+    g = torch.Generator().manual_seed(7)
+    trees = [random_tree(g, 5, 5 * r) for r in range(4)]
+    assert BatchBudget(curve=[0.01] * 64).best_total(trees) == 20
+    assert BatchBudget(curve=[0.01 * k for k in range(1, 65)]).best_total(trees) == 0
+    assert [len(t) for t in BatchBudget(fixed=0)(trees)] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="one of them"):
+        BatchBudget()
+    with pytest.raises(ValueError, match="positive seconds"):
+        BatchBudget(curve=[0.0, 1.0])

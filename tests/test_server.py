@@ -367,25 +367,30 @@ CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"
                 "def is_prime(n):\n", "def merge_sort(items):\n", "def read_json(path):\n"]
 
 
-def _batching_server(pair, max_batch: int) -> tuple[Server, list[int]]:
+def _batching_server(pair, max_batch: int, batch_budget=None) -> tuple[Server, list[int]]:
     """A Server whose batcher records the rows of every step."""
     target, draft, tok = pair
-    server = Server(target, draft, tok, TREE, model_name="demo", max_batch=max_batch)
-    rows: list[int] = []
+    server = Server(target, draft, tok, TREE, model_name="demo", max_batch=max_batch, batch_budget=batch_budget)
+    rows: list[tuple[int, int]] = []  # per step: (rows, draft nodes of all rows)
     observe = server.batcher.on_step
-    server.batcher.on_step = lambda n, tokens, drafted: (rows.append(n), observe(n, tokens, drafted))
+    server.batcher.on_step = lambda n, tokens, drafted: (rows.append((n, sum(drafted))), observe(n, tokens, drafted))
     return server, rows
 
 
-def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair):
+@pytest.mark.parametrize("batch_budget", ["off", "fixed", "curve"])
+def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batch_budget):
     """Continuous batching: requests arriving together share each step's target forward (up to
     --max-batch rows), join and leave between steps, and each gets exactly what it gets alone: greedy
-    ones their greedy output, sampled ones the draws of their seed."""
+    ones their greedy output, sampled ones the draws of their seed; with one node budget for the batch
+    (batch-level OPT-Tree: fixed, or chosen under a latency curve) too."""
+    from opttree.policies.batch import BatchBudget
     from opttree.server.app import CompletionRequest
 
     target, draft, tok = pair
-    server, rows = _batching_server(pair, max_batch=4)
-    asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
+    allocator = {"off": None, "fixed": BatchBudget(fixed=3), "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)])}
+    server, rows = _batching_server(pair, max_batch=4, batch_budget=allocator[batch_budget])
+    sampled = lambda i: i % 2 and batch_budget != "fixed"  # noqa: E731  (sampled children keep their own budget)
+    asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
         jobs = [server.start(CompletionRequest(**ask))[0] for ask in asks]
@@ -395,7 +400,9 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair):
         sampling = dict(temperature=ask["temperature"], seed=ask["seed"]) if ask["temperature"] else {}
         assert answer == reference(pair, ids, ask["max_tokens"], **sampling), ask
         assert job.complete and job.stats.new_tokens == ask["max_tokens"]
-    assert max(rows) == 4 and min(rows) >= 1  # the batch filled up to --max-batch, never past it
+    assert max(n for n, _ in rows) == 4  # the batch filled up to --max-batch, never past it
+    if batch_budget == "fixed":
+        assert max(nodes for n, nodes in rows if n > 1) == 3  # one budget for the batch, whatever each request's
     text = create_app(server) and __import__("prometheus_client").generate_latest(server.metrics.registry).decode()
     assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -174,8 +174,11 @@ class Generation:
     batch of several (each row's chunks in order; rows that finish leave the batch). `.stats` and
     `.sequences` fill in as it runs (`.rows[b].stats` and `.rows[b].committed` for each row of a batch)."""
 
-    def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False):
-        self.target, self.rows, self.static = target, rows, static
+    def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False,
+                 allocator: Callable[[list[DraftTree]], list[DraftTree]] | None = None):
+        """`allocator`: several rows' trees -> the trees they verify, e.g. `policies.batch.BatchBudget`
+        (one node budget for the whole batch); None: each row keeps its own tree."""
+        self.target, self.rows, self.static, self.allocator = target, rows, static, allocator
         self.single = not batch  # one sequence, not a batch (of one or more)
         self.device = model_device(target)  # every tensor of the loop lives here
         self.width = width  # the static path's padded tree size
@@ -378,6 +381,9 @@ class Generation:
             cap = self._follow_rope_switch(cache, row) if self.rope_switch is not None else None
             trees.append(row.draft(cap))
             marks.append(phases.mark())
+        if self.allocator is not None and len(trees) > 1:  # one budget for the batch (counted as the last row's drafting)
+            trees = self.allocator(trees)
+            marks[-1] = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens)
         t_verified = phases.mark()

@@ -17,6 +17,7 @@ def cmd_serve(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
+    allocator = batch_budget(args.batch_budget, target, draft)
     # greedy and sampled requests each get the settings chosen for them (the profile measures both)
     greedy, sampled = (resolved_tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
                        for t in (0.0, 1.0))
@@ -29,7 +30,7 @@ def cmd_serve(args) -> int:
     limits = Limits(args.max_budget or defaults.max_budget, args.max_tree_depth or defaults.max_depth)
     server = Server(target, draft, tokenizer, greedy, model_name=args.model_name or (args.target or "opttree-demo"),
                     max_queue=args.max_queue, sampled_options=sampled, leader=leader, limits=limits,
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, batch_budget=allocator)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_grace + 5)
     try:
@@ -37,6 +38,34 @@ def cmd_serve(args) -> int:
     finally:
         server.stopped()  # also when it failed to start
     return 0
+
+
+def batch_budget(choice: str, target, draft):
+    """--batch-budget: 'off' -> None (each request its own tree); N -> that many nodes a step for the
+    batch; 'auto' -> chosen each step from the pair's measured latency curve (its calibration profile),
+    None without one."""
+    from ..policies.batch import BatchBudget
+    from ..profiles import find_profile, load_profile
+
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return BatchBudget(fixed=int(choice))
+    curve = (load_profile(target, draft).get("latency") or {}).get("target_s") if draft is not None and \
+        find_profile(target, draft) is not None else None
+    if not curve:
+        print("opttree serve: no measured latency curve for this pair (`opttree calibrate`): --batch-budget auto "
+              "is off, each request keeps its own tree")
+        return None
+    return BatchBudget(curve=curve)
+
+
+def batch_budget_arg(text: str) -> str:
+    import argparse
+
+    if text in ("auto", "off") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"must be auto, off or a number of nodes >= 0, got {text!r}")
 
 
 def cmd_load_test(args) -> int:
@@ -67,6 +96,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="requests decoding together at most (continuous batching: they join and leave between "
                         "steps; the others wait in arrival order; default: 8; a --tp target decodes one at a time)")
+    p.add_argument("--batch-budget", type=batch_budget_arg, default="auto", metavar="auto|off|N",
+                   help="batch-level OPT-Tree: one node budget a step for all requests decoding together, given "
+                        "to the candidates most likely accepted whichever request they belong to; auto: the "
+                        "budget that makes the batch's tokens/s largest under the pair's measured latency curve "
+                        "(off without one); off: each request keeps its own tree (default: auto)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")

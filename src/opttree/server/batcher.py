@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..engine import Generation, Row
+from ..policies.batch import BatchBudget
 
 _END = object()  # a job's queue: no more chunks
 
@@ -58,12 +59,14 @@ class BatchJob:
 class Batcher:
     """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops
     the stopped ones and steps the batch. `on_step(rows, tokens, drafted)` observes each step: how many
-    rows ran, the tokens they emitted, the draft nodes each row verified."""
+    rows ran, the tokens they emitted, the draft nodes each row verified. `allocator`: one node budget
+    for the batch (batch-level OPT-Tree), else each request keeps its own tree."""
 
-    def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None):
+    def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None,
+                 allocator: BatchBudget | None = None):
         if max_rows < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_rows}")
-        self.target, self.max_rows, self.on_step = target, max_rows, on_step
+        self.target, self.max_rows, self.on_step, self.allocator = target, max_rows, on_step, allocator
         self.waiting: deque[BatchJob] = deque()
         self.changed = threading.Condition()
         self.run: Generation | None = None
@@ -114,7 +117,7 @@ class Batcher:
             return True
         try:
             if self.run is None or self.run.ended:  # a new batch
-                run = Generation(self.target, [job.row], width=0, static=False, batch=True)
+                run = Generation(self.target, [job.row], width=0, static=False, batch=True, allocator=self.allocator)
                 run.begin()  # prefilled now
                 self.run, b = run, 0
             else:
