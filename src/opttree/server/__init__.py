@@ -96,11 +96,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="requests decoding together at most (continuous batching: they join and leave between "
                         "steps; the others wait in arrival order; default: 8; a --tp target decodes one at a time)")
-    p.add_argument("--batch-budget", type=batch_budget_arg, default="auto", metavar="auto|off|N",
+    p.add_argument("--batch-budget", type=batch_budget_arg, default="off", metavar="auto|off|N",
                    help="batch-level OPT-Tree: one node budget a step for all requests decoding together, given "
                         "to the candidates most likely accepted whichever request they belong to; auto: the "
                         "budget that makes the batch's tokens/s largest under the pair's measured latency curve "
-                        "(off without one); off: each request keeps its own tree (default: auto)")
+                        "(off without one); off: each request keeps its own tree (default: off; on a 2-core CPU "
+                        "neither auto nor a fixed budget was measurably faster)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")
