@@ -428,3 +428,26 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
     assert not long.complete and long.stats.new_tokens < 400 and not broken.complete
     again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0]
     assert len([t for chunk in again.chunks() for t in chunk]) == 5 and server.running() == 0
+
+
+def test_the_scheduler_survives_an_error_of_its_own(pair):
+    """An error outside any one request (here the step's observer) fails the batch's requests with it;
+    the scheduler goes on and the next requests are served."""
+    from opttree.server.app import CompletionRequest
+
+    server, _ = _batching_server(pair, max_batch=4)
+    calls = []
+
+    def observer_that_fails_once(*_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the observer broke")
+
+    server.batcher.on_step = observer_that_fails_once
+    with server.batcher.changed:
+        first = [server.start(CompletionRequest(prompt=p, max_tokens=6, temperature=0))[0] for p in CODE_PROMPTS[:2]]
+    for job in first:
+        with pytest.raises(RuntimeError, match="observer broke"):
+            list(job.chunks())
+    later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0]
+    assert len([t for chunk in later.chunks() for t in chunk]) == 6 and later.complete

@@ -98,16 +98,29 @@ class Batcher:
                     self.changed.wait()
                 room = self.max_rows - len(self.jobs)
                 arrivals = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-            for b in [b for b, job in self.jobs.items() if job.stopped()]:
-                self.run.cancel(b)
-                self.jobs.pop(b).end()
-            for i, job in enumerate(arrivals):
-                if not self._admit(job):  # it decodes alone: first in line again, once the batch has drained
-                    with self.changed:
-                        self.waiting.extendleft(reversed(arrivals[i:]))
-                    break
-            if self.jobs:
-                self._step()
+            try:
+                self._turn(arrivals)
+            except Exception as err:  # never leave the scheduler dead: the batch's requests fail, the next start afresh
+                with self.changed:
+                    queued = set(map(id, self.waiting))
+                running = list(self.jobs.values())
+                for job in running + [j for j in arrivals if id(j) not in queued and j not in running]:
+                    job.end(error=err)
+                self.jobs.clear()
+                self.run = None
+
+    def _turn(self, arrivals: list[BatchJob]) -> None:
+        """Between two steps: the stopped rows leave, the arrivals join (in order), then one step."""
+        for b in [b for b, job in self.jobs.items() if job.stopped()]:
+            self.run.cancel(b)
+            self.jobs.pop(b).end()
+        for i, job in enumerate(arrivals):
+            if not self._admit(job):  # it decodes alone: first in line again, once the batch has drained
+                with self.changed:
+                    self.waiting.extendleft(reversed(arrivals[i:]))
+                break
+        if self.jobs:
+            self._step()
 
     def _admit(self, job: BatchJob) -> bool:
         """`job` joins the batch, or ends (stopped, or failed alone); False: it cannot share a batch
