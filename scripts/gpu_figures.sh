@@ -7,6 +7,7 @@
 #   scripts/gpu_figures.sh profile OUT_DIR   # per step: wall time, kernels, GPU busy; eager and compiled (CUDA graphs), 1B target
 #   scripts/gpu_figures.sh batch   OUT_DIR   # a batch of BATCH prompts against one at a time and transformers' batched generate, 1B
 #   scripts/gpu_figures.sh defaults OUT_DIR  # no flags (first-use choices on this GPU), shipped pair
+#   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
 # Packages carried along in wheels/ are installed first, without dependencies: *.whl with pip, *.tar.xz as an
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
@@ -70,6 +71,12 @@ batch)
     opttree bench --target $big --draft $shipped_draft --device cuda --dtype bfloat16 --prompts "$humaneval" \
         --limit "${BATCH:-8}" --batch "${BATCH:-8}" --methods ar,hf-ar,opt,opt:recycling+lookup --budgets 16 \
         --delta 0.3 --max-new-tokens 128 --out "$out/batch-1b" --no-progress
+    ;;
+serve)
+    inflated
+    python3 scripts/serve_throughput.py --target $big --draft $shipped_draft --device cuda --dtype bfloat16 \
+        --prompts "$humaneval" --limit 32 --max-tokens 128 --clients 1,8,32 --batches 1,32 --batch-budgets off,auto \
+        --rounds 1 | tee "$out/serve.txt"
     ;;
 defaults)  # what a user gets with no flags: the first-use choices made on this GPU (an empty cache)
     OPTTREE_CACHE_DIR=/tmp/opttree-empty-cache opttree bench --device cuda --prompts "$humaneval" \

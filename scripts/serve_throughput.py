@@ -5,7 +5,8 @@
         --clients 1,8 --batches 1,8 --batch-budgets off,auto --rounds 2
 
 Each (max-batch, clients) cell sends the same prompts (temperature 0) from that many client threads
-over HTTP to a real uvicorn server with the shipped pair in float32 and prints the tokens per second
+over HTTP to a real uvicorn server (the shipped pair in float32 unless --target / --draft / --device /
+--dtype say otherwise) and prints the tokens per second
 over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
 first cell (greedy: they must). --batch-budgets: each request its own tree (off), or one node budget a
 step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the target's latency curve
@@ -24,6 +25,7 @@ import httpx
 import numpy as np
 import torch
 import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
 from opttree.bench.calibrate import context_ids, latency_curves
@@ -69,15 +71,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--drafter", default="recycling+lookup")
     parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--target", help="a model folder (default: the shipped target)")
+    parser.add_argument("--draft", help="a model folder (default: the shipped draft)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    target, draft, tok = opttree.demo_models(torch.float32)
+    dtype = getattr(torch, args.dtype)
+    target, draft, tok = opttree.demo_models(dtype)
+    if args.target or args.draft:
+        from_folder = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()  # noqa: E731
+        target = from_folder(args.target) if args.target else target
+        draft = from_folder(args.draft) if args.draft else draft
+        tok = AutoTokenizer.from_pretrained(args.target) if args.target else tok
+    target, draft = target.to(args.device), draft.to(args.device)
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
     options = dict(tree="opt", drafter=args.drafter, budget=args.budget)
     allocators = {"off": None}
     for choice in args.batch_budgets.split(","):
         if choice == "auto":
             top = max(map(int, args.batches.split(","))) * (args.budget + 1)
-            ids = tok(prompts[0], return_tensors="pt").input_ids
+            ids = tok(prompts[0], return_tensors="pt").input_ids.to(args.device)
             curve = latency_curves({"target": target}, context_ids([ids[0]], 200), top, repeats=3)["target"]
             allocators[choice] = BatchBudget(curve=curve)
         elif choice != "off":
@@ -94,7 +107,7 @@ def main() -> None:
                 reference = reference or answers
                 table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference))
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature 0, opt:{args.drafter}@{args.budget}, "
-          f"fp32, {args.rounds} rounds (tokens/s: mean of rounds)")
+          f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
     print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n"
           "|---:|---|---:|---:|---:|---:|---|")
     for ((b, budget), clients), runs in table.items():
