@@ -51,7 +51,8 @@ def measure(target, draft, ids, method: str, max_new_tokens: int) -> dict:
     out = run(target, draft, ids, kwargs, max_new_tokens)
     sync()
     wall = time.perf_counter() - start
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # device activity only: CPU events are many and slow to read
+    # device activity only: a CPU trace of 128 tokens holds too many events to read in time
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         profiled = run(target, draft, ids, kwargs, max_new_tokens)
         sync()
     device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
@@ -85,7 +86,8 @@ def main() -> None:
             run(target, draft, ids, parse(m), 16)
             print(f"compile + capture of {m}+compile: {time.perf_counter() - start:.1f} s", flush=True)
             rows.append(measure(target, draft, ids, m, args.max_new_tokens) | {"method": m + "+compile"})
-    print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
     print("| method | tokens/s | MAL | ms/step | kernels/step | GPU busy % |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['method']} | {r['tokens/s']:.1f} | {r['MAL']:.2f} | {r['ms/step']:.2f} | {r['kernels/step']:.0f} "

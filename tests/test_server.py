@@ -363,7 +363,8 @@ def test_metrics_count_queue_time_and_what_is_running(pair):
     assert 0 < metric("opttree:request_queue_time_seconds_sum") < waited  # ... while the short one waited its turn
 
 
-CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(path):\n",
+CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
+                "import os\n\ndef list_files(path):\n",
                 "def is_prime(n):\n", "def merge_sort(items):\n", "def read_json(path):\n"]
 
 
@@ -387,7 +388,8 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     from opttree.server.app import CompletionRequest
 
     target, draft, tok = pair
-    allocator = {"off": None, "fixed": BatchBudget(fixed=3), "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)])}
+    allocator = {"off": None, "fixed": BatchBudget(fixed=3),
+                 "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)])}
     server, rows = _batching_server(pair, max_batch=4, batch_budget=allocator[batch_budget])
     sampled = lambda i: i % 2 and batch_budget != "fixed"  # noqa: E731  (sampled children keep their own budget)
     asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)

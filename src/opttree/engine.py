@@ -231,6 +231,8 @@ class Generation:
         return self.rows[0]
 
     def __iter__(self) -> Iterator:
+        # Inference mode is entered per step and never held across a yield: streams interleaved in
+        # one thread stay independent, and the caller's code between chunks keeps its own grad mode.
         self.begin()
         while self.active:
             running, results = self._advance()
@@ -381,7 +383,8 @@ class Generation:
             cap = self._follow_rope_switch(cache, row) if self.rope_switch is not None else None
             trees.append(row.draft(cap))
             marks.append(phases.mark())
-        if self.allocator is not None and len(trees) > 1:  # one budget for the batch (counted as the last row's drafting)
+        # one node budget for the batch (its time counted as the last row's drafting)
+        if self.allocator is not None and len(trees) > 1:
             trees = self.allocator(trees)
             marks[-1] = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree

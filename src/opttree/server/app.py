@@ -4,8 +4,8 @@ Requests decode together (continuous batching, `opttree.server.batcher`): up to 
 running batch, one target forward per step for all of them; the others wait their turn in arrival
 order in a bounded queue (429 when it is full). A target sharded over ranks (`--tp`) runs one
 request at a time, on all of them (`opttree.server.ranks`). Decoding runs outside the event loop,
-which keeps answering; a streaming client that disconnects cancels its request at the next step. On shutdown, requests in
-flight or queued get `grace` seconds to finish; then each ends with an error (an error event when
+which keeps answering; a streaming client that disconnects cancels its request at the next step. On
+shutdown, requests in flight or queued get `grace` seconds to finish; then each ends with an error (an error event when
 streaming, a 503 otherwise) and new requests get 503. Request fields are OpenAI's, each honoured or
 refused with a 400 naming it; tree settings (`tree`, `budget`, `delta`, `max_depth`,
 `draft_temperature`) may be given per request as extra fields.
