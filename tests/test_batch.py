@@ -204,3 +204,18 @@ def test_requests_join_and_leave_a_running_batch_between_steps():
         speculator.admit(run, opttree.Request(later[0]))
     with pytest.raises(ValueError, match="does not admit"):
         speculator.admit(speculator.stream(opttree.Request(first[0])), opttree.Request(later[0]))
+
+
+def test_one_node_budget_for_the_batch_keeps_every_row_exact(models):
+    """batch_budget=N (batch-level OPT-Tree): the rows share N draft nodes a step, and each is still its
+    prompt's own greedy output; a bad value is refused by name."""
+    target, draft = models
+    batch = prompts([5, 40, 3, 17], seed=4)
+    for source in (dict(drafter="recycling+lookup"), dict(draft=draft)):
+        outs = opttree.generate(target, batch, max_new_tokens=NEW, eos_token_id=[], budget=8, batch_budget=3,
+                                **source)
+        check_rows(target, batch, outs)
+        steps = max(out.stats.steps for out in outs)
+        assert sum(out.stats.drafted_tokens for out in outs) <= 3 * steps  # at most 3 nodes in every step
+    with pytest.raises(TypeError, match="batch_budget"):
+        opttree.generate(target, batch, batch_budget="auto")

@@ -404,7 +404,7 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
         assert job.complete and job.stats.new_tokens == ask["max_tokens"]
     assert max(n for n, _ in rows) == 4  # the batch filled up to --max-batch, never past it
     if batch_budget == "fixed":
-        assert max(nodes for n, nodes in rows if n > 1) == 3  # one budget for the batch, whatever each request's
+        assert max(nodes for _, nodes in rows) == 3  # one budget for the batch, whatever each request's
     text = create_app(server) and __import__("prometheus_client").generate_latest(server.metrics.registry).decode()
     assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
 

@@ -384,7 +384,7 @@ class Generation:
             trees.append(row.draft(cap))
             marks.append(phases.mark())
         # one node budget for the batch (its time counted as the last row's drafting)
-        if self.allocator is not None and len(trees) > 1:
+        if self.allocator is not None:
             trees = self.allocator(trees)
             marks[-1] = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree

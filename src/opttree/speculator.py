@@ -25,6 +25,7 @@ from .drafters.sources import (SourceContext, default_children, default_drafter,
 from .engine import Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
 from .policies import TreePolicy, make_policy
+from .policies.batch import BatchBudget
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,18 @@ class Speculator:
 
     A batch verifies every row's tree in one target forward per step; each row is exactly what its
     request gives alone (greedy: `target.generate`; sampled: the same draws from its seed, unless its
-    children are sampled from the recycling matrix, which learns from every row)."""
+    children are sampled from the recycling matrix, which learns from every row). `batch_budget`: one
+    node budget a step for a batch's rows (batch-level OPT-Tree: a number of nodes, or a
+    `policies.batch.BatchBudget`); None: each row its own tree."""
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | Drafter | None = None, *, tokenizer=None,
-                 eos_token_id: int | Sequence[int] | None = None, generation_config=None, **options):
+                 eos_token_id: int | Sequence[int] | None = None, generation_config=None,
+                 batch_budget: int | BatchBudget | None = None, **options):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        if isinstance(batch_budget, bool) or not isinstance(batch_budget, (numbers.Integral, BatchBudget, type(None))):
+            raise TypeError(f"batch_budget is a number of nodes or a BatchBudget, got {batch_budget!r}")
+        self.batch_budget = BatchBudget(fixed=int(batch_budget)) if isinstance(batch_budget, numbers.Integral) \
+            else batch_budget
         self.eos = None if eos_token_id is None else eos_list(eos_token_id)
         self.generation_config = generation_config or target.generation_config
         self.options = options
@@ -82,7 +90,8 @@ class Speculator:
         several = len(items) > 1 or joinable
         rows = [self._row(item, several, rules, depth, attention_mask) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
-        return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch or joinable)
+        return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch or joinable,
+                          allocator=self.batch_budget)
 
     def admit(self, run: Generation, request: Request) -> int:
         """Continuous batching: `request` joins the running batch `run` (a `stream` of a list) between two
