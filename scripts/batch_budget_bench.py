@@ -1,0 +1,32 @@
+"""Batch-level OPT-Tree (`batch_budget=`) against per-row trees, in-process (no HTTP): the first 16
+HumanEval prompts as two batches of 8, `opt:recycling+lookup@16`, 64 new tokens, fp32, the shipped
+pair; 3 rounds, the settings rotated per round. `auto` = BatchBudget over the target's latency curve
+measured first (k = 1..136 tokens, 200 cached).
+
+    python scripts/batch_budget_bench.py
+"""
+import time, torch, opttree, json, statistics
+from opttree.bench.calibrate import context_ids, latency_curves
+from opttree.bench.prompts import load_prompts
+from opttree.policies.batch import BatchBudget
+torch.manual_seed(0)
+target, draft, tok = opttree.demo_models(torch.float32)
+prompts = [tok(p.text, return_tensors="pt").input_ids[0] for p in load_prompts("../shared/data/humaneval.jsonl", limit=16)]
+curve = latency_curves({"target": target}, context_ids(prompts[:1], 200), 8 * 17, repeats=3)["target"]
+configs = {"off": None, "auto": BatchBudget(curve=curve), "16": 16, "32": 32, "64": 64}
+res = {k: [] for k in configs}
+mal = {k: [] for k in configs}
+for rnd in range(3):
+    for group in (prompts[:8], prompts[8:]):
+        names = list(configs)
+        names = names[rnd % len(names):] + names[:rnd % len(names)]
+        for name in names:
+            t = time.perf_counter()
+            outs = opttree.generate(target, group, None, budget=16, max_new_tokens=64, batch_budget=configs[name])
+            dt = time.perf_counter() - t
+            toks = sum(o.stats.new_tokens for o in outs)
+            res[name].append(toks / dt)
+            mal[name].append(toks / sum(o.stats.steps for o in outs))
+for k in configs:
+    print(f"{k:>5}: {statistics.mean(res[k]):6.1f} tok/s (min {min(res[k]):.1f}, max {max(res[k]):.1f}), tokens per row-step {statistics.mean(mal[k]):.2f}")
+print("T(k) ms at k=1,8,17,34,68,136:", [round(1000 * curve[k - 1], 1) for k in (1, 8, 17, 34, 68, 136)])
