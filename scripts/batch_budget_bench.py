@@ -5,7 +5,12 @@ measured first (k = 1..136 tokens, 200 cached).
 
     python scripts/batch_budget_bench.py
 """
-import time, torch, opttree, json, statistics
+import statistics
+import time
+
+import torch
+
+import opttree
 from opttree.bench.calibrate import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
 from opttree.policies.batch import BatchBudget
