@@ -139,10 +139,15 @@ def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, cases: l
     # a prompt just past half a bucket lands in that bucket with the warm-up's few new tokens and any tree
     in_buckets = [ids.repeat(1, bucket // ids.shape[1] + 1)[:, : bucket // 2 + 1] for bucket in buckets]
     seconds = {}
-    for label, runner in build_runners(target, draft, specs, short).items():
+    for spec, (label, runner) in zip(specs, build_runners(target, draft, specs, short).items()):
         start = time.perf_counter()
         for prompt in [ids, ids[:, : max(ids.shape[1] // 2, 1)], *in_buckets]:
             runner(prompt)
+        if find_method(spec.name).warm_every_length:  # from a few tokens to the end of each bucket
+            seed = ids[:, :WARMUP_TOKENS]
+            for bucket in buckets:
+                through = Settings(**{**asdict(settings), "max_new_tokens": bucket - seed.shape[1]})
+                find_method(spec.name).make(target, draft, through, spec)(seed)
         seconds[label] = time.perf_counter() - start
     return seconds
 
