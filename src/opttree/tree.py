@@ -258,17 +258,18 @@ def path_min_scores(tree: DraftTree, by: torch.Tensor | None = None) -> torch.Te
     return torch.where(tree.ancestors, scores[None, :], float("inf")).amin(dim=1)
 
 
-def allocate(trees: list[DraftTree], n: int) -> list[DraftTree]:
+def allocate(trees: list[DraftTree], n: int, scores: torch.Tensor | None = None) -> list[DraftTree]:
     """Batch-level OPT-Tree: one budget of n nodes for several rows' candidate trees, given to the n nodes
     with the largest path score across all of them (a node counts at the lowest score on its path, ties
     go to the earlier row, then the earlier node). With scores that fall along a path (log p-hat: path
     probabilities), this maximises the sum of the rows' expected accepted lengths over every way of
     splitting n nodes among them, and each row keeps a tree (a kept node's parent is kept). Trees with
-    sampled nodes (draft_probs) are not split: their nodes were drawn for their own budget."""
-    split = [i for i, tree in enumerate(trees) if tree.draft_probs is None and len(tree)]
+    sampled nodes (draft_probs) are not split: their nodes were drawn for their own budget.
+    `scores`: `candidate_scores(trees)`, when the caller has it already."""
+    split = splittable(trees)
     if not split:
         return trees
-    scores = torch.cat([path_min_scores(trees[i]) for i in split])  # (M,) every candidate of the split trees
+    scores = candidate_scores(trees) if scores is None else scores  # (M,)
     order = torch.sort(scores, descending=True, stable=True).indices
     kept = torch.zeros_like(scores, dtype=torch.bool)
     kept[order[: max(n, 0)]] = True
@@ -279,3 +280,16 @@ def allocate(trees: list[DraftTree], n: int) -> list[DraftTree]:
         out[i] = subtree(trees[i], kept[start : start + size].nonzero().flatten())
         start += size
     return out
+
+
+def splittable(trees: list[DraftTree]) -> list[int]:
+    """The trees a batch budget may cut: non-empty, of deterministic candidates."""
+    return [i for i, tree in enumerate(trees) if tree.draft_probs is None and len(tree)]
+
+
+def candidate_scores(trees: list[DraftTree]) -> torch.Tensor:
+    """(M,) the path scores of every node of the `splittable` trees, in order."""
+    split = splittable(trees)
+    if not split:
+        return torch.empty(0)
+    return torch.cat([path_min_scores(trees[i]) for i in split])

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..tree import DraftTree, allocate, path_min_scores
+from ..tree import DraftTree, allocate, candidate_scores
 
 
 class BatchBudget:
@@ -31,17 +31,21 @@ class BatchBudget:
         self.fixed = fixed
 
     def __call__(self, trees: list[DraftTree]) -> list[DraftTree]:
-        return allocate(trees, self.fixed if self.fixed is not None else self.best_total(trees))
+        if self.fixed is not None:
+            return allocate(trees, self.fixed)
+        scores = candidate_scores(trees)  # (M,) computed once for the choice and the cut
+        return allocate(trees, self._best(scores, len(trees)), scores)
 
     def best_total(self, trees: list[DraftTree]) -> int:
         """The N that maximises the batch's expected tokens per second under the curve."""
-        split = [tree for tree in trees if tree.draft_probs is None and len(tree)]
-        if not split:
+        return self._best(candidate_scores(trees), len(trees))
+
+    def _best(self, scores: torch.Tensor, rows: int) -> int:
+        if not scores.numel():
             return 0
-        scores = torch.cat([path_min_scores(tree) for tree in split]).double().cpu()  # (M,)
-        p = scores.exp().sort(descending=True).values  # (M,) path probabilities, best first
-        gain = len(trees) + torch.cat([p.new_zeros(1), p.cumsum(0)])  # (M + 1,) tokens for N = 0..M
-        k = len(trees) + torch.arange(p.shape[0] + 1)  # tokens verified for N = 0..M
+        p = scores.double().cpu().exp().sort(descending=True).values  # (M,) path probabilities, best first
+        gain = rows + torch.cat([p.new_zeros(1), p.cumsum(0)])  # (M + 1,) tokens for N = 0..M
+        k = rows + torch.arange(p.shape[0] + 1)  # tokens verified for N = 0..M
         return int((gain / self.seconds(k)).argmax())
 
     def seconds(self, k: torch.Tensor) -> torch.Tensor:
