@@ -29,10 +29,10 @@ SMALL_WINDOWS = {"sliding_window": 16, "window_size": 16, "attention_chunk_size"
 BUDGETS = (1, 4, 16)
 # The CI subset and the outcomes each architecture must give (all of its cases): a mainstream family that
 # becomes refused, or a refusal that changes its reason, fails the test. gemma3_text and phi3 cover the
-# windows and LongRoPE-free small-window variants; tests/test_state_models.py covers the hybrids.
+# windows and LongRoPE-free small-window variants; gpt_neo (its window crossed), mpt (ALiBi) and bart
+# (positions from the cache length) run as chains, target and draft; tests/test_state_models.py covers the hybrids.
 SUBSET = {"llama": {"identical"}, "gpt2": {"identical"}, "gemma3_text": {"identical"}, "phi3": {"identical"},
-          "gpt_neo": {"identical", "refused: local window (GPT-Neo)"}, "mpt": {"refused: ALiBi"},
-          "bart": {"refused: positions from the cache length"}, "deepseek_v3": {"identical"}}
+          "gpt_neo": {"identical"}, "mpt": {"identical"}, "bart": {"identical"}, "deepseek_v3": {"identical"}}
 # How a refusal's message names its reason (first match wins).
 REASONS = {
     "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",

@@ -86,7 +86,7 @@ def test_caches_that_cannot_be_rolled_back(pair):
     assert torch.equal(out.sequences, hf_greedy(windowed, PROMPT, 20))
     linear = tiny_model("llama", seed=5)
     linear.config.layer_types = ["full_attention", "linear_attention"]  # declared, but the model has no such layer
-    with pytest.raises(NotImplementedError, match="exactness check for state layers"):
+    with pytest.raises(NotImplementedError, match="exactness check for chain verification"):
         opttree.generate(linear, PROMPT, draft, max_new_tokens=8)
     still_works(target, draft)
 

@@ -215,8 +215,8 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
             f"load it with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa')"
         )
     layer_types = getattr(config, "layer_types", None) or []
-    # a target's state layers are verified as chains (`opttree.chains`, checked by `certify`); a draft's are not
-    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES if role == "target" else ()))
+    # state layers run as chains (`opttree.chains`, checked by `certify`)
+    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if odd:
         kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
         raise NotImplementedError(

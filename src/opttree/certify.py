@@ -2,8 +2,10 @@
 
 Two layers, both run by `certify(model, role, max_len, tree_rows)`:
 1. Named reasons (`KNOWN_REASONS`): classes of models known to break tree attention, each with its
-   real cause (ALiBi, positions from the cache length, recurrent state, bidirectional attention, local
-   windows, rope scaling that switches with the sequence length, a key-index causal buffer).
+   real cause (recurrent state without transformers' state layers, bidirectional attention, rope
+   scaling that switches with the sequence length, a key-index causal buffer, ...). A model whose
+   attention reads key indices (ALiBi, GPT-Neo's local layers, positions from the cache length) or
+   that has state layers runs as chains instead (`opttree.chains`), target or draft, with its own probe.
 2. A numerical probe, cached per configuration: prefill, one tree forward (4D mask, explicit
    position_ids, extending the cache), compaction to one branch and one more step, each compared with
    a plain causal forward of that branch. Anything the named reasons miss is caught here, and a model
@@ -21,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import mask_layout
 from .cache import cache_argument, compact, static_cache
-from .chains import has_state, probe_chains
+from .chains import probe_chains, verified_as_chains
 from .rope import rope_kinds, rope_switch
 from .tree import DraftTree
 from .verify import verify_tree
@@ -49,10 +51,10 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly "
                                       f"({INSTEAD})")
-    if has_state(model):  # verified as a batch of chains (`opttree.chains`): its own check
+    if verified_as_chains(model):  # run as a batch of chains (`opttree.chains`), as a target or a draft: its own check
         reason = _cached(model, ("chains",), lambda: probe_chains(model))
         if reason:
-            raise NotImplementedError(f"{name} failed opttree's exactness check for state layers: {reason} "
+            raise NotImplementedError(f"{name} failed opttree's exactness check for chain verification: {reason} "
                                       f"({INSTEAD})")
         return
     length = min(max_len, PROBE_MAX_LEN)
@@ -91,27 +93,10 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
 
 # ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
 
-ALIBI_TYPES = ("bloom", "mpt")
-CACHE_POSITION_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "mvp",
-                        "trocr", "bigbird_pegasus", "roformer")
 # recurrent models without transformers' state layers (the others are checked by `opttree.chains.probe_chains`)
 RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "recurrent_gemma")
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
-
-
-def alibi(model, config, max_len: int, tree_rows: int) -> str | None:
-    attn_config = getattr(config, "attn_config", None)
-    mpt_alibi = getattr(attn_config, "alibi", None) if not isinstance(attn_config, dict) else attn_config.get("alibi")
-    if config.model_type in ALIBI_TYPES or getattr(config, "alibi", False) or mpt_alibi:
-        return "it uses ALiBi, whose bias comes from the key's index in the cache, not from position_ids"
-    return None
-
-
-def cache_length_positions(model, config, max_len: int, tree_rows: int) -> str | None:
-    if config.model_type in CACHE_POSITION_TYPES:
-        return "its positions are derived from the cache length, not from position_ids"
-    return None
 
 
 def recurrent(model, config, max_len: int, tree_rows: int) -> str | None:
@@ -125,16 +110,6 @@ def bidirectional(model, config, max_len: int, tree_rows: int) -> str | None:
         return "it is a bidirectional encoder (is_decoder=False); load it with is_decoder=True for causal generation"
     if getattr(config, "use_bidirectional_attention", False):
         return "it uses bidirectional attention (use_bidirectional_attention=True)"
-    return None
-
-
-def local_window(model, config, max_len: int, tree_rows: int) -> str | None:
-    layers = getattr(config, "attention_layers", None) or []
-    window = getattr(config, "window_size", None)
-    if "local" in layers and isinstance(window, int) and max_len + tree_rows > window:
-        return (f"it has local-attention layers (window_size={window}, counted in cache rows) and a step of this "
-                f"generation holds up to {max_len + tree_rows} rows (prompt + max_new_tokens + budget + 1); keep "
-                f"that <= {window}")
     return None
 
 
@@ -164,11 +139,11 @@ def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
     """openai-gpt has no cache, XLM its own `cache` (fed the whole sequence, it drops the rows already
     cached), CPM-Ant a cache without explicit positions. The cache is `past_key_values` before
     transformers 5.24, `cache` from 5.24 (`cache_argument`)."""
-    if has_state(model):
-        return None  # verified as chains over transformers' own cache, positions or not (`probe_chains`)
     params = _forward_params(type(model))
     takes_cache = cache_argument(model) in params and config.model_type not in OWN_CACHE_TYPES
-    missing = ([] if takes_cache else ["past_key_values"]) + [name for name in ("position_ids",) if name not in params]
+    # a target verified as chains needs no positions: a chain's are those of plain decoding (`probe_chains`)
+    positioned = "position_ids" in params or verified_as_chains(model)
+    missing = ([] if takes_cache else ["past_key_values"]) + ([] if positioned else ["position_ids"])
     if missing:
         return f"its forward takes no {' / '.join(missing)}, which a tree forward over a KV cache needs"
     return None
@@ -191,8 +166,8 @@ def activation_quantization(model, config, max_len: int, tree_rows: int) -> str 
 
 
 KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
-    alibi, cache_length_positions, recurrent, bidirectional, local_window, key_index_buffer, length_switched_rope,
-    activation_quantization, no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
+    recurrent, bidirectional, key_index_buffer, length_switched_rope, activation_quantization,
+    no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
 )
 
 

@@ -1,5 +1,8 @@
-"""Verification for models with recurrent or convolution state (LFM2, Granite 4 hybrids, Qwen3-Next):
-the tree as a batch of root-to-leaf chains.
+"""Verification as a batch of root-to-leaf chains, for the targets a tree under one mask cannot drive:
+models with recurrent or convolution state (LFM2, Granite 4 hybrids, Qwen3-Next, Jamba, ...), and KV
+models whose attention reads a key's *index* in the cache where a tree needs its position (ALiBi: BLOOM,
+MPT, Falcon with `alibi=True`; GPT-Neo's local layers; positions counted from the cache length: BART's
+decoder family). In a chain, every key's index is its position.
 
 A state layer keeps one summary of the whole past, not a key per position, so a tree cannot share a
 prefix through an attention mask and the state cannot be cut back to the accepted branch. Instead:
@@ -10,10 +13,13 @@ prefix through an attention mask and the state cannot be cut back to the accepte
    logits are read from any chain through it;
 3. after acceptance the saved cache is put back and the root and the accepted tokens are run through
    it (one forward of A + 1 tokens), which leaves it holding the committed tokens but the new root.
+   A cache of KV layers only needs no replay: the row of a chain through the last accepted node is
+   kept and cut after it.
 Exact where the model's forward over several new tokens continues its cached state as token-by-token
 decoding does; `probe_chains` checks that for every model first (transformers' Mamba and Falcon-Mamba
-restart the scan from zero on a multi-token forward, and are refused by it). The cost against a KV
-model: the target's forward runs L x (D + 1) tokens instead of N + 1, plus a replay of A + 1 tokens.
+restart the scan from zero on a multi-token forward, and are refused by it). The cost against a tree
+forward: the target's forward runs L x (D + 1) tokens instead of N + 1 (plus, with state layers, a
+replay of A + 1 tokens).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .attention import STATE_LAYER_TYPES
-from .cache import cache_argument
+from .cache import cache_argument, truncate
 from .tree import DraftTree, leaf_paths
 
 
@@ -34,6 +40,31 @@ def has_state(model: PreTrainedModel) -> bool:
     """Whether the model declares layers that hold a recurrent or convolution state."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
     return any(kind in STATE_LAYER_TYPES for kind in types)
+
+
+ALIBI_TYPES = ("bloom", "mpt")
+CACHE_POSITION_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "mvp",
+                        "trocr", "bigbird_pegasus", "roformer")
+
+
+def index_attention(config) -> str | None:
+    """How a text config's attention reads key indices in the cache instead of positions (None: it does
+    not): a tree's node sits at index prefix + i but at position prefix + depth - 1."""
+    attn_config = getattr(config, "attn_config", None)
+    mpt_alibi = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", None)
+    if config.model_type in ALIBI_TYPES or getattr(config, "alibi", False) or mpt_alibi:
+        return "it uses ALiBi, whose bias comes from the key's index in the cache, not from position_ids"
+    if config.model_type in CACHE_POSITION_TYPES:
+        return "its positions are derived from the cache length, not from position_ids"
+    if "local" in (getattr(config, "attention_layers", None) or []):
+        return (f"its local-attention layers slice a causal buffer by key index (window_size="
+                f"{getattr(config, 'window_size', None)}, counted in cache rows)")
+    return None
+
+
+def verified_as_chains(model: PreTrainedModel) -> bool:
+    """Whether a target is verified as a batch of chains (`ChainVerifier`) rather than as one tree forward."""
+    return has_state(model) or index_attention(model.config.get_text_config()) is not None
 
 
 def state_cache(model: PreTrainedModel) -> Cache:
@@ -49,7 +80,9 @@ class ChainVerifier:
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
+        self.replays = has_state(model)  # a state cannot be cut back: restore and replay (else keep a chain's row)
         self.saved: list[dict] | None = None
+        self.chain_of: torch.Tensor | None = None  # (N,) a chain through each node of the step's tree
 
     def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]
                ) -> list[torch.Tensor]:
@@ -63,7 +96,7 @@ class ChainVerifier:
         if len(tree) == 0:  # the root alone: it is the step's one committed token, nothing to restore
             self.saved = None
             return self._run(cache, root.view(1, 1), prefix_len)[0]  # (1, V)
-        self.saved = [_layer_state(layer) for layer in cache.layers]
+        self.saved = save_layers(cache) if self.replays else []
         paths = leaf_paths(tree.parents, tree.depths)  # (L, D) node indices, -1 past a leaf
         chains = torch.cat([root.view(1, 1).expand(paths.shape[0], 1),
                             torch.where(paths >= 0, tree.tokens[paths.clamp(min=0)], root)], dim=1)  # (L, D+1)
@@ -73,41 +106,54 @@ class ChainVerifier:
         leaf = torch.arange(paths.shape[0], device=device)[:, None].expand_as(paths)
         chain_of = torch.zeros(len(tree), dtype=torch.long, device=device)
         chain_of[paths[paths >= 0]] = leaf[paths >= 0]
+        self.chain_of = chain_of
         nodes = out[chain_of, tree.depths]  # (N, V): node i's logits sit at column depth_i of its chain
         return torch.cat([out[0, :1], nodes])  # (N+1, V)
 
     def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
                prefix_lens: list[int]) -> None:
-        """Back to the saved cache, then the root and the accepted nodes' tokens (A,) through it."""
+        """Back to the saved cache, then the root and the accepted nodes' tokens (A,) through it; a KV cache:
+        the row of a chain through the last accepted node, cut after it."""
         (root,), (tree,), (accepted,), (prefix_len,) = roots, trees, accepted, prefix_lens
         if self.saved is None:  # an empty tree: the cache already holds the root
             return
-        for layer, state in zip(cache.layers, self.saved):
-            _restore_layer(layer, state)
+        if not self.replays:  # that chain's row holds [root] + the accepted path at columns 0..A
+            chain = self.chain_of[accepted[-1:]] if accepted.shape[0] else self.chain_of[:1]  # (1,)
+            cache.reorder_cache(chain)
+            truncate(cache, prefix_len + 1 + accepted.shape[0])
+            self.saved = None
+            return
+        restore_layers(cache, self.saved)
         self.saved = None
         self._run(cache, torch.cat([root.view(1), tree.tokens[accepted]])[None], prefix_len)
 
     def _run(self, cache: Cache, tokens: torch.Tensor, prefix_len: int) -> torch.Tensor:
-        """(B, Q) tokens after the cache's `prefix_len` -> logits (B, Q, V)."""
-        positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
-        where = {"position_ids": positions} if _takes_positions(type(self.model)) else {}  # Mamba has none
-        return self.model(input_ids=tokens, **where, **{cache_argument(self.model): cache}, use_cache=True).logits
+        return forward_chains(self.model, cache, tokens, prefix_len)
+
+
+def forward_chains(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, prefix_len: int, **options) -> torch.Tensor:
+    """(B, Q) tokens after the cache's `prefix_len` (one chain per cache row) -> logits (B, Q, V)."""
+    positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
+    where = {"position_ids": positions} if takes_positions(type(model)) else {}  # Mamba has none
+    return model(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
 
 
 @lru_cache(maxsize=None)
-def _takes_positions(model_class: type) -> bool:
+def takes_positions(model_class: type) -> bool:
     return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
-def _layer_state(layer) -> dict:
-    """A cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
+def save_layers(cache: Cache) -> list[dict]:
+    """Each cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
     update of transformers' layers replaces or writes into tensors that `reorder_cache` made)."""
-    return {name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
+    return [{name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
+            for layer in cache.layers]
 
 
-def _restore_layer(layer, state: dict) -> None:
-    vars(layer).clear()
-    vars(layer).update(state)
+def restore_layers(cache: Cache, saved: list[dict]) -> None:
+    for layer, state in zip(cache.layers, saved):
+        vars(layer).clear()
+        vars(layer).update(state)
 
 
 def probe_chains(model: PreTrainedModel) -> str | None:

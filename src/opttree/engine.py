@@ -12,7 +12,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache import (cache_argument, context_window, last_logits_only, new_cache, select_rows, stack_rows, static_cache,
                     static_capacity, truncate)
-from .chains import ChainVerifier, has_state, state_cache
+from .chains import ChainVerifier, state_cache, verified_as_chains
 from .config import SpecConfig
 from .depth import DepthControl
 from .device import PhaseClock, model_device, seeded_generator, synchronize
@@ -28,6 +28,8 @@ from .verify import StepReadout, TreeVerifier, Verification, accept_path
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
+CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
+           "GPT-Neo's local layers, positions from the cache length)")
 
 
 @dataclass
@@ -183,13 +185,12 @@ class Generation:
         self.device = model_device(target)  # every tensor of the loop lives here
         self.width = width  # the static path's padded tree size
         self.wants_hidden = any(row.wants_hidden for row in rows)
-        # one forward over the trees under tree masks, or (a model with state layers) a batch of chains
-        stateful = has_state(target)
-        self.verifier = ChainVerifier(target) if stateful else TreeVerifier(target, self.wants_hidden, width)
-        if stateful and self.wants_hidden:
-            raise ValueError("a drafter or depth control that reads the target's hidden states (head, early-exit, "
-                             "predictor) does not combine with a target of recurrent / convolution state layers; "
-                             "use a draft model or the train-free sources")
+        # one forward over the trees under tree masks, or (state layers, attention on key indices) a batch of chains
+        chains = verified_as_chains(target)
+        self.verifier = ChainVerifier(target) if chains else TreeVerifier(target, self.wants_hidden, width)
+        if chains and self.wants_hidden:
+            raise ValueError(f"a drafter or depth control that reads the target's hidden states (head, early-exit, "
+                             f"predictor) does not combine with {CHAINED}; use a draft model or the train-free sources")
         self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.rope`), or None
         self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
         self.lockstep = lockstep_for(target)  # a target sharded over ranks: they compare every step (`opttree.parallel`)
@@ -414,7 +415,7 @@ def _check_batchable(generation: Generation, rows: list[Row]) -> None:
     """What decodes one sequence at a time, refused for a batch with the reason."""
     why = []
     if isinstance(generation.verifier, ChainVerifier):
-        why.append("a target of recurrent / convolution state layers (verified as chains over its cache's batch axis)")
+        why.append(f"{CHAINED} (verified as chains over its cache's batch axis)")
     if generation.rope_switch is not None:
         why.append("a LongRoPE target past its switch (its cache is recomputed when the sequence crosses it)")
     if generation.lockstep is not None:

@@ -15,14 +15,14 @@ from transformers import PreTrainedModel
 from .arguments import eos_list, prompt_and_mask, spec_options
 from .cache import check_model, context_window
 from .certify import certify
-from .chains import has_state
+from .chains import verified_as_chains
 from .config import SpecConfig
 from .depth import DepthControl, make_depth_control
 from .device import has_static_step, model_device
-from .drafters import CheckedDrafter, Drafter, ModelDrafter
+from .drafters import CheckedDrafter, Drafter, model_drafter
 from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
                                source_names)
-from .engine import Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
+from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
 from .policies import TreePolicy, make_policy
 from .policies.batch import BatchBudget
@@ -228,10 +228,10 @@ def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePoli
         raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
                          "drafts on the target's own growing cache, and the static path preallocates it; "
                          "use static=False")
-    if has_state(target):
+    if verified_as_chains(target):
         if config.static:
-            raise ValueError("static=True does not combine with a target of recurrent / convolution state layers: "
-                             "they are verified as a batch of chains over transformers' own cache; use static=False")
+            raise ValueError(f"static=True does not combine with {CHAINED}: it is verified as a batch of chains over "
+                             "transformers' own cache; use static=False")
         return False
     if config.static is not None:
         return config.static
@@ -267,7 +267,7 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
         _check_fits(draft, "draft", max_len)
         check_model(draft, "draft", max_len)
         certify(draft, "draft", max_len, config.budget + 1)
-        draft = ModelDrafter(draft, config.draft_temperature, vocab=vocab)
+        draft = model_drafter(draft, config.draft_temperature, vocab=vocab)
     elif draft is not None:
         if config.draft_temperature != 1:
             raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "

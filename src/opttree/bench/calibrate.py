@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..cache import cache_argument, context_window, new_cache, truncate
-from ..drafters import ModelDrafter
+from ..drafters import model_drafter
 from ..speculator import _vocab_size, generate
 from ..hardware import hardware_key
 from ..policies import sequoia
@@ -199,7 +199,7 @@ def calibration_run(target, draft, prompts: list[torch.Tensor], budgets, deltas,
     for i, ids in enumerate(prompts):
         shift = i % len(settings)
         for tally in settings[shift:] + settings[:shift]:
-            drafter = CountingDrafter(ModelDrafter(draft, draft_temperature, vocab=_vocab_size(target)))
+            drafter = CountingDrafter(model_drafter(draft, draft_temperature, vocab=_vocab_size(target)))
             tree = dict(tree="ar") if tally.budget is None else dict(tree="opt", budget=tally.budget, delta=tally.delta)
             start = time.perf_counter()
             out = generate(target, ids, drafter, **tree, **options)

@@ -70,6 +70,6 @@ class CheckedDrafter:
         return logq
 
 
-from .model import ModelDrafter  # noqa: E402
+from .model import ChainDrafter, ModelDrafter, model_drafter  # noqa: E402
 
-__all__ = ["Drafter", "CheckedDrafter", "ModelDrafter"]
+__all__ = ["Drafter", "CheckedDrafter", "ChainDrafter", "ModelDrafter", "model_drafter"]

@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention import key_positions
-from ..cache import cache_argument, compact, last_logits_only, new_cache, truncate
+from ..cache import compact, last_logits_only, new_cache, truncate
+from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
 from ..device import model_device
 from ..verify import Verification, masked_forward
 
@@ -80,16 +81,16 @@ class ModelDrafter:
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.committed_len)  # drop the slots of the previous tree
+        return self._take(committed)
+
+    def _take(self, committed: torch.Tensor) -> torch.Tensor:
+        """The committed tokens the cache lacks through the draft; the root's log-probabilities (V,)."""
         # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
         # goes in as the last row: only the draft's guesses depend on it, never the output
         new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
-        positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
-        logits = self.model(
-            input_ids=new[None], position_ids=positions[None], **{cache_argument(self.model): self.cache},
-            use_cache=True,
-            **last_logits_only(self.model),
-        ).logits[0, -1]  # (V,)
+        logits = forward_chains(self.model, self.cache, new[None], self.committed_len,
+                                **last_logits_only(self.model))[0, -1]  # (V,)
         self.committed_len = self.base = committed.shape[0]
         self._open_tree()
         return self._log_probs(logits)
@@ -116,3 +117,44 @@ class ModelDrafter:
         kept = slots[:drafted]  # the drafted nodes of an accepted path form a prefix of it
         compact(self.cache, self.base, kept)
         self.committed_len = self.base + kept.shape[0]
+
+
+class ChainDrafter(ModelDrafter):
+    """A draft model that a tree mask cannot drive exactly (`opttree.chains.verified_as_chains`: state
+    layers, attention on key indices): each expansion runs its K new nodes as a batch of chains [the path
+    from the root to the node] over K copies of the committed cache, which is put back after. The cache
+    only ever holds committed tokens; the accepted ones go in with the next root. Costs K x depth tokens
+    and a copy of the cache per node where a tree forward costs K tokens."""
+
+    def _open_tree(self) -> None:
+        super()._open_tree()
+        self.slot_tokens = torch.empty(0, dtype=torch.long, device=self.device)  # (S,) each slot's token
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = state_cache(self.model)
+        self.committed_len = 0
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        return self._take(committed)  # the cache holds exactly the committed tokens it has seen
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
+        self.slot_tokens = torch.cat([self.slot_tokens, tokens])  # (S+K,)
+        width = int(depths.max())  # one host read: the longest chain
+        columns = (self.slots.depths - 1).clamp(max=width - 1).expand_as(ancestors)  # (K, S+K) a slot's column
+        chains = torch.zeros(tokens.shape[0], width, dtype=torch.long, device=self.device).scatter_add_(
+            1, columns, torch.where(ancestors, self.slot_tokens, 0))  # (K, width): one ancestor per depth
+        saved = save_layers(self.cache)
+        self.cache.reorder_cache(torch.zeros(tokens.shape[0], dtype=torch.long, device=self.device))  # K copies
+        logits = forward_chains(self.model, self.cache, chains, self.base)  # (K, width, V)
+        restore_layers(self.cache, saved)
+        return self._log_probs(logits[torch.arange(tokens.shape[0], device=self.device), depths - 1])  # (K, V)
+
+    def observe(self, result: Verification) -> None:
+        pass  # the accepted tokens enter the cache with the next root
+
+
+def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None) -> ModelDrafter:
+    """A draft model's drafter: its trees under a tree mask, or as chains where a mask cannot drive it."""
+    return (ChainDrafter if verified_as_chains(model) else ModelDrafter)(model, temperature, vocab=vocab)
