@@ -6,17 +6,23 @@
 2. A hybrid with convolution layers: a tiny random LFM2 (conv + attention; random weights, so only the
    train-free sources can predict it, from its own repetitions). Tiny and untrained: its figures say
    what the chain verification costs, not what a real LFM2 gains.
+3. Attention on key indices, verified as chains too: a tiny random BLOOM (ALiBi) and a tiny random
+   GPT-Neo (global + local layers, a 64-token window), the same way.
+4. What chains cost against a tree forward on the same model: the shipped pair, its target verified as
+   one tree (as opttree runs it) and, forced, as chains (`chains`).
 
-    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128]
+    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128] [--models mistral,lfm2,bloom,gpt-neo]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
@@ -47,15 +53,38 @@ def tiny_lfm2(vocab: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+def tiny_random(model_type: str, vocab: int, **fields) -> torch.nn.Module:
+    """A tiny random model of the size of `tiny_lfm2` (256 wide, 4 layers)."""
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+TINY_INDEX_MODELS = {  # --models name -> (model_type, config fields)
+    "bloom": ("bloom", dict(hidden_size=256, n_layer=4, n_head=4)),
+    "gpt-neo": ("gpt_neo", dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, window_size=64,
+                                max_position_embeddings=1024, attention_types=[[["global", "local"], 2]])),
+}
+
+
+def run(target, ids, new_tokens: int, kwargs: dict):
+    """opttree.generate; `as_chains=True`: the target verified as chains although a tree mask drives it."""
+    kwargs = dict(kwargs)
+    forced = mock.patch("opttree.engine.verified_as_chains", lambda model: True) if kwargs.pop("as_chains", False) \
+        else contextlib.nullcontext()
+    with forced:
+        return opttree.generate(target, ids, max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+
+
 def interleaved(name: str, target, methods: dict, prompts: list[torch.Tensor], new_tokens: int) -> None:
     totals = {m: [0.0, 0, 0] for m in methods}  # seconds, tokens, steps
     for kwargs in methods.values():  # warm-up: the exactness probes and first-call costs stay out of the timing
-        opttree.generate(target, prompts[0], max_new_tokens=8, eos_token_id=[], **kwargs)
+        run(target, prompts[0], 8, kwargs)
     for ids in prompts:
         reference = None
         for method, kwargs in methods.items():
             start = time.perf_counter()
-            out = opttree.generate(target, ids, max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+            out = run(target, ids, new_tokens, kwargs)
             seconds = time.perf_counter() - start
             reference = out.sequences if reference is None else reference
             assert torch.equal(out.sequences, reference), (name, method)
@@ -73,21 +102,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--models", default="mistral,lfm2,bloom,gpt-neo,chains", help="which sections to run")
     args = parser.parse_args()
+    models = args.models.split(",")
     torch.set_num_threads(2)
     _, draft_path = demo_paths()
     tokenizer = opttree.demo_models(torch.float32)[2]
     texts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[: args.prompts]]
     prompts = [tokenizer(text, return_tensors="pt").input_ids for text in texts]
 
-    target, draft = windowed_target(64), load_model(draft_path)
-    interleaved("shipped target as Mistral, 64-token window", target,
-                {"ar": {"tree": "ar"}, "opt (draft LM)": {"draft": draft, "budget": 8},
-                 "opt:recycling+lookup": {"budget": 8}}, prompts, args.new_tokens)
-    lfm2 = tiny_lfm2(tokenizer.vocab_size if len(tokenizer) <= tokenizer.vocab_size else len(tokenizer))
-    interleaved("tiny random LFM2 (conv + attention), chains", lfm2,
-                {"ar": {"tree": "ar"}, "opt:recycling+lookup": {"budget": 8},
-                 "chain:recycling+lookup": {"tree": "chain", "budget": 4}}, prompts, args.new_tokens)
+    vocab = tokenizer.vocab_size if len(tokenizer) <= tokenizer.vocab_size else len(tokenizer)
+    train_free = {"ar": {"tree": "ar"}, "opt:recycling+lookup": {"budget": 8},
+                  "chain:recycling+lookup": {"tree": "chain", "budget": 4}}
+    if "mistral" in models:
+        target, draft = windowed_target(64), load_model(draft_path)
+        interleaved("shipped target as Mistral, 64-token window", target,
+                    {"ar": {"tree": "ar"}, "opt (draft LM)": {"draft": draft, "budget": 8},
+                     "opt:recycling+lookup": {"budget": 8}}, prompts, args.new_tokens)
+    if "lfm2" in models:
+        interleaved("tiny random LFM2 (conv + attention), chains", tiny_lfm2(vocab), train_free, prompts, args.new_tokens)
+    for name, (model_type, fields) in TINY_INDEX_MODELS.items():
+        if name in models:
+            interleaved(f"tiny random {model_type} (attention on key indices), chains",
+                        tiny_random(model_type, vocab, **fields), train_free, prompts, args.new_tokens)
+    if "chains" in models:
+        target, draft = opttree.demo_models(torch.float32)[:2]
+        interleaved("shipped pair: one tree forward against chains", target,
+                    {"ar": {"tree": "ar"}, "opt (draft LM), tree": {"draft": draft, "budget": 8},
+                     "opt (draft LM), chains": {"draft": draft, "budget": 8, "as_chains": True},
+                     "opt:recycling+lookup, tree": {"budget": 8},
+                     "opt:recycling+lookup, chains": {"budget": 8, "as_chains": True}}, prompts, args.new_tokens)
     print(f"\n{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {sys.platform}")
 
 

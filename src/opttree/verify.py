@@ -235,7 +235,7 @@ def verify_trees(
 class TreeVerifier:
     """A KV model's verification step: `logits` runs one forward over each row's [root] + tree under its
     tree mask (`verify_trees`); `commit` compacts each row's cache to its root and accepted path. The
-    other kind is `opttree.chains.ChainVerifier`, for models with state layers; both take the same calls."""
+    other kind is `opttree.chains.ChainVerifier` (state layers, attention on key indices); both take the same calls."""
 
     rows = None  # how many sequences it verifies at once (None: any)
 

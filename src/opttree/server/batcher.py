@@ -124,7 +124,7 @@ class Batcher:
 
     def _admit(self, job: BatchJob) -> bool:
         """`job` joins the batch, or ends (stopped, or failed alone); False: it cannot share a batch
-        (e.g. the early-exit source, a target of state layers) and must wait for this one to end."""
+        (e.g. the early-exit source, a target verified as chains) and must wait for this one to end."""
         if job.stopped():
             job.end()
             return True
