@@ -102,7 +102,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({
             "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
-            "time_s": s.time_s, "tree": args.tree, "drafter": run.config.drafter, "budget": tree["budget"],
+            "time_s": s.time_s, "tree": tree["tree"], "drafter": run.config.drafter, "budget": tree["budget"],
             "delta": tree["delta"],
             "draft_temperature": tree["draft_temperature"], "static": run.config.static, "children": run.config.children,
             "stats": s.to_dict(),
@@ -159,7 +159,7 @@ def cmd_demo(args) -> int:
     draft = used_draft(tree, draft)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
-    label = f"{args.tree}:{tree['drafter']}" if tree.get("drafter") and args.tree != "ar" else args.tree
+    label = f"{tree['tree']}:{tree['drafter']}" if tree.get("drafter") and tree["tree"] != "ar" else tree["tree"]
     methods = {"ar": dict(tree="ar"), label: tree}
     prompts = [tokenizer(p, return_tensors="pt").input_ids for p in DEMO_PROMPTS]
     generate(target, prompts[0], draft, **methods[label], **{**common, "max_new_tokens": 8})  # warm-up
@@ -209,7 +209,7 @@ def cmd_demo(args) -> int:
     print("(accepted/step: all new tokens over all steps, so a prompt weighs by its steps; prompt mean: the "
           "mean of the per-prompt figures above)")
     where = "; ".join(f"prompt {d['prompt']} from new token {d['token']}" for d in differences)
-    drafted_by = f"drafter {tree.get('drafter') or 'model'}, " if args.tree != "ar" else ""
+    drafted_by = f"drafter {tree.get('drafter') or 'model'}, " if tree["tree"] != "ar" else ""
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding{' (' + where + ' differs)' if where else ''} "
           f"({args.dtype}, temperature {args.temperature}, {drafted_by}budget {tree['budget']}, delta {tree['delta']:g}, "
           f"draft temperature {tree['draft_temperature']:.2g})")

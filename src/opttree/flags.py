@@ -283,7 +283,7 @@ def tree_options(args, target, draft) -> dict:
     budget = args.budget or ("auto" if profiled else str(defaults.DEFAULT_BUDGET))
     chosen = profile_sources(target, draft, args.temperature) if profiled and args.tree is None and args.drafter is None \
         else {}
-    args.tree = args.tree or chosen.get("tree", "opt")
+    tree = args.tree or chosen.get("tree", "opt")  # the namespace keeps what was typed
     if chosen.get("tree") == "ar":
         when = "sampling" if args.temperature > 0 else "greedy decoding"
         print(f"opttree: plain decoding (--tree ar) for {when}: the calibration profile of this pair on this machine "
@@ -291,7 +291,7 @@ def tree_options(args, target, draft) -> dict:
     drafter = args.drafter or trained_source_given(args) or chosen.get("drafter")
     if drafter and args.datastore and "datastore" not in source_names(drafter):
         drafter += "+datastore"
-    options = dict(tree=args.tree, drafter=drafter, datastore=args.datastore,
+    options = dict(tree=tree, drafter=drafter, datastore=args.datastore,
                    **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
                    depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
                    length_predictor=args.length_predictor, max_depth=args.max_depth, children=args.children,
@@ -305,7 +305,7 @@ def tree_options(args, target, draft) -> dict:
             raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {budget!r}") from None
     if args.delta is not None:
         options["delta"] = args.delta
-    options.update(profile_options(target, draft, args.tree, args.temperature))
+    options.update(profile_options(target, draft, tree, args.temperature))
     options["draft_temperature"] = draft_temperature(args, target, draft)
     if drafter and "model" not in source_names(drafter):
         options["draft_temperature"] = 1.0  # no draft model drafts
