@@ -530,6 +530,14 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert report["budget"] == (chosen.get("drafter_budget") or chosen["budget"]) and report["tree"] == chosen["tree"]
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err  # once per pair and machine
+    path = next(p for p in (tmp_path / "cache" / "profiles").glob("*.json") if "recommended" in json.loads(p.read_text()))
+    stale = dict(profile, recommended={k: v for k, v in chosen.items() if k not in ("tree", "drafter", "why")})
+    path.write_text(json.dumps({k: v for k, v in stale.items() if k != cal.SAMPLED_FIELD}))  # before the sources
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "predates the draft sources' measurements" in capsys.readouterr().err  # measured again, once
+    assert cal.measured_sources(json.loads(path.read_text()))
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "a quick one first" not in capsys.readouterr().err
 
 
 def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):

@@ -35,6 +35,13 @@ def recommended(profile: dict, temperature: float) -> dict:
     return (profile.get(SAMPLED_FIELD) or profile["recommended"]) if temperature > 0 else profile["recommended"]
 
 
+def measured_sources(profile: dict) -> bool:
+    """Whether a profile holds what today's choices read: the draft sources measured against each other
+    (greedy and sampled). The shipped bfloat16 profile predates them: it would pick the draft model where
+    the train-free sources measured faster."""
+    return "tree" in profile["recommended"] and SAMPLED_FIELD in profile
+
+
 def profile_draft_temperature(profile: dict, temperature: float) -> float:
     """The draft temperature a profile holds for greedy decoding (temperature 0) or for sampling."""
     return float(profile[DRAFT_TEMPERATURE_FIELD]["greedy" if temperature == 0 else "sampled"])

@@ -47,7 +47,7 @@ from ..hardware import hardware_key
 from ..policies import sequoia
 from ..profiles import (  # noqa: F401 (also read as opttree.bench.calibrate.<name>)
     DRAFT_TEMPERATURE_FIELD, PROFILE_VERSION, SAMPLED_FIELD, SHIPPED_PROFILES, auto_settings, calibrated_options,
-    find_profile, load_profile, profile_dir, profile_draft_temperature, profile_key, profile_options, profile_path, save_profile,
+    find_profile, load_profile, measured_sources, profile_dir, profile_draft_temperature, profile_key, profile_options, profile_path, save_profile,
 )
 from ..tree import position_ids, tree_attention_mask
 from ..verify import masked_forward
@@ -602,11 +602,17 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
     """A quick calibration (FIRST_USE) of a pair that has no profile on this machine, saved to the user
     cache, with one message saying what it chose and why. None if `$OPTTREE_AUTO_CALIBRATE` is 0, the
     pair already has a profile, there is no draft (the train-free sources need no calibration), or the
-    machine looked disturbed during the measurement (then nothing is saved)."""
-    if draft is None or os.environ.get(AUTO_ENV, "1") == "0" or find_profile(target, draft) is not None:
+    machine looked disturbed during the measurement (then nothing is saved). A profile that lacks the draft
+    sources' measurements (`measured_sources`: an older one, or the shipped one) counts as none."""
+    if draft is None or os.environ.get(AUTO_ENV, "1") == "0":
         return None
-    print(f"opttree: no calibration profile for this pair on this machine: a quick one first (about a minute "
-          f"at most; {AUTO_ENV}=0 skips it, `opttree calibrate` runs the full one)", file=sys.stderr)
+    found = find_profile(target, draft)
+    if found is not None and measured_sources(json.loads(found.read_text())):
+        return None
+    why = ("the calibration profile of this pair here predates the draft sources' measurements" if found else
+           "no calibration profile for this pair on this machine")
+    print(f"opttree: {why}: a quick one first (about a minute at most; {AUTO_ENV}=0 skips it, `opttree calibrate` "
+          "runs the full one)", file=sys.stderr)
     prompts = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids
                for p in CALIBRATION_PROMPTS[: FIRST_USE["prompts"]]]
     profile = run_calibration(target, draft, prompts, budgets=FIRST_USE["budgets"], deltas=FIRST_USE["deltas"],
