@@ -11,7 +11,7 @@ import time
 import torch
 
 import opttree
-from opttree.bench.calibrate import context_ids, latency_curves
+from opttree.calibration.measure import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
 from opttree.policies.batch import BatchBudget
 torch.manual_seed(0)

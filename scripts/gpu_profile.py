@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
-from opttree.bench.calibrate import context_ids, latency_curves
+from opttree.calibration.measure import context_ids, latency_curves
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", required=True)

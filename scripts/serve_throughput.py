@@ -28,7 +28,7 @@ import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
-from opttree.bench.calibrate import context_ids, latency_curves
+from opttree.calibration.measure import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
 from opttree.policies.batch import BatchBudget
 from opttree.server.app import GracefulServer, Server, create_app

@@ -9,9 +9,12 @@ import torch
 from helpers import tiny_model
 
 from opttree import profiles
-from opttree.bench import calibrate as cal
+from opttree.calibration import estimate, measure
+from opttree.calibration import report as cal_report
+from opttree.calibration import run as cal_run
 from opttree.bench import methods as bench_methods
 from opttree.bench import report
+from opttree.hardware import machine_info, now
 from opttree.bench.cli import parse_budgets, profile_defaults
 from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per_step, expand_methods
 from opttree.bench.prompts import Prompt, encode, load_prompts
@@ -193,7 +196,7 @@ def test_the_compiled_peer_is_exact_and_compiles_in_the_warm_up(pair, cases):
 
 
 def meta(temperature=0.0):
-    return {"command": "opttree bench ...", "date": report.now(), "machine": report.machine_info(), "target": "t",
+    return {"command": "opttree bench ...", "date": now(), "machine": machine_info(), "target": "t",
             "draft": "d", "dtype": "float32", "prompt_file": "p", "prompts": 3, "repeats": 1,
             "settings": vars(Settings(max_new_tokens=12, temperature=temperature))}
 
@@ -257,24 +260,24 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     target, draft = pair
     with pytest.raises(ValueError, match="run `opttree calibrate`"):
         profiles.auto_settings(target, draft)
-    profile = cal.run_calibration(target, draft, [c.ids for c in cases[:2]], budgets=[1, 3], deltas=[0.2, 0.5],
+    profile = cal_run.run_calibration(target, draft, [c.ids for c in cases[:2]], budgets=[1, 3], deltas=[0.2, 0.5],
                             max_tokens=5, context=20, repeats=2, max_new_tokens=8, progress=False)
     assert len(profile["latency"]["target_s"]) == 5 and min(profile["latency"]["draft_s"]) > 0
     assert len(profile["grid"]) == 4
     rec = profile["recommended"]
     assert (rec["budget"], rec["delta"]) in {(r["budget"], r["delta"]) for r in profile["grid"]}
-    assert rec["fraction_of_best_measured"] >= cal.CONFIRM
-    paths = cal.write(profile, tmp_path / "out")
+    assert rec["fraction_of_best_measured"] >= estimate.CONFIRM
+    paths = cal_report.write(profile, tmp_path / "out")
     assert paths["cached_profile"] == profiles.profile_path(target, draft)
     assert json.loads(paths["profile"].read_text())["recommended"] == json.loads(json.dumps(rec))
     assert paths["latency_plot"].read_bytes()[:4] == b"\x89PNG"
     assert "recommended: budget" in paths["markdown"].read_text()
     assert "Is the draft's p-hat calibrated" in paths["markdown"].read_text()
     assert profile["estimate_over_measured"] > 0
-    assert len(profile["noise"]["probe_ms_before"]) == cal.NOISE_REPEATS and "problem" in profile["noise"]
+    assert len(profile["noise"]["probe_ms_before"]) == measure.NOISE_REPEATS and "problem" in profile["noise"]
     assert profiles.auto_settings(target, draft) == (rec["budget"], rec["delta"])
     runs = [(r["drafter"], r["budget"]) for r in profile["drafters"]]
-    assert runs == cal.drafter_runs(rec["budget"], 3) and [d for d, _ in runs[:3]] == list(cal.DRAFTERS)
+    assert runs == measure.drafter_runs(rec["budget"], 3) and [d for d, _ in runs[:3]] == list(measure.DRAFTERS)
     fastest = max(profile["drafters"], key=lambda r: r["measured_speedup"])
     assert rec["tree"] == "ar" or (rec["drafter"], rec["drafter_budget"]) == (fastest["drafter"], fastest["budget"])
     if rec["tree"] == "opt":  # the chosen sources come with the budget they were measured at
@@ -284,7 +287,7 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert "## Draft sources at the recommended budget" in paths["markdown"].read_text()
     # sampling measured apart: its own choice (never slower than plain decoding), read back for temperature > 0
     sampled = profile[profiles.SAMPLED_FIELD]
-    assert [(r["drafter"], r["budget"], r["tree"]) for r in profile["drafters_sampled"]] == cal.sampled_runs(rec["budget"])
+    assert [(r["drafter"], r["budget"], r["tree"]) for r in profile["drafters_sampled"]] == measure.sampled_runs(rec["budget"])
     fastest = max(profile["drafters_sampled"], key=lambda r: r["measured_tokens_per_second"])
     if fastest["measured_speedup"] >= 1:
         assert (sampled["tree"], sampled["drafter"], sampled["drafter_budget"]) == \
@@ -311,34 +314,33 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     other = tiny_model("llama", seed=1, layers=1, hidden=32)
     with pytest.raises(ValueError, match="no calibration profile"):
         profiles.auto_settings(target, other)  # another pair: its own profile
-    assert cal.profile_options is profiles.profile_options  # the names calibrate re-exports still work
 
 
 def test_noise_check_flags_a_changed_load_or_unsteady_timings():
     steady = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8, 10.0, 10.1, 9.9]
-    assert cal.noise_problem(steady, [t * 1.1 for t in steady]) == ""
-    assert "load changed" in cal.noise_problem(steady, [t * 3 for t in steady])  # a busy spell began mid-run
+    assert measure.noise_problem(steady, [t * 1.1 for t in steady]) == ""
+    assert "load changed" in measure.noise_problem(steady, [t * 3 for t in steady])  # a busy spell began mid-run
     unsteady = [10.0, 30.0, 9.0, 25.0, 10.0, 40.0, 9.5, 28.0, 10.0]
-    assert "spread" in cal.noise_problem(unsteady, unsteady)
+    assert "spread" in measure.noise_problem(unsteady, unsteady)
 
 
 def test_disagreement_between_latency_model_and_measurement_is_reported():
-    assert cal.consistency_note({"estimate_over_measured": 1.2}) == ""
-    assert "run `opttree calibrate` again on an idle machine" in cal.consistency_note({"estimate_over_measured": 0.03})
+    assert cal_report.consistency_note({"estimate_over_measured": 1.2}) == ""
+    assert "run `opttree calibrate` again on an idle machine" in cal_report.consistency_note({"estimate_over_measured": 0.03})
 
 
 def test_draft_sources_are_chosen_by_measurement_and_never_slower_than_plain_decoding():
-    assert cal.drafter_runs(8, 16) == [("model", 8), ("model+lookup", 8), ("recycling+lookup", 8),
+    assert measure.drafter_runs(8, 16) == [("model", 8), ("model+lookup", 8), ("recycling+lookup", 8),
                                        ("recycling+lookup", 16)]
-    assert cal.drafter_runs(8, 12)[-1] == ("recycling+lookup", 12) and len(cal.drafter_runs(16, 16)) == 3
+    assert measure.drafter_runs(8, 12)[-1] == ("recycling+lookup", 12) and len(measure.drafter_runs(16, 16)) == 3
     rows = [{"drafter": "model", "budget": 8, "measured_tokens_per_second": 90.0, "measured_speedup": 0.9},
             {"drafter": "recycling+lookup", "budget": 8, "measured_tokens_per_second": 110.0, "measured_speedup": 1.1},
             {"drafter": "recycling+lookup", "budget": 16, "measured_tokens_per_second": 120.0, "measured_speedup": 1.2}]
-    chosen = cal.recommend_drafter(rows)
+    chosen = estimate.recommend_drafter(rows)
     assert (chosen["drafter"], chosen["drafter_budget"]) == ("recycling+lookup", 16)
     rows = rows[:2]
     rows[1].update(measured_tokens_per_second=95.0, measured_speedup=0.95)
-    slower = cal.recommend_drafter(rows)
+    slower = estimate.recommend_drafter(rows)
     assert slower["tree"] == "ar" and slower["drafter"] is None and "no draft source beat plain decoding" in slower["why"]
 
 
@@ -373,10 +375,10 @@ def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monk
 def test_recommendation_falls_back_to_measurement_when_the_estimate_is_off():
     rows = [{"budget": 4, "delta": 0.2, "estimated_tokens_per_second": 100.0, "measured_tokens_per_second": 50.0},
             {"budget": 8, "delta": 0.2, "estimated_tokens_per_second": 90.0, "measured_tokens_per_second": 80.0}]
-    rec = cal.recommend(rows)
+    rec = estimate.recommend(rows)
     assert rec["budget"] == 8 and rec["chosen_by"].startswith("measurement")
     rows[0]["measured_tokens_per_second"] = 78.0
-    rec = cal.recommend(rows)
+    rec = estimate.recommend(rows)
     assert rec["budget"] == 4 and rec["chosen_by"].startswith("estimate")
     assert rec["fraction_of_best_measured"] == pytest.approx(78 / 80)
 
@@ -468,7 +470,7 @@ def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys)
 def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(model_dirs, tmp_path, monkeypatch,
                                                                              capsys):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cal, "noise_problem", lambda before, after: "a busy spell (test)")
+    monkeypatch.setattr(cal_run, "noise_problem", lambda before, after: "a busy spell (test)")
     target, draft, _ = model_dirs
     rc = main(["calibrate", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
                "--limit", "1", "--context", "8", "--max-tokens", "4", "--budgets", "1,2",
@@ -512,10 +514,10 @@ def test_list_of_methods_includes_every_policy():
 def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch, capsys):
     """generate with default settings and no profile here: a quick calibration first, saved, said once."""
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(cal.AUTO_ENV, "1")
-    monkeypatch.setattr(cal, "FIRST_USE", dict(prompts=1, max_tokens=4, repeats=2, max_new_tokens=6, budgets=(1, 2),
+    monkeypatch.setenv(cal_run.AUTO_ENV, "1")
+    monkeypatch.setattr(cal_run, "FIRST_USE", dict(prompts=1, max_tokens=4, repeats=2, max_new_tokens=6, budgets=(1, 2),
                                                deltas=(0.2,)))
-    monkeypatch.setattr(cal, "noise_problem", lambda before, after: "")  # sub-ms timings of tiny models
+    monkeypatch.setattr(cal_run, "noise_problem", lambda before, after: "")  # sub-ms timings of tiny models
     target, draft, _ = model_dirs
     pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json", "--budget", "2"]) == 0
@@ -532,10 +534,10 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert "a quick one first" not in capsys.readouterr().err  # once per pair and machine
     path = next(p for p in (tmp_path / "cache" / "profiles").glob("*.json") if "recommended" in json.loads(p.read_text()))
     stale = dict(profile, recommended={k: v for k, v in chosen.items() if k not in ("tree", "drafter", "why")})
-    path.write_text(json.dumps({k: v for k, v in stale.items() if k != cal.SAMPLED_FIELD}))  # before the sources
+    path.write_text(json.dumps({k: v for k, v in stale.items() if k != profiles.SAMPLED_FIELD}))  # before the sources
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "predates the draft sources' measurements" in capsys.readouterr().err  # measured again, once
-    assert cal.measured_sources(json.loads(path.read_text()))
+    assert profiles.measured_sources(json.loads(path.read_text()))
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err
 

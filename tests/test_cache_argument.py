@@ -13,7 +13,7 @@ from transformers.utils import generic
 
 import opttree
 import opttree.certify
-from opttree.bench.calibrate import latency_curves, probe_ms
+from opttree.calibration.measure import latency_curves, probe_ms
 from opttree.bench.methods import count_forwards
 from opttree.cache import cache_argument
 from opttree.drafters.early_exit import ExitLayer

@@ -15,7 +15,7 @@ SRC = Path(opttree.__file__).parent
 
 
 def module_names() -> dict[str, Path]:
-    """{'opttree.bench.calibrate': path, ...}; a package by its __init__.py."""
+    """{'opttree.calibration.run': path, ...}; a package by its __init__.py."""
     names = {}
     for path in sorted(SRC.rglob("*.py")):
         parts = ("opttree",) + path.relative_to(SRC).with_suffix("").parts
@@ -90,7 +90,7 @@ def test_the_graph_sees_lazy_and_relative_imports():
     assert "opttree.bench" in graph["opttree.cli"]  # ... which runs opttree/bench/__init__.py first
     assert "opttree.policies.sequoia" in graph["opttree.profiles"]  # `from .policies import sequoia`
     assert "opttree.policies" in graph["opttree.profiles"]  # the package's __init__ runs first
-    assert "opttree.bench" not in graph["opttree.bench.cli"]  # `from . import calibrate`: only the submodule
+    assert "opttree.bench" not in graph["opttree.bench.cli"]  # `from . import report`: only the submodule
     assert "opttree.policies.registry" in graph["opttree.policies.static"]
 
 

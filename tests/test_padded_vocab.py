@@ -72,7 +72,7 @@ def test_vocabularies_that_differ_by_more_than_padding(shipped):
 def test_calibration_with_a_padded_or_shorter_draft(draft_vocab):
     """`opttree calibrate`'s measurements: paired logits over the target's ids, and its timed runs."""
     from opttree.alignment import fit_draft_temperature, paired_logits
-    from opttree.bench.calibrate import calibration_run
+    from opttree.calibration.measure import calibration_run
 
     target = tiny_model("llama", seed=1)
     draft = tiny_model("llama", vocab=draft_vocab, seed=2, layers=1, hidden=32)

@@ -53,7 +53,7 @@ def test_demo_runs_and_reports_a_table(capsys):
 
 
 def test_demo_warns_when_the_machine_looked_disturbed(capsys, monkeypatch):
-    from opttree.bench import calibrate
+    from opttree.calibration import measure as calibrate
 
     monkeypatch.setattr(calibrate, "noise_problem", lambda before, after, run: f"a busy spell during {run} (test)")
     assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32"]) == 0

@@ -75,7 +75,7 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .bench.calibrate import calibrate_first
+    from .calibration import calibrate_first
     from .speculator import stream
     from .text import TextStream
 
@@ -150,7 +150,8 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def cmd_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
-    from .bench.calibrate import calibrate_first, noise_problem, probe_ms
+    from .calibration import calibrate_first
+    from .calibration.measure import noise_problem, probe_ms
     from .speculator import generate
 
     target, draft, tokenizer = load_pair(args)

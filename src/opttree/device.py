@@ -24,6 +24,12 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def seconds_since(start: float, model: PreTrainedModel) -> float:
+    """Wall time since `start` (perf_counter), after the model's device has finished its work."""
+    synchronize(model.device)
+    return time.perf_counter() - start
+
+
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
     """A per-request RNG on `device`. A seed outside [0, 2**64) is an error, not silently wrapped."""
     if not 0 <= seed < 2**64:

@@ -10,8 +10,10 @@ follows them.
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
+from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
@@ -85,3 +87,33 @@ def choose_dtype(step_ms: dict[str, float], bf16_hardware: bool = True) -> str:
     if tie in step_ms and step_ms[tie] <= 1.05 * step_ms[best]:
         return tie
     return best
+
+
+# ---- what a report says of the machine ---------------------------------------------------------
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),  # PASSIVE when started on a busy machine
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

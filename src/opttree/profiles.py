@@ -5,7 +5,7 @@ read back (budget, delta, draft temperature, Sequoia's acceptance vector).
 A profile is keyed by both models' names, configurations and dtypes and by the hardware
 (`profile_key`), and lives in the user cache (`profile_dir`). The shipped pair comes with the profile
 of the reference machine (`SHIPPED_PROFILES`), used on hardware of the same kind until
-`opttree calibrate` writes one for this machine. The measuring is in `opttree.bench.calibrate`.
+`opttree calibrate` writes one for this machine. The measuring is in `opttree.calibration`.
 """
 
 from __future__ import annotations

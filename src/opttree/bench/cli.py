@@ -230,14 +230,14 @@ def cmd_bench(args) -> int:
 
 def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
+    from ..hardware import machine_info, now
     from ..speculator import use_static
-    from . import report
     from .methods import find_method
 
     return {
         "command": as_command("bench", args),
-        "date": report.now(),
-        "machine": report.machine_info(),
+        "date": now(),
+        "machine": machine_info(),
         "target": target.config._name_or_path,
         "draft": None if draft is None else draft.config._name_or_path,
         "dtype": str(target.dtype).removeprefix("torch."),
@@ -255,8 +255,9 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
 
 
 def cmd_calibrate(args) -> int:
+    from ..calibration import report
+    from ..calibration.run import CALIBRATION_PROMPTS, run_calibration
     from ..flags import load_pair
-    from . import calibrate
     from .prompts import encode, load_prompts, parse_text
 
     fill_calibration_defaults(args)
@@ -266,12 +267,12 @@ def cmd_calibrate(args) -> int:
     if args.prompts:
         prompts = load_prompts(args.prompts, limit=args.limit)
     else:
-        prompts = parse_text(calibrate.CALIBRATION_PROMPTS, "builtin")[:args.limit]
+        prompts = parse_text(CALIBRATION_PROMPTS, "builtin")[:args.limit]
     budgets = parse_list(args.budgets, int, "--budgets")
     deltas = parse_list(args.deltas, float, "--deltas")
     if any(not 0 <= d < 1 for d in deltas):
         raise ValueError(f"--deltas must be in [0, 1), got {deltas}")
-    profile = calibrate.run_calibration(
+    profile = run_calibration(
         target, draft, [encode(tokenizer, p) for p in prompts], budgets=budgets, deltas=deltas,
         max_tokens=args.max_tokens, context=args.context, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
         max_depth=args.max_depth, temperature=args.temperature, seed=args.seed, eos_token_id=tokenizer.eos_token_id,
@@ -283,22 +284,22 @@ def cmd_calibrate(args) -> int:
               + ("Saved anyway (--save-disturbed)." if args.save_disturbed else
                  "This profile is NOT used by --budget auto; run again on a quieter machine "
                  "(or pass --save-disturbed)."), file=sys.stderr)
-    paths = calibrate.write(profile, Path(args.out), cache=args.save_disturbed or not problem)
+    paths = report.write(profile, Path(args.out), cache=args.save_disturbed or not problem)
     rec = profile["recommended"]
     if args.json:
         print(json.dumps(dict(rec, profile=str(paths["cached_profile"] or paths["profile"]), disturbed=bool(problem))))
     else:
-        print(calibrate.grid_table(profile))
+        print(report.grid_table(profile))
         best = rec["best_measured"]
         print(f"\nrecommended: --budget {rec['budget']} --delta {rec['delta']:g} --draft-temperature "
               f"{rec['draft_temperature']:.3g} ({rec['chosen_by']}); measured "
               f"{rec['measured_tokens_per_second']:.1f} tokens/s vs best measured {best['measured_tokens_per_second']:.1f} "
               f"(budget {best['budget']}, delta {best['delta']:g}); plain decoding "
               f"{profile['ar_tokens_per_second']:.1f} tokens/s")
-        print(calibrate.drafter_table(profile))
+        print(report.drafter_table(profile))
         print(f"recommended draft sources: {rec['drafter'] or 'none: plain decoding (--tree ar)'} ({rec['why']}); "
               "generate, demo and serve use them when --drafter and --tree are not given")
-        for note in (calibrate.consistency_note(profile), calibrate.no_gain_note(profile)):
+        for note in (report.consistency_note(profile), report.no_gain_note(profile)):
             if note:
                 print(note.removeprefix("- "))
         if paths["cached_profile"]:

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..cache import cache_argument
+from ..device import seconds_since
 from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..drafters.sources import source_names
 from ..names import TRAINED_SOURCES
@@ -88,13 +89,6 @@ class Method:
     # its compiled step costs more the first time it meets each sequence length (transformers' static
     # cache: the attention mask grows a position a step): the warm-up generates through every length
     warm_every_length: bool = False
-
-
-def seconds_since(start: float, model) -> float:
-    """Wall time since `start` (perf_counter), after the model's device has finished its work."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return time.perf_counter() - start
 
 
 # ---- opttree -------------------------------------------------------------------------------------

@@ -11,13 +11,9 @@ Aggregates, per method label and category ("all" = every prompt):
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 
 ALL = "all"
 SLOW_FACTOR = 5.0  # a run this many times slower per token than its method's median is flagged
@@ -122,33 +118,6 @@ def slow_runs(records: list[dict], factor: float = SLOW_FACTOR) -> list[dict]:
                 out.append({"label": label, "prompt_id": r["prompt_id"], "repeat": r["repeat"], "time_s": r["time_s"],
                             "times_median": ratio})
     return out
-
-
-def machine_info() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),  # PASSIVE when started on a busy machine
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 # ---- markdown ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .. import parallel
-    from ..bench.calibrate import calibrate_first
+    from ..calibration import calibrate_first
     from ..flags import load_pair, resolved_tree_options, used_draft
     from . import ranks
     from .app import GracefulServer, Limits, Server, create_app
