@@ -219,3 +219,28 @@ def test_one_node_budget_for_the_batch_keeps_every_row_exact(models):
         assert sum(out.stats.drafted_tokens for out in outs) <= 3 * steps  # at most 3 nodes in every step
     with pytest.raises(TypeError, match="batch_budget"):
         opttree.generate(target, batch, batch_budget="auto")
+
+
+def test_rows_with_a_draft_model_draft_together(monkeypatch):
+    """The rows' draft forwards of a step run as one batched forward per round (`drafters.together`), and
+    each row's tree and output are those it has alone; an error in that forward reaches the caller."""
+    from opttree.drafters import together
+
+    target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
+    batch = prompts([7, 3, 25, 12], seed=6)
+    sizes, run = [], together.forward_together
+    monkeypatch.setattr(together, "forward_together", lambda forwards: (sizes.append(len(forwards)), run(forwards)))
+    for options in (dict(), dict(drafter="model+lookup"), dict(tree="dyspec", budget=8), dict(temperature=1.0, seed=3)):
+        sizes.clear()
+        outs = opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[], **options)
+        assert sizes and max(sizes) == len(batch), (options, sizes)  # every row in one forward
+        for prompt, out in zip(batch, outs):
+            alone = opttree.generate(target, prompt, draft, max_new_tokens=NEW, eos_token_id=[], **options)
+            assert torch.equal(out.sequences, alone.sequences) and out.stats.steps == alone.stats.steps, options
+
+    def broken(forwards):
+        raise RuntimeError("a draft forward failed")
+
+    monkeypatch.setattr(together, "forward_together", broken)
+    with pytest.raises(RuntimeError, match="a draft forward failed"):
+        opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[])

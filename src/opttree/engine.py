@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from .config import SpecConfig
 from .depth import DepthControl
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .drafters import Drafter
+from .drafters.together import Round
 from .genconfig import shape_logits
 from .parallel import lockstep_for
 from .policies import TreePolicy
@@ -374,20 +376,37 @@ class Generation:
             self.long_keys = True
         return None
 
+    def _draft(self, cache: Cache, rows: list[Row], phases: PhaseClock) -> tuple[list[DraftTree], list[tuple]]:
+        """Every row's tree, and the span of its drafting (start mark, end mark, its share of that time).
+        Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
+        a thread each, one draft forward per round): they share one span."""
+        caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
+        together = [i for i, row in enumerate(rows) if getattr(row.drafter, "forwards_together", False)]
+        together = together if len(together) > 1 else []
+        trees, spans = [None] * len(rows), [None] * len(rows)
+        for i, row in enumerate(rows):
+            if i not in together:
+                start = phases.mark()
+                trees[i] = row.draft(caps[i])
+                spans[i] = (start, phases.mark(), 1.0)
+        if together:
+            start = phases.mark()
+            built = Round().run([partial(rows[i].draft, caps[i]) for i in together])
+            end = phases.mark()
+            for i, tree in zip(together, built):
+                trees[i], spans[i] = tree, (start, end, 1 / len(together))
+        return trees, spans
+
     def _step(self, cache: Cache, rows: list[Row], phases: PhaseClock) -> list[tuple]:
         """One speculative step of every row; returns per row (the emitted chunk (C,), whether the row ends
         with it, what its depth control observes: (accepted, drafted depth, draft seconds, verify seconds))."""
         prefix_lens, roots = [row.prefix_len for row in rows], [row.committed[-1] for row in rows]
         # 1. draft: each row's tree, from its own drafter and policy
-        trees, marks = [], [phases.mark()]
-        for row in rows:
-            cap = self._follow_rope_switch(cache, row) if self.rope_switch is not None else None
-            trees.append(row.draft(cap))
-            marks.append(phases.mark())
+        trees, spans = self._draft(cache, rows, phases)
         # one node budget for the batch (its time counted as the last row's drafting)
         if self.allocator is not None:
             trees = self.allocator(trees)
-            marks[-1] = phases.mark()
+            spans[-1] = (spans[-1][0], phases.mark(), spans[-1][2])
         # 2. verify: one target forward over every row's [root] + tree
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens)
         t_verified = phases.mark()
@@ -400,10 +419,11 @@ class Generation:
         # 4. compact the target's cache to each row's root + accepted path
         self.verifier.commit(cache, roots, trees, accepted, prefix_lens)
         # the readout waited for the marks so far, and for the last step's observing: reading them stalls nothing
-        verify_s = phases.seconds(marks[-1], t_verified)
+        verify_s = phases.seconds(spans[-1][1], t_verified)
         results = []
         for i, (row, tree) in enumerate(zip(rows, trees)):
-            draft_s = phases.seconds(marks[i], marks[i + 1]) + row.settle_observing(phases)
+            start, end, share = spans[i]
+            draft_s = phases.seconds(start, end) * share + row.settle_observing(phases)
             bonus = paths[i][2]
             emitted = torch.cat([tree.tokens[accepted[i]], bonus.view(1)])  # (A + 1,) on the device
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonus, hidden[i], readouts[i]), phases)

@@ -5,6 +5,8 @@ target's logits at the prompt's last R positions, from the prefill (Token Recycl
 one with `wants_hidden = True` gets the target's hidden states (`seed_hidden`, `Verification.hidden_states`);
 one with `reads_target_cache = True` gets the target's cache after the prefill (`share_target_cache`)
 and decodes one sequence at a time (it drafts on that cache).
+One with `forwards_together = True` drafts, in a batch, in a thread of its own, and hands its
+forwards to the round that batches them with the other rows' (`drafters.together`).
 Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
 """
 

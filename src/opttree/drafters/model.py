@@ -22,6 +22,7 @@ from ..cache import compact, last_logits_only, new_cache, truncate
 from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
 from ..device import model_device
 from ..verify import Verification, masked_forward
+from .together import current_round
 
 
 def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -57,6 +58,8 @@ class SlotTree:
 
 
 class ModelDrafter:
+    forwards_together = True  # in a batch, its forwards run with the other rows' (`drafters.together`)
+
     def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
         """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
         same tokenizer; log-probabilities cover exactly these ids (default: the draft's own)."""
@@ -89,8 +92,13 @@ class ModelDrafter:
         # goes in as the last row: only the draft's guesses depend on it, never the output
         new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
-        logits = forward_chains(self.model, self.cache, new[None], self.committed_len,
-                                **last_logits_only(self.model))[0, -1]  # (V,)
+        together = current_round() if self.forwards_together else None
+        if together is not None:  # one forward with the other rows' (`drafters.together`)
+            positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
+            logits = together.submit(self.model, self.cache, new, positions, None)[-1]  # (V,)
+        else:
+            logits = forward_chains(self.model, self.cache, new[None], self.committed_len,
+                                    **last_logits_only(self.model))[0, -1]  # (V,)
         self.committed_len = self.base = committed.shape[0]
         self._open_tree()
         return self._log_probs(logits)
@@ -101,7 +109,12 @@ class ModelDrafter:
         allowed = torch.cat([torch.ones(tokens.shape[0], self.base, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, base+S+K)
         keys = partial(key_positions, self.base, self.base - 1 + self.slots.depths, allowed.shape[1])
-        logits = masked_forward(self.model, self.cache, tokens, self.base - 1 + depths, allowed, keys=keys)  # (K, V)
+        positions = self.base - 1 + depths  # (K,)
+        together = current_round() if self.forwards_together else None
+        if together is not None:  # one forward with the other rows' (`drafters.together`)
+            logits = together.submit(self.model, self.cache, tokens, positions, allowed, keys)  # (K, V)
+        else:
+            logits = masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)  # (K, V)
         return self._log_probs(logits)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -125,6 +138,8 @@ class ChainDrafter(ModelDrafter):
     from the root to the node] over K copies of the committed cache, which is put back after. The cache
     only ever holds committed tokens; the accepted ones go in with the next root. Costs K x depth tokens
     and a copy of the cache per node where a tree forward costs K tokens."""
+
+    forwards_together = False  # its chains replicate its own cache: one row at a time
 
     def _open_tree(self) -> None:
         super()._open_tree()

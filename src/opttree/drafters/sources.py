@@ -238,6 +238,7 @@ class Sources:
         self.prompt_rows = max([getattr(s, "prompt_rows", 0) for s in [first, *candidates]])
         self.wants_hidden = any(getattr(s, "wants_hidden", False) for s in [first, *candidates])
         self.reads_target_cache = any(getattr(s, "reads_target_cache", False) for s in [first, *candidates])
+        self.forwards_together = getattr(first, "forwards_together", False)  # candidates run no network
         self.root_logq: torch.Tensor | None = None
 
     def start(self, input_ids: torch.Tensor) -> None:
