@@ -63,7 +63,8 @@ def index_attention(config) -> str | None:
 
 
 def verified_as_chains(model: PreTrainedModel) -> bool:
-    """Whether a target is verified as a batch of chains (`ChainVerifier`) rather than as one tree forward."""
+    """Whether a model runs as chains rather than under a tree mask: a target verified as a batch of chains
+    (`ChainVerifier`), a draft drafting each node's path as a chain (`drafters.model.ChainDrafter`)."""
     return has_state(model) or index_attention(model.config.get_text_config()) is not None
 
 
@@ -134,12 +135,12 @@ class ChainVerifier:
 def forward_chains(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, prefix_len: int, **options) -> torch.Tensor:
     """(B, Q) tokens after the cache's `prefix_len` (one chain per cache row) -> logits (B, Q, V)."""
     positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
-    where = {"position_ids": positions} if takes_positions(type(model)) else {}  # Mamba has none
+    where = {"position_ids": positions} if _takes_positions(type(model)) else {}  # Mamba has none
     return model(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
 
 
 @lru_cache(maxsize=None)
-def takes_positions(model_class: type) -> bool:
+def _takes_positions(model_class: type) -> bool:
     return "position_ids" in inspect.signature(model_class.forward).parameters
 
 

@@ -403,10 +403,10 @@ class Generation:
         prefix_lens, roots = [row.prefix_len for row in rows], [row.committed[-1] for row in rows]
         # 1. draft: each row's tree, from its own drafter and policy
         trees, spans = self._draft(cache, rows, phases)
-        # one node budget for the batch (its time counted as the last row's drafting)
-        if self.allocator is not None:
+        t_drafted = phases.mark()
+        if self.allocator is not None:  # one node budget for the batch (its time shared by the rows' drafting)
             trees = self.allocator(trees)
-            spans[-1] = (spans[-1][0], phases.mark(), spans[-1][2])
+        t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens)
         t_verified = phases.mark()
@@ -419,11 +419,12 @@ class Generation:
         # 4. compact the target's cache to each row's root + accepted path
         self.verifier.commit(cache, roots, trees, accepted, prefix_lens)
         # the readout waited for the marks so far, and for the last step's observing: reading them stalls nothing
-        verify_s = phases.seconds(spans[-1][1], t_verified)
+        verify_s = phases.seconds(t_allocated, t_verified)
+        allocate_s = phases.seconds(t_drafted, t_allocated) / len(rows)
         results = []
         for i, (row, tree) in enumerate(zip(rows, trees)):
             start, end, share = spans[i]
-            draft_s = phases.seconds(start, end) * share + row.settle_observing(phases)
+            draft_s = phases.seconds(start, end) * share + allocate_s + row.settle_observing(phases)
             bonus = paths[i][2]
             emitted = torch.cat([tree.tokens[accepted[i]], bonus.view(1)])  # (A + 1,) on the device
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonus, hidden[i], readouts[i]), phases)
