@@ -97,7 +97,7 @@ class Round:
 
     def submit(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
                keys: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        """The row's forward, run with the other rows' of this round: logits (Q, V); the row's cache gains
+        """The row's forward, batched with the other rows' waiting forwards: logits (Q, V); the row's cache gains
         the Q new keys and values, as `masked_forward` would have appended them."""
         forward = _Forward(_here.row, model, cache, tokens, positions, allowed, keys)
         with self.lock:
