@@ -47,6 +47,16 @@ def test_alibi_sampling_follows_the_target_distribution():
     assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3
 
 
+def test_sampling_with_a_chain_drafted_draft_follows_the_target_distribution():
+    """A BLOOM draft (`ChainDrafter`) with sampled children: the draws carry the distributions the chains gave."""
+    target = tiny_model("llama", vocab=6, hidden=32, layers=1, seed=4, init=0.6)
+    draft = tiny_any_attention("bloom", vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               initializer_range=0.6)
+    prompt, runs, warp = torch.tensor([[1, 3, 0, 4, 1, 3]]), 600, {"temperature": 0.9}
+    counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=6, max_depth=2, **warp)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3
+
+
 # Expansions in the order a heap-driven policy (DySpec) may make them: parents at any earlier depth.
 EXPANSIONS = [([3, 4, 5], [-1, -1, -1]), ([6, 7], [0, 0]), ([8], [1]), ([9, 10], [3, 3]), ([11], [5]), ([12], [7])]
 
