@@ -141,7 +141,7 @@ def no_kv_cache(model, config, max_len: int, tree_rows: int) -> str | None:
     transformers 5.24, `cache` from 5.24 (`cache_argument`)."""
     params = _forward_params(type(model))
     takes_cache = cache_argument(model) in params and config.model_type not in OWN_CACHE_TYPES
-    # a target verified as chains needs no positions: a chain's are those of plain decoding (`probe_chains`)
+    # a model run as chains needs no position_ids: a chain's positions are those of plain decoding (`probe_chains`)
     positioned = "position_ids" in params or verified_as_chains(model)
     missing = ([] if takes_cache else ["past_key_values"]) + ([] if positioned else ["position_ids"])
     if missing:
