@@ -244,3 +244,45 @@ def test_rows_with_a_draft_model_draft_together(monkeypatch):
     monkeypatch.setattr(together, "forward_together", broken)
     with pytest.raises(RuntimeError, match="a draft forward failed"):
         opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[])
+
+
+def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(tmp_path, monkeypatch):
+    """The rows' prompts, right-padded to the longest, go through one forward: each row's drafter is seeded
+    with its own prompt's logits (recycling) or hidden states (the head), and its last hidden state (the
+    predictor's feature) is its own, as its prompt alone gives them; and every row stays exact."""
+    from opttree.cache import new_cache
+    from opttree.drafters.head import FeatureHead, HeadDrafter, head_config
+    from opttree.drafters.recycling import RecyclingDrafter
+    from opttree.engine import prefill
+    from opttree.length import LengthPredictor
+
+    for cls, hook in ((RecyclingDrafter, "seed"), (HeadDrafter, "seed_hidden")):
+        original = getattr(cls, hook)
+
+        def spy(self, *args, _original=original):  # what the prefill hands over, kept on the drafter
+            self.heard = [a for a in (args[0] if isinstance(args[0], tuple) else args)]
+            return _original(self, *args)
+
+        monkeypatch.setattr(cls, hook, spy)
+    target = tiny("llama", "sdpa", seed=1)
+    torch.manual_seed(0)
+    head = FeatureHead(head_config(target)).save(tmp_path / "head", target)
+    predictor = LengthPredictor(target.config.hidden_size, 4).save(tmp_path / "length", target)
+    batch = prompts([2, 37, 9, 1, 120], seed=31)  # a one-token prompt: nothing of it to prefill
+    for method in (dict(drafter="recycling"), dict(drafter="head", head=head),
+                   dict(drafter="recycling+lookup", depth_control="predictor", length_predictor=predictor)):
+        speculator = opttree.Speculator(target, max_new_tokens=NEW, eos_token_id=[], **method)
+        together = [speculator.row(opttree.Request(prompt)) for prompt in batch]
+        prefill(target, new_cache(), together)
+        for prompt, row in zip(batch, together):
+            alone = speculator.row(opttree.Request(prompt))
+            prefill(target, new_cache(), [alone])
+            heard = [getattr(r.drafter.first, "heard", None) for r in (row, alone)]
+            assert (heard[0] is None) == (heard[1] is None) == (prompt.shape[0] == 1), (method, prompt.shape)
+            for ours, its in zip(*heard) if heard[0] else ():
+                torch.testing.assert_close(ours, its)
+            assert (row.feature is None) == (alone.feature is None)
+            if row.feature is not None:
+                torch.testing.assert_close(row.feature, alone.feature)
+        assert sum(row.feature is not None for row in together) == (0 if method == dict(drafter="recycling") else 4)
+        check_rows(target, batch, speculator.generate([opttree.Request(prompt) for prompt in batch]))

@@ -20,6 +20,7 @@ from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per
 from opttree.bench.prompts import Prompt, encode, load_prompts
 from opttree.bench.runner import first_difference, prepare, run_bench
 from opttree.cli import main
+from opttree.drafter_spec import DrafterSpec
 
 VOCAB = 96
 
@@ -354,17 +355,18 @@ def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monk
     profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
                            "recommended": recommended, profiles.SAMPLED_FIELD: sampled})
     args = argparse.Namespace(budgets=None, delta=None, temperature=0.0)
-    names, chosen = profile_defaults(args, target, draft, ["ar", "opt", "hf-lookup"])
+    names, chosen, budgets, delta = profile_defaults(args, target, draft, ["ar", "opt", "hf-lookup"])
     assert names == ["ar", "opt:recycling+lookup", "hf-lookup"] and chosen == "recycling+lookup"
-    assert parse_budgets(args.budgets, args.delta, target, draft, chosen) == [(8, 0.3)]  # its own budget
+    assert parse_budgets(budgets, delta, target, draft, chosen) == [(8, 0.3)]  # its own budget
+    assert args == argparse.Namespace(budgets=None, delta=None, temperature=0.0)  # the flags as typed
     given = argparse.Namespace(budgets="4", delta=None, temperature=0.0)  # budgets given: opt means the draft model
-    assert profile_defaults(given, target, draft, ["ar", "opt"]) == (["ar", "opt"], None)
+    assert profile_defaults(given, target, draft, ["ar", "opt"]) == (["ar", "opt"], None, "4", 0.3)
     assert profiles.auto_settings(target, draft) == (4, 0.3) and profiles.auto_settings(target, draft, "model") == (4, 0.3)
     # sampling: the choice measured for sampling, as generate makes it at temperature > 0
     hot = argparse.Namespace(budgets=None, delta=None, temperature=1.0)
-    names, chosen = profile_defaults(hot, target, draft, ["ar", "opt"])
-    assert names == ["ar", "opt:model+lookup"] and hot.delta == 0.6
-    assert parse_budgets(hot.budgets, hot.delta, target, draft, chosen, 1.0) == [(6, 0.6)]
+    names, chosen, budgets, delta = profile_defaults(hot, target, draft, ["ar", "opt"])
+    assert names == ["ar", "opt:model+lookup"] and delta == 0.6
+    assert parse_budgets(budgets, delta, target, draft, chosen, 1.0) == [(6, 0.6)]
     sampled.update(tree="ar", drafter=None)  # no tree paid when sampling: opt stays the draft model's
     profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
                            "recommended": recommended, profiles.SAMPLED_FIELD: sampled})
@@ -555,9 +557,10 @@ def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):
 
 
 def test_method_names_take_a_depth_control():
-    assert bench_methods.parse_tree_method("opt:model+lookup/thompson") == ("opt", "model+lookup", "thompson", "auto")
+    assert bench_methods.parse_tree_method("opt:lookup+model/thompson") == ("opt", DrafterSpec(("model", "lookup")),
+                                                                            "thompson", "auto")
     assert bench_methods.parse_tree_method("opt") == ("opt", None, "delta", "auto")
-    assert bench_methods.parse_tree_method("eagle2:model~top") == ("eagle2", "model", "delta", "top")
+    assert bench_methods.parse_tree_method("eagle2:model~top") == ("eagle2", DrafterSpec(("model",)), "delta", "top")
     assert bench_methods.find_method("opt/fixed").needs_draft and not bench_methods.find_method("opt:head/fixed").needs_draft
     with pytest.raises(ValueError, match="unknown depth control 'greedy'"):
         bench_methods.find_method("opt/greedy")

@@ -60,14 +60,14 @@ def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--budget", "0"], "--budget must be an integer >= 1 or 'auto', got '0'"),
-    (["--budget", "lots"], "--budget must be an integer"),
+    (["--budget", "0"], "argument --budget: budget must be an integer >= 1 or 'auto', got '0'"),
+    (["--budget", "lots"], "argument --budget: budget must be an integer"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--target", "{tmp}/nope", "--draft", "{draft}"], "--target {tmp}/nope: no such directory"),
     (["--target", "{tmp}/file.txt", "--draft", "{draft}"], "is a file; pass the model's directory"),
     (["--target", "{tmp}", "--draft", "{draft}"], "no model here (expected config.json"),
     (["--target", "{target}", "--draft", "{tmp}/nope"], "--draft {tmp}/nope: no such directory"),
-    (["--drafter", "model+lookahead"], "unknown draft source 'lookahead'"),
+    (["--drafter", "model+lookahead"], "argument --drafter: unknown draft source 'lookahead'"),
     (["--drafter", "lookup"], "--draft is given but --drafter lookup does not use it"),
     (["--drafter", "lookup", "--tree", "ar", "--target", "{target}"], "--tree ar drafts nothing"),
     (["--prompt-file", "{tmp}/bad.txt"], "not valid UTF-8"),

@@ -120,9 +120,11 @@ def test_cli_help_imports_no_torch():
 
 def test_the_torch_free_name_lists_match_the_registries():
     from opttree.drafters.sources import available_sources
-    from opttree.names import BUILTIN_POLICIES, BUILTIN_SOURCES, QUANTIZATIONS
+    from opttree.drafter_spec import KINDS
+    from opttree.names import BUILTIN_POLICIES, BUILTIN_SOURCE_KINDS, BUILTIN_SOURCES, QUANTIZATIONS
     from opttree.policies import available
     from opttree.quantize import SCHEMES
 
     assert list(BUILTIN_POLICIES) == available() and list(BUILTIN_SOURCES) == available_sources()
+    assert {name: KINDS[name] for name in BUILTIN_SOURCES} == BUILTIN_SOURCE_KINDS  # registered as declared
     assert sorted(QUANTIZATIONS) == sorted(SCHEMES)

@@ -18,6 +18,7 @@ import torch
 from helpers import chi_square_pvalue
 
 from opttree.config import SpecConfig
+from opttree.declared import Declared
 from opttree.policies import make_policy
 from opttree.drafters.sources import MergedPolicy, Sources
 from opttree.tree import DraftTree, node_paths
@@ -40,7 +41,7 @@ def path_table(seed: int, sharpness: float):
     return logp
 
 
-class TableDrafter:
+class TableDrafter(Declared):
     """A Drafter over a path table: root / expand answer the table's rows for the nodes' paths."""
 
     def __init__(self, logq):
@@ -64,7 +65,7 @@ def warped(logp: torch.Tensor, config: SpecConfig) -> torch.Tensor:
     return scores.softmax(-1)
 
 
-class FixedTrie:
+class FixedTrie(Declared):
     """A candidate source that proposes the same trie every step: deterministic candidates, three of
     them likely enough to join a sampled tree (under the root: tokens the draft often draws too), one not."""
 

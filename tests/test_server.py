@@ -419,7 +419,7 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
     long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0]
     next(long.chunks())  # it runs
     broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0]
-    broken.row.prefill = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))
+    broken.row.drafter.start = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))  # its prefill's first act
     fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0]
     long.close()
     with pytest.raises(RuntimeError, match="prefill failed"):

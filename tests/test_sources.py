@@ -11,7 +11,9 @@ import opttree
 from opttree.drafters.estimates import forget, per_model
 from opttree.drafters.lookup import NgramIndex, continuation_trie
 from opttree.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
-from opttree.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens, source_names
+from opttree.config import SpecConfig
+from opttree.drafter_spec import DrafterSpec
+from opttree.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens
 from opttree.tree import DraftTree, locate, merge, node_paths, top_nodes
 
 
@@ -182,7 +184,7 @@ def test_without_a_draft_model_the_default_is_train_free_and_drafts(looping_pair
     run = opttree.stream(target, prompt, max_new_tokens=48, eos_token_id=[])
     for _ in run:
         pass
-    assert run.config.drafter == "recycling+lookup"
+    assert str(run.config.drafter) == "recycling+lookup"
     assert torch.equal(run.sequences, hf_greedy(target, prompt, 48))
     assert run.stats.mean_accepted_length > 1.5  # a looping target: recycled and looked-up tokens are accepted
 
@@ -251,10 +253,21 @@ def test_source_errors_are_clear(looping_pair):
             opttree.generate(target, ids, d, max_new_tokens=4, **options)
 
 
-def test_source_names_put_distribution_sources_first():
-    assert source_names("lookup+model") == ["model", "lookup"]
-    assert source_names("lookup+recycling") == ["recycling", "lookup"]
-    assert source_names(" lookup ") == ["lookup"]
+def test_a_drafter_spec_puts_distribution_sources_first_and_reads_declared_capabilities():
+    assert DrafterSpec.parse("lookup+model").names == ("model", "lookup")
+    assert DrafterSpec.parse("lookup+recycling").names == ("recycling", "lookup")
+    assert DrafterSpec.parse(" lookup ").names == ("lookup",) and str(DrafterSpec.parse("lookup+model")) == "model+lookup"
+    assert DrafterSpec.parse("recycling+lookup").plus("datastore").names == ("recycling", "lookup", "datastore")
+    assert DrafterSpec.parse("lookup+model") == "model+lookup" != DrafterSpec.parse("model")  # equal to its text
+    model_lookup, train_free, early = (DrafterSpec.parse(t) for t in ("model+lookup", "recycling+lookup", "early-exit"))
+    assert model_lookup.uses_draft_model and not train_free.uses_draft_model and not early.uses_draft_model
+    assert model_lookup.runs_network and early.runs_network and not train_free.runs_network
+    assert early.drafts_on_target_cache and not model_lookup.drafts_on_target_cache
+    assert SpecConfig(drafter="lookup+model").drafter == model_lookup  # parsed once, by the config
+    for bad, message in [("lookahead", "unknown draft source 'lookahead'"), ("model+model", "names a source twice"),
+                         ("", "drafter must name draft sources"), (3, "drafter must name draft sources")]:
+        with pytest.raises(ValueError, match=message):
+            SpecConfig(drafter=bad)
 
 
 def test_recycling_template_is_the_papers_80_nodes():

@@ -28,27 +28,21 @@ DEMO_PROMPTS = [
 
 def check_flags(args) -> None:
     """Flag values that cannot work, reported before any model loads."""
-    budget = getattr(args, "budget", None)
-    if isinstance(budget, str) and budget != "auto" and (not budget.isdigit() or int(budget) < 1):  # train's is an int
-        raise ValueError(f"--budget must be an integer >= 1 or 'auto', got {budget!r}")
     if (getattr(args, "max_new_tokens", 0) or 0) < 0:  # None: calibrate's default, set later
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if getattr(args, "temperature", 0.0) < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.command == "calibrate" and getattr(args, "target", None) and not getattr(args, "draft", None):
         raise ValueError("calibrate measures a target/draft pair: --target needs --draft")
-    drafter = getattr(args, "drafter", None)
+    drafter = getattr(args, "drafter", None)  # a DrafterSpec: parsed (and checked) by argparse
     if drafter is not None:
-        from .drafters.sources import source_names
-
-        names = source_names(drafter)  # unknown names: a clear error now, not after loading the models
-        if getattr(args, "draft", None) and "model" not in names:
+        if getattr(args, "draft", None) and not drafter.uses_draft_model:
             raise ValueError(f"--draft is given but --drafter {drafter} does not use it: add 'model' "
                              f"(--drafter model+{drafter}) or leave --draft out")
         if getattr(args, "tree", None) == "ar":
             raise ValueError(f"--tree ar drafts nothing: --drafter {drafter} does not apply")
         for source, option in TRAINED_SOURCES.items():
-            if getattr(args, option, None) and source not in names:
+            if getattr(args, option, None) and source not in drafter:
                 raise ValueError(f"--{source} is given but --drafter {drafter} does not use it: add '{source}' "
                                  f"(--drafter {source}+{drafter}) or leave --{source} out")
     out = getattr(args, "out", None) if args.command in ("bench", "calibrate") else None
@@ -102,8 +96,8 @@ def cmd_generate(args) -> int:
         print(json.dumps({
             "text": tokenizer.decode(new), "token_ids": new.tolist(), "new_tokens": s.new_tokens, "steps": s.steps,
             "mean_accepted_length": s.mean_accepted_length, "tokens_per_second": s.tokens_per_second,
-            "time_s": s.time_s, "tree": tree["tree"], "drafter": run.config.drafter, "budget": tree["budget"],
-            "delta": tree["delta"],
+            "time_s": s.time_s, "tree": tree["tree"], "drafter": run.config.drafter and str(run.config.drafter),
+            "budget": tree["budget"], "delta": tree["delta"],
             "draft_temperature": tree["draft_temperature"], "static": run.config.static, "children": run.config.children,
             "stats": s.to_dict(),
         }))
@@ -199,7 +193,7 @@ def cmd_demo(args) -> int:
     same = len(prompts) - len(differences)
     if args.json:
         print(json.dumps({"rows": rows, "identical_to_ar": same, "differences": differences, "prompts": len(prompts),
-                          "budget": tree["budget"], "drafter": tree.get("drafter"), "dtype": args.dtype,
+                          "budget": tree["budget"], "drafter": str(tree.get("drafter") or "") or None, "dtype": args.dtype,
                           "disturbed": disturbed or None}))
         return 0
     width = max(10, len(label) + 2)
@@ -258,8 +252,15 @@ def cmd_models(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors on one line, as the command's other errors are (a bad value names the flag)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="opttree", description=__doc__)
+    parser = _Parser(prog="opttree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the shipped pair: OPT-Tree vs plain decoding on a few code prompts")
@@ -331,7 +332,10 @@ def silence_other_ranks(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a flag's error, said on one line (2)
+        return done.code
     threads.set_torch_threads()
     name, errors = silence_other_ranks(args)
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .drafter_spec import DrafterSpec
+
 # CPU defaults (2-core machine, the shipped pair): see docs/METHODS.md, "Choosing budget, delta, depth
 # and draft temperature".
 DEFAULT_BUDGET = 16
@@ -26,10 +28,28 @@ def check_acceptance(acc) -> tuple[float, ...]:
     return acc
 
 
+def check_budget(budget) -> int:
+    """The one check of a node budget (SpecConfig's, --budget's, --budgets' entries)."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1 (draft nodes per step), got {budget!r}")
+    return budget
+
+
+def budget_arg(text: str) -> "int | str":
+    """--budget / a --budgets entry: 'auto' (the calibrated budget) or a budget, checked as it is read."""
+    if text == "auto":
+        return text
+    try:
+        return check_budget(int(text))
+    except ValueError:
+        raise ValueError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     tree: str = "opt"  # tree policy name (see opttree.policies.available())
-    drafter: str | None = None  # draft sources joined by "+" (None: "model" with a draft, else "recycling+lookup")
+    # draft sources, "model+lookup" parsed into a DrafterSpec (None: "model" with a draft, else "recycling+lookup")
+    drafter: DrafterSpec | None = None
     datastore: str | None = None  # folder of `opttree datastore build`, for the `datastore` source
     head: str | None = None  # folder of `opttree train head`, for the `head` source
     early_exit: str | None = None  # folder of `opttree train early-exit`, for the `early-exit` source
@@ -52,8 +72,7 @@ class SpecConfig:
     static: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.budget, int) or self.budget < 1:
-            raise ValueError(f"budget must be an integer >= 1 (draft nodes per step), got {self.budget!r}")
+        check_budget(self.budget)
         if not 0 <= self.delta < 1:
             raise ValueError(f"delta must be in [0, 1) (expected tokens), got {self.delta!r}")
         if not isinstance(self.max_depth, int) or self.max_depth < 1:
@@ -71,8 +90,8 @@ class SpecConfig:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
-        if self.drafter is not None and not (isinstance(self.drafter, str) and self.drafter.strip()):
-            raise ValueError(f"drafter must name draft sources joined by '+' (e.g. 'model+lookup'), got {self.drafter!r}")
+        if self.drafter is not None:  # parsed here, once: a DrafterSpec from here on
+            object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
         if self.children not in CHILDREN:
             raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
         if self.depth_control not in DEPTH_CONTROL_NAMES:

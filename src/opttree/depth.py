@@ -24,6 +24,7 @@ import random
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from .config import SpecConfig
+from .declared import Declared
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,7 @@ class DepthControl(Protocol):
         """One step's outcome: draft tokens accepted, the tree's depth, and the step's draft / verify seconds."""
 
 
-class PolicyDepth:
+class PolicyDepth(Declared):
     """`delta` and `fixed`: no limit beyond the policy's own (under `fixed`, OPT-Tree skips its delta stop)."""
 
     def limit(self, root, feature) -> int | None:
@@ -49,7 +50,7 @@ class PolicyDepth:
         pass
 
 
-class CostAwareDepth:
+class CostAwareDepth(Declared):
     """Picks the depth d maximising expected tokens per unit of time, (1 + sum_k<=d P(A >= k)) / (1 + d c),
     with c a draft layer's cost relative to a verification, measured as the generation runs."""
 

@@ -94,9 +94,9 @@ class Row:
                  stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device):
         self.drafter, self.policy, self.config, self.stopper, self.depth = drafter, policy, config, stopper, depth
         self.processors = processors  # the generation_config's logits processors, applied per node
-        self.drafter_reads = bool(getattr(drafter, "wants_hidden", False))  # a drafter that reads the target
-        self.wants_hidden = self.drafter_reads or bool(getattr(depth, "wants_hidden", False))
-        self.self_drafts = bool(getattr(drafter, "reads_target_cache", False))  # drafts on the target's cache
+        self.drafter_reads = drafter is not None and drafter.wants_hidden  # a drafter that reads the target
+        self.wants_hidden = self.drafter_reads or depth.wants_hidden
+        self.self_drafts = drafter is not None and drafter.reads_target_cache  # drafts on the target's cache
         self.committed = ids.to(device)  # (T,) prompt + tokens emitted so far
         self.prompt_len = ids.shape[0]
         self.stats = GenerationStats()
@@ -116,24 +116,6 @@ class Row:
         """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
         marks, self.observing = self.observing, None
         return phases.seconds(*marks) if marks else 0.0
-
-    def prefill(self, target: PreTrainedModel, cache: Cache) -> None:
-        """The target's cache of committed[:-1] (the last committed token is the root); the drafter starts."""
-        if self.drafter is not None:
-            self.drafter.start(self.committed)
-        seed_rows = getattr(self.drafter, "prompt_rows", 0)  # a drafter that learns from the prompt's logits
-        if self.prompt_len > 1:
-            prefix = self.committed[:-1]
-            positions = torch.arange(prefix.shape[0], device=prefix.device)
-            rows = min(max(seed_rows, 1), prefix.shape[0])  # otherwise unused: one row is the least we can ask
-            out = target(input_ids=prefix[None], position_ids=positions[None], **{cache_argument(target): cache},
-                         output_hidden_states=self.wants_hidden, **last_logits_only(target, rows))
-            if seed_rows:
-                self.drafter.seed(prefix[-rows:], out.logits[0, -rows:])  # (rows,), (rows, V)
-            if self.drafter_reads:
-                self.drafter.seed_hidden(tuple(h[0] for h in out.hidden_states))  # ((T - 1, H),) per layer
-            if self.wants_hidden:
-                self.feature = out.hidden_states[-1][0, -1]  # (H,)
 
     def draft(self, depth_cap: int | None) -> DraftTree:
         """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`."""
@@ -171,6 +153,41 @@ class Row:
         self.stats.verify_s += verify_s
         self.stats.observe_step(drafted=drafted, accepted=readout.accepted, emitted=end)
         return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)
+
+
+def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
+    """The target's cache of each row's committed[:-1] (the last committed token is the root), in one
+    forward; each drafter starts, and hears the prompt's logits or hidden states if it asks for them.
+    Several rows: their prefixes right-padded to the longest, at positions 0.. each. A row's tokens attend
+    only to earlier positions of its own row, all real, so each row's keys, values and logits are what
+    its forward alone gives; its padding lies after its end, where no tree mask reaches."""
+    for row in rows:
+        if row.drafter is not None:
+            row.drafter.start(row.committed)
+    lengths = [row.prompt_len - 1 for row in rows]  # P_b
+    longest = max(lengths)
+    if longest == 0:
+        return
+    device = rows[0].committed.device
+    ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (B, P)
+    for b, (row, length) in enumerate(zip(rows, lengths)):
+        ids[b, :length] = row.committed[:length]
+    seeds = [row.drafter.prompt_rows if row.drafter is not None else 0 for row in rows]  # rows of logits each wants
+    wanted = max(longest - length + min(seed, length) for length, seed in zip(lengths, seeds))
+    kept = max(wanted, 1)  # the last `kept` positions' logits (one at least: the least a model can be asked)
+    hidden = any(row.wants_hidden for row in rows)
+    out = target(input_ids=ids, position_ids=torch.arange(longest, device=device).expand(len(rows), -1),
+                 **{cache_argument(target): cache}, output_hidden_states=hidden, **last_logits_only(target, kept))
+    logits = out.logits[:, -kept:]  # (B, kept, V): positions longest - kept ..
+    for b, (row, length, seed) in enumerate(zip(rows, lengths, seeds)):
+        if seed and length:
+            take = min(seed, length)
+            end = kept - (longest - length)  # the row's last real position, in `logits`
+            row.drafter.seed(row.committed[length - take:length], logits[b, end - take:end])  # (take,), (take, V)
+        if row.drafter_reads and length:
+            row.drafter.seed_hidden(tuple(h[b, :length] for h in out.hidden_states))  # ((P_b, H),) per layer
+        if row.wants_hidden and length:
+            row.feature = out.hidden_states[-1][b, length - 1]  # (H,)
 
 
 class Generation:
@@ -316,18 +333,16 @@ class Generation:
         self._leave()
 
     def _join(self, new: list[int]) -> None:
-        """Rows `new` start: each prefilled into a cache of its own, then one cache of all running rows
-        (`stack_rows`)."""
+        """Rows `new` start: prefilled together into a cache of their own, then one cache of all running
+        rows (`stack_rows`)."""
         start = _clock(self.device)
-        caches = [self._new_cache(self.rows[b]) for b in new]
-        for b, cache in zip(new, caches):
-            self.rows[b].prefill(self.target, cache)
-        if self.cache is None and len(caches) == 1:
-            self.cache = caches[0]
+        cache = self._new_cache(self.rows[new[0]])  # several rows: the dynamic path (`_check_batchable`)
+        prefill(self.target, cache, [self.rows[b] for b in new])
+        if self.cache is None:
+            self.cache = cache
         else:
-            parts = ([] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])])
-            parts += [(cache, [self.rows[b].prefix_len]) for b, cache in zip(new, caches)]
-            self.cache = stack_rows(parts)
+            self.cache = stack_rows([(self.cache, [self.rows[b].prefix_len for b in self.active]),
+                                     (cache, [self.rows[b].prefix_len for b in new])])
         self.active += new
         row = self.rows[new[0]]
         if self.rope_switch is not None:  # one sequence (`_check_batchable`)
@@ -383,7 +398,7 @@ class Generation:
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
         a thread each, one draft forward per round): they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
-        together = [i for i, row in enumerate(rows) if getattr(row.drafter, "forwards_together", False)]
+        together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
         together = together if len(together) > 1 else []
         trees, spans = [None] * len(rows), [None] * len(rows)
         for i, row in enumerate(rows):

@@ -14,10 +14,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from . import config as defaults
-from .config import CHILDREN, DEPTH_CONTROL_NAMES
+from .config import CHILDREN, DEPTH_CONTROL_NAMES, budget_arg
+from .drafter_spec import DrafterSpec
 from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, QUANTIZATIONS, TRAINED_HELP, TRAINED_SOURCES
 
 if TYPE_CHECKING:
@@ -32,10 +33,16 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, DTYPE_NAMES[name])
 
 
-def source_names(spec: str) -> list[str]:
-    from .drafters.sources import source_names as names
+def checked_arg(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse `type` from a parser that raises ValueError: the flag's error keeps the parser's message."""
 
-    return names(spec)
+    def arg(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return arg
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +84,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 def add_tree_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", help=f"tree policy: {', '.join(BUILTIN_POLICIES)} (default: opt; ar where `opttree "
                         "calibrate` measured that no draft source beats plain decoding on this machine)")
-    parser.add_argument("--budget", help="draft nodes per step, or 'auto' for the calibrated value (default: auto "
-                        f"when the pair has a calibration profile, else {defaults.DEFAULT_BUDGET})")
+    parser.add_argument("--budget", type=checked_arg(budget_arg), help="draft nodes per step, or 'auto' for the "
+                        "calibrated value (default: auto when the pair has a calibration profile, else "
+                        f"{defaults.DEFAULT_BUDGET})")
     parser.add_argument("--delta", type=float, help="OPT-Tree: stop deepening when E(A) grows by <= delta "
                         f"(default: the calibrated one with --budget auto, else {defaults.DEFAULT_DELTA})")
     parser.add_argument("--max-depth", type=int, help=f"draft layers at most (default: {defaults.DEFAULT_MAX_DEPTH} with a "
@@ -98,8 +106,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", help=f"draft sources joined by '+': {', '.join(BUILTIN_SOURCES)} "
-                        "(e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
+    parser.add_argument("--drafter", type=checked_arg(DrafterSpec.parse), help="draft sources joined by '+': "
+                        f"{', '.join(BUILTIN_SOURCES)} (e.g. model+lookup) (default: model with a draft model, else recycling+lookup; "
                         "+datastore with --datastore; without 'model' the shipped draft is not loaded)")
     parser.add_argument("--datastore", help="a folder from `opttree datastore build`: retrieval from it (REST-style)")
     add_trained_part_args(parser, "; given alone it means --drafter {source}")
@@ -117,7 +125,7 @@ def uses_draft_model(args) -> bool:
     drafter = getattr(args, "drafter", None)
     if drafter is None and hasattr(args, "drafter"):  # bench has no --drafter: its methods name sources
         drafter = trained_source_given(args)  # --head alone means --drafter head
-    return drafter is None or "model" in source_names(drafter)
+    return drafter is None or drafter.uses_draft_model
 
 
 def add_length_predictor_arg(parser: argparse.ArgumentParser) -> None:
@@ -125,9 +133,10 @@ def add_length_predictor_arg(parser: argparse.ArgumentParser) -> None:
                         "length predictor, for the 'predictor' depth control")
 
 
-def trained_source_given(args) -> str | None:
-    """The first source whose trained part's folder is given (--head, --early-exit), else None."""
-    return next((source for source, option in TRAINED_SOURCES.items() if getattr(args, option, None)), None)
+def trained_source_given(args) -> DrafterSpec | None:
+    """The first source whose trained part's folder is given (--head, --early-exit), as a spec, else None."""
+    given = next((source for source, option in TRAINED_SOURCES.items() if getattr(args, option, None)), None)
+    return None if given is None else DrafterSpec((given,))
 
 
 def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
@@ -280,7 +289,7 @@ def tree_options(args, target, draft) -> dict:
     from .profiles import auto_settings, find_profile, profile_options, profile_sources
 
     profiled = find_profile(target, draft) is not None
-    budget = args.budget or ("auto" if profiled else str(defaults.DEFAULT_BUDGET))
+    budget = args.budget or ("auto" if profiled else defaults.DEFAULT_BUDGET)  # checked by argparse
     chosen = profile_sources(target, draft, args.temperature) if profiled and args.tree is None and args.drafter is None \
         else {}
     tree = args.tree or chosen.get("tree", "opt")  # the namespace keeps what was typed
@@ -289,8 +298,8 @@ def tree_options(args, target, draft) -> dict:
         print(f"opttree: plain decoding (--tree ar) for {when}: the calibration profile of this pair on this machine "
               f"says {chosen['why']}; pass --tree opt to draft anyway", file=sys.stderr)
     drafter = args.drafter or trained_source_given(args) or chosen.get("drafter")
-    if drafter and args.datastore and "datastore" not in source_names(drafter):
-        drafter += "+datastore"
+    if drafter and args.datastore:
+        drafter = drafter.plus("datastore")
     options = dict(tree=tree, drafter=drafter, datastore=args.datastore,
                    **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
                    depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
@@ -299,15 +308,12 @@ def tree_options(args, target, draft) -> dict:
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft, drafter, args.temperature)
     else:
-        try:
-            options["budget"] = int(budget)
-        except ValueError:
-            raise SystemExit(f"error: --budget must be an integer >= 1 or 'auto', got {budget!r}") from None
+        options["budget"] = budget
     if args.delta is not None:
         options["delta"] = args.delta
     options.update(profile_options(target, draft, tree, args.temperature))
     options["draft_temperature"] = draft_temperature(args, target, draft)
-    if drafter and "model" not in source_names(drafter):
+    if drafter and not drafter.uses_draft_model:
         options["draft_temperature"] = 1.0  # no draft model drafts
     return options
 
@@ -320,6 +326,8 @@ def resolved_tree_options(args, target, draft) -> dict:
 
 
 def used_draft(options: dict, draft):
-    """The draft model if the chosen draft sources use it (the default does), else None."""
+    """The draft model if the chosen draft sources use it (the default does), else None. `options`: the
+    settings of a call (their drafter a DrafterSpec or its text, e.g. a server request's field)."""
     drafter = options.get("drafter")
-    return draft if options.get("tree") != "ar" and (drafter is None or "model" in source_names(drafter)) else None
+    uses = drafter is None or DrafterSpec.parse(drafter).uses_draft_model
+    return draft if options.get("tree") != "ar" and uses else None

@@ -17,6 +17,7 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
+from .drafter_spec import DrafterSpec
 from .hardware import describe, hardware_key
 from .policies import sequoia
 from .quantize import weight_kinds
@@ -148,13 +149,13 @@ def profile_options(target, draft, tree: str, temperature: float) -> dict:
     return options
 
 
-def auto_settings(target, draft, drafter: str | None = None, temperature: float = 0.0) -> tuple[int, float]:
+def auto_settings(target, draft, drafter: DrafterSpec | None = None, temperature: float = 0.0) -> tuple[int, float]:
     """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`) at
     this temperature; for `drafter`, the budget measured with it when that is the draft source the profile
     chose (for sampling: the budget of the sampled choice)."""
     profile = load_profile(target, draft)
     greedy, chosen = profile["recommended"], recommended(profile, temperature)
-    budget = chosen.get("drafter_budget") if drafter and drafter == chosen.get("drafter") else None
+    budget = chosen.get("drafter_budget") if drafter is not None and drafter == chosen.get("drafter") else None
     return int(budget or greedy["budget"]), float(chosen.get("delta", greedy["delta"]))
 
 
@@ -163,7 +164,10 @@ def profile_sources(target, draft, temperature: float = 0.0) -> dict:
     {"tree": "opt" | "dyspec" | "ar", "drafter": spec or None, "why": ...}; {} for a profile without that
     measurement (the shipped one)."""
     chosen = recommended(load_profile(target, draft), temperature)
-    return {k: chosen[k] for k in ("tree", "drafter", "why")} if "tree" in chosen else {}
+    if "tree" not in chosen:
+        return {}
+    return {"tree": chosen["tree"], "drafter": DrafterSpec.parse(chosen["drafter"]) if chosen["drafter"] else None,
+            "why": chosen["why"]}
 
 
 def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.0) -> dict:
@@ -180,7 +184,7 @@ def calibrated_options(target, draft, tree: str = "opt", temperature: float = 0.
     if options:
         chosen = profile_sources(target, draft, temperature)
         drafter = chosen.get("drafter") if tree == chosen.get("tree", "opt") else None
-        if drafter and "model" not in drafter.split("+"):
+        if drafter and not drafter.uses_draft_model:
             drafter = None  # measured without the draft model: not what a call with the draft can run
         options["budget"], options["delta"] = auto_settings(target, draft, drafter, temperature)
         if drafter:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numbers
 import os
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -17,11 +17,12 @@ from .cache import check_model, context_window
 from .certify import certify
 from .chains import verified_as_chains
 from .config import SpecConfig
+from .declared import Declared, declared_by
 from .depth import DepthControl, make_depth_control
 from .device import has_static_step, model_device
 from .drafters import CheckedDrafter, Drafter, model_drafter
-from .drafters.sources import (SourceContext, default_children, default_drafter, default_max_depth, make_sources,
-                               source_names)
+from .drafter_spec import default_drafter
+from .drafters.sources import SourceContext, default_children, default_max_depth, make_sources
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
 from .policies import TreePolicy, make_policy
@@ -73,6 +74,7 @@ class Speculator:
         self.eos = None if eos_token_id is None else eos_list(eos_token_id)
         self.generation_config = generation_config or target.generation_config
         self.options = options
+        self.passed: set[tuple] = set()  # the checks passed (`_check`)
         self.config, _ = self._settings({}, prompt_len=None)  # every setting checked now, by name
 
     def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
@@ -87,6 +89,8 @@ class Speculator:
             raise TypeError("Speculator.stream / generate take an opttree.Request or a non-empty list of them")
         if batch and depth is not None:
             raise ValueError("depth= belongs to one sequence: pass a single prompt")
+        if depth is not None and not isinstance(depth, Declared):  # a user's: its declarations read once, here
+            depth = _UserDepth(depth)
         several = len(items) > 1 or joinable
         rows = [self._row(item, several, rules, depth, attention_mask) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
@@ -106,6 +110,14 @@ class Speculator:
         """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""
         return self.stream(requests, **kwargs).finish()
 
+    def _check(self, check: Callable, *args, **kwargs) -> None:
+        """Run one of the checks of a model against a generation's sizes, once per speculator and arguments:
+        a check depends on the models (fixed for the speculator's life) and on its arguments alone."""
+        key = (check, *(id(a) if isinstance(a, torch.nn.Module) else a for a in args), *sorted(kwargs.items()))
+        if key not in self.passed:
+            check(*args, **kwargs)
+            self.passed.add(key)
+
     def _settings(self, request: dict, prompt_len: int | None, mask=None) -> tuple[SpecConfig, TreePolicy]:
         """The resolved settings of one request: the speculator's options, then the request's, then the
         generation_config's, then the defaults; max_depth and children by the drafter when not given."""
@@ -116,16 +128,18 @@ class Speculator:
             options.pop("max_length", None)
         options = spec_options(options, prompt_len or 1, mask)
         config = SpecConfig(**{**config_defaults(self.generation_config, options), **options})
-        with_draft = self.draft is not None
+        spec = config.drafter or default_drafter(self.draft is not None, config.datastore is not None)
         if auto_depth:
-            config = replace(config, max_depth=default_max_depth(config, with_draft))
+            config = replace(config, max_depth=default_max_depth(spec, config.budget))
         policy = make_policy(config)
-        if config.children != default_children(config, with_draft, policy):
-            config = replace(config, children=default_children(config, with_draft, policy))
+        if config.children != default_children(config.children, spec, policy):
+            config = replace(config, children=default_children(config.children, spec, policy))
             policy = make_policy(config)
         if not policy.needs_drafter and (config.drafter is not None or config.datastore is not None):
             raise ValueError(f"tree={config.tree!r} drafts nothing: drafter={config.drafter!r} / datastore="
                              f"{config.datastore!r} do not apply")
+        if policy.needs_drafter and config.drafter is None:
+            config = replace(config, drafter=spec)
         return config, policy
 
     def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask
@@ -137,20 +151,18 @@ class Speculator:
         ids = _prompt_ids(prompt, target)
         config, policy = self._settings(request.settings(), ids.shape[0], mask if own_mask is None else own_mask)
         max_len = ids.shape[0] + config.max_new_tokens
-        _check_fits(target, "target", max_len)
-        check_model(target, "target", max_len)
-        static = bool(config.static) if batch else _static_choice(target, config, policy, max_len)
+        self._check(_check_fits, target, "target", max_len)
+        self._check(check_model, target, "target", max_len)
+        static = bool(config.static) if batch else _static_choice(target, config, policy, max_len, self._check)
         config = replace(config, static=static)
         keys = static_rows(target, max_len, tree_width(config, policy)) if static else max_len + config.budget + 1
-        certify(target, "target", max_len, keys - max_len, static=static)  # keys: what a step spans
+        self._check(certify, target, "target", max_len, keys - max_len, static=static)  # keys: what a step spans
         if rules is None:
             rules = prepare(target, self.generation_config, ids, config, self.eos, _stop_strings(request.stop),
                             self.tokenizer, request.logits_processor)
         drafter = None
         if policy.needs_drafter:
-            config = replace(config, drafter=config.drafter or default_drafter(self.draft is not None,
-                                                                               config.datastore is not None))
-            drafter, policy = _sources(target, self.draft, policy, config, max_len)
+            drafter, policy = _sources(target, self.draft, policy, config, max_len, self._check)
         if rules.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
         stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer)
@@ -218,12 +230,21 @@ def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> Genera
     return stream(target, input_ids, draft, **kwargs).finish()
 
 
-def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePolicy, max_len: int) -> bool:
+class _UserDepth(Declared):
+    """A user's depth control, with its declarations (`Declared`) read where it enters."""
+
+    def __init__(self, inner: DepthControl):
+        self.limit, self.observe = inner.limit, inner.observe
+        self.wants_hidden = declared_by(inner)["wants_hidden"]
+
+
+def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePolicy, max_len: int,
+                   check: Callable) -> bool:
     """Whether this generation takes the static path (`use_static`). Asked for, it must be possible;
     chosen for the user, it is skipped where it is not certified exact (a local window shorter than the
     preallocated cache, for one) and for the early-exit source, which drafts on the target's own
     growing cache."""
-    self_drafts = policy.needs_drafter and bool(config.drafter) and "early-exit" in source_names(config.drafter)
+    self_drafts = policy.needs_drafter and config.drafter.drafts_on_target_cache
     if config.static and self_drafts:
         raise ValueError(f"static=True does not combine with drafter={config.drafter!r}: the early-exit source "
                          "drafts on the target's own growing cache, and the static path preallocates it; "
@@ -239,7 +260,7 @@ def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePoli
         return False
     try:
         rows = static_rows(target, max_len, tree_width(config, policy))
-        certify(target, "target", max_len, rows - max_len, static=True)
+        check(certify, target, "target", max_len, rows - max_len, static=True)
     except NotImplementedError:
         return False
     return True
@@ -258,15 +279,15 @@ def use_static(static: bool | None, target: PreTrainedModel) -> bool:
     return forced == "1" if forced else has_static_step(target)
 
 
-def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int):
-    """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked and wrapped, the
-    sources combined (`opttree.drafters.sources`)."""
+def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int, check: Callable):
+    """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked (`check`: the
+    speculator's, which runs each check once) and wrapped, the sources combined (`opttree.drafters.sources`)."""
     vocab = _vocab_size(target)
     if isinstance(draft, PreTrainedModel):
-        _check_vocab(target, draft)
-        _check_fits(draft, "draft", max_len)
-        check_model(draft, "draft", max_len)
-        certify(draft, "draft", max_len, config.budget + 1)
+        check(_check_vocab, target, draft)
+        check(_check_fits, draft, "draft", max_len)
+        check(check_model, draft, "draft", max_len)
+        check(certify, draft, "draft", max_len, config.budget + 1)
         draft = model_drafter(draft, config.draft_temperature, vocab=vocab)
     elif draft is not None:
         if config.draft_temperature != 1:

@@ -7,7 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH
+from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, budget_arg
+from ..drafter_spec import DrafterSpec
 from ..names import TRAINED_HELP, TRAINED_SOURCES
 
 BENCH_METHODS = "all"
@@ -103,10 +104,12 @@ def parse_list(text: str, kind, flag: str) -> list:
         raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}, got {text!r}") from None
 
 
-def profile_defaults(args, target, draft, names: list[str]) -> tuple[list[str], str | None]:
-    """Unset --budgets / --delta from the pair's calibration profile (as generate and demo do), else
-    the fixed defaults. With the profile's budget, a bare `opt` also drafts with the sources the profile
-    measured fastest (as generate and demo do): returns (method names, that drafter or None)."""
+def profile_defaults(args, target, draft, names: list[str]
+                     ) -> tuple[list[str], DrafterSpec | None, str, float]:
+    """(method names, drafter, --budgets, --delta): unset --budgets / --delta from the pair's calibration
+    profile (as generate and demo do), else the fixed defaults. With the profile's budget, a bare `opt`
+    also drafts with the sources the profile measured fastest (as generate and demo do): that drafter,
+    else None."""
     from ..profiles import auto_settings, find_profile, profile_sources
 
     profiled = find_profile(target, draft) is not None
@@ -114,35 +117,37 @@ def profile_defaults(args, target, draft, names: list[str]) -> tuple[list[str], 
     if args.budgets is None and profiled:  # the choice measured for this temperature (greedy or sampled)
         sources = profile_sources(target, draft, args.temperature)
         chosen = sources.get("drafter") if sources.get("tree", "opt") == "opt" else None
-        if chosen in (None, "model") or "opt" not in names:
+        if chosen is None or chosen == "model" or "opt" not in names:
             chosen = None
         else:
             names = [f"opt:{chosen}" if n == "opt" else n for n in names]
             print(f"bench: opt drafts with {chosen} at the budget measured with it, as generate and demo do with "
                   "this pair's calibration profile; opt:model measures the draft model alone", file=sys.stderr)
-    if args.budgets is None:
-        args.budgets = "auto" if profiled else BENCH_BUDGETS
-    if args.delta is None:
-        args.delta = auto_settings(target, draft, temperature=args.temperature)[1] if profiled else DEFAULT_DELTA
-    return names, chosen
+    budgets = args.budgets or ("auto" if profiled else BENCH_BUDGETS)
+    delta = args.delta
+    if delta is None:
+        delta = auto_settings(target, draft, temperature=args.temperature)[1] if profiled else DEFAULT_DELTA
+    return names, chosen, budgets, delta
 
 
-def parse_budgets(text: str, delta: float, target, draft, drafter: str | None = None, temperature: float = 0.0
+def parse_budgets(text: str, delta: float, target, draft, drafter: DrafterSpec | None = None, temperature: float = 0.0
                   ) -> list[tuple[int, float | None]]:
     """--budgets -> [(budget, delta or None)]: integers >= 1 use --delta; 'auto' brings the calibrated
     budget (the one measured with `drafter`, when that is the profile's choice) and delta, for greedy
     decoding or for sampling as `temperature` says."""
     budgets = []
     for item in parse_list(text, str, "--budgets"):
+        try:
+            item = budget_arg(item)
+        except ValueError as error:
+            raise ValueError(f"--budgets: {error}") from None
         if item == "auto":
             from ..profiles import auto_settings
 
             budget, auto_delta = auto_settings(target, draft, drafter, temperature)
             budgets.append((budget, auto_delta))
             continue
-        if not item.isdigit() or int(item) < 1:
-            raise ValueError(f"--budgets entries must be integers >= 1 or 'auto', got {item!r}")
-        budgets.append((int(item), None))
+        budgets.append((item, None))
     if not 0 <= delta < 1:
         raise ValueError(f"--delta must be in [0, 1), got {delta}")
     return list(dict.fromkeys(budgets))
@@ -185,8 +190,8 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, categories, args.limit, args.per_category)
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
-    names, chosen = profile_defaults(args, target, draft, names)
-    specs = same_everywhere(expand_methods(names, parse_budgets(args.budgets, args.delta, target, draft, chosen,
+    names, chosen, budgets, delta = profile_defaults(args, target, draft, names)
+    specs = same_everywhere(expand_methods(names, parse_budgets(budgets, delta, target, draft, chosen,
                                                          args.temperature)),
                             "methods and budgets")  # under --tp, every rank runs the same
     from ..parts import shipped_part
@@ -196,7 +201,7 @@ def cmd_bench(args) -> int:
         if trained[option] is None and (shipped := shipped_part(option, target)) is not None:
             trained[option] = str(shipped)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, delta=args.delta, max_depth=args.max_depth,
+                        top_k=args.top_k, seed=args.seed, delta=delta, max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
                         trained=trained, static=args.static)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)

@@ -24,7 +24,7 @@ import torch
 from ..cache import cache_argument
 from ..device import seconds_since
 from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
-from ..drafters.sources import source_names
+from ..drafter_spec import DrafterSpec
 from ..names import TRAINED_SOURCES
 from ..speculator import Request, Speculator
 from ..policies import available, make_policy
@@ -100,17 +100,17 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     from ..profiles import profile_options
 
     policy, drafter, depth_control, children = parse_tree_method(spec.name)
-    if drafter and "model" not in source_names(drafter):
+    if drafter and not drafter.uses_draft_model:
         draft = None  # a train-free drafter: no draft model, no draft temperature
     options = dict(
-        tree=policy, drafter=drafter or None, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
+        tree=policy, drafter=drafter, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
         delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
         children=children, static=settings.static,
     )
     for source, option in TRAINED_SOURCES.items():
-        if drafter and source in source_names(drafter):
+        if drafter and source in drafter:
             options[option] = settings.trained.get(option)
     if depth_control == "predictor":
         options["length_predictor"] = settings.trained.get("length_predictor")
@@ -295,12 +295,12 @@ def method_table() -> dict[str, Method]:
     return table | PEERS
 
 
-def parse_tree_method(name: str) -> tuple[str, str | None, str, str]:
-    """'POLICY[:DRAFTER][/DEPTH_CONTROL][~CHILDREN]' -> (policy, drafter or None, depth control, children)."""
+def parse_tree_method(name: str) -> tuple[str, DrafterSpec | None, str, str]:
+    """'POLICY[:DRAFTER][/DEPTH_CONTROL][~CHILDREN]' -> (policy, drafter spec or None, depth control, children)."""
     name, _, children = name.partition("~")
     name, _, depth_control = name.partition("/")
     policy, _, drafter = name.partition(":")
-    return policy, drafter or None, depth_control or "delta", children or "auto"
+    return policy, DrafterSpec.parse(drafter) if drafter else None, depth_control or "delta", children or "auto"
 
 
 def find_method(name: str) -> Method:
@@ -318,7 +318,7 @@ def find_method(name: str) -> Method:
                              f"{', '.join(DEPTH_CONTROL_NAMES)})")
         if children not in CHILDREN:
             raise ValueError(f"method {name!r}: unknown children {children!r} (one of {', '.join(CHILDREN)})")
-        needs_draft = drafter is None and table[policy].needs_draft or "model" in source_names(drafter or "model")
+        needs_draft = table[policy].needs_draft if drafter is None else drafter.uses_draft_model
         sources = f" over draft sources {drafter!r}" if drafter else ""
         return Method(tree_method, True, needs_draft, f"opttree tree policy {policy!r}{sources}, depth control "
                       f"{depth_control}, children {children}")

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..cache import cache_argument, new_cache, truncate
+from ..declared import Declared
 from ..device import seconds_since
 from ..drafters import model_drafter
 from ..policies import sequoia
@@ -96,7 +97,7 @@ def context_ids(prompt_ids: list[torch.Tensor], length: int) -> torch.Tensor:
 # ---- 2, 5, 6. the runs ----------------------------------------------------------------------
 
 
-class CountingDrafter:
+class CountingDrafter(Declared):
     """A drafter that counts its tree layers (expand calls) and their widths, for the cost model."""
 
     def __init__(self, inner):

@@ -1,12 +1,8 @@
 """Drafters: who proposes tokens. A tree policy drives a drafter through this protocol.
 
-Optional: a drafter with `prompt_rows = R > 0` also gets `seed(tokens (R,), logits (R, V))`, the
-target's logits at the prompt's last R positions, from the prefill (Token Recycling's cold start);
-one with `wants_hidden = True` gets the target's hidden states (`seed_hidden`, `Verification.hidden_states`);
-one with `reads_target_cache = True` gets the target's cache after the prefill (`share_target_cache`)
-and decodes one sequence at a time (it drafts on that cache).
-One with `forwards_together = True` drafts, in a batch, in a thread of its own, and hands its
-forwards to the round that batches them with the other rows' (`drafters.together`).
+Optional hooks, each declared (`opttree.declared.Declared`): `prompt_rows = R > 0` (it also gets
+`seed(tokens, logits)` from the prefill), `wants_hidden` (`seed_hidden` and the hidden states),
+`reads_target_cache` (`share_target_cache`), `forwards_together` (a batch's rows draft together).
 Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
 """
 
@@ -17,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ..verify import Verification
+from ..declared import Declared, declared_by
 
 
 class Drafter(Protocol):
@@ -37,12 +34,23 @@ class Drafter(Protocol):
         drafters that learn from the target."""
 
 
-class CheckedDrafter:
+class CheckedDrafter(Declared):
     """A user's Drafter, with its answers checked: log-probabilities over the target's vocabulary,
-    each row normalised, no NaN or +inf (a clear error instead of a malformed tree later)."""
+    each row normalised, no NaN or +inf (a clear error instead of a malformed tree later). Its
+    declarations (`Declared`) are read once, here, and its optional hooks passed on."""
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner, self.vocab = inner, vocab
+        for name, value in declared_by(inner).items():
+            setattr(self, name, value)
+        if self.prompt_rows:
+            self.seed = inner.seed
+        if self.wants_hidden:
+            self.seed_hidden = inner.seed_hidden
+        if self.reads_target_cache:
+            self.share_target_cache = inner.share_target_cache
+        # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
+        self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.inner.start(input_ids)
@@ -54,10 +62,7 @@ class CheckedDrafter:
         return self._checked(self.inner.expand(tokens, parent_slots), "expand")
 
     def observe(self, result: Verification) -> None:
-        if hasattr(self.inner, "observe"):
-            self.inner.observe(result)
-        else:  # a drafter written for opttree < 0.2, with `accept(slots)`
-            self.inner.accept(result.accepted_slots)
+        self._observe(result)
 
     def _checked(self, logq: torch.Tensor, method: str) -> torch.Tensor:
         name = f"{type(self.inner).__name__}.{method}()"
@@ -74,4 +79,4 @@ class CheckedDrafter:
 
 from .model import ChainDrafter, ModelDrafter, model_drafter  # noqa: E402
 
-__all__ = ["Drafter", "CheckedDrafter", "ChainDrafter", "ModelDrafter", "model_drafter"]
+__all__ = ["Declared", "Drafter", "CheckedDrafter", "ChainDrafter", "ModelDrafter", "model_drafter"]

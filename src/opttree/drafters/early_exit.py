@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..attention import key_positions
 from ..cache import cache_argument, new_cache, truncate
+from ..declared import Declared
 from ..device import model_device
 from ..parts import read_part, save_part
 from ..verify import Verification, attention_bias, masked_attention_kernels
@@ -110,7 +111,7 @@ def load_early_exit(folder: str | Path, target: PreTrainedModel) -> ExitLayer:
     return layer.to(model_device(target)).eval()
 
 
-class EarlyExitDrafter:
+class EarlyExitDrafter(Declared):
     """The Drafter over an ExitLayer. Per step: a shallow copy of the target's cache for the first L
     layers takes the root and the nodes; the exit layer's cache holds the committed positions (fed the
     target's layer-L states) and the step's nodes, which are dropped after it."""

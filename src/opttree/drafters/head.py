@@ -26,6 +26,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
 from ..cache import cache_argument, new_cache, truncate
+from ..declared import Declared
 from ..device import model_device
 from ..parallel import whole
 from ..parts import read_part, save_part
@@ -115,7 +116,7 @@ def load_head(folder: str | Path, target: PreTrainedModel) -> FeatureHead:
     return head.to(device=device, dtype=dtype).eval()
 
 
-class HeadDrafter:
+class HeadDrafter(Declared):
     """The Drafter over a FeatureHead. The head keeps a KV cache of the committed positions, fed with
     the target's true features; a tree's nodes are appended for the step and dropped after it."""
 

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from ..declared import Declared
 from ..tree import DraftTree, node_paths, paths_of, top_nodes
 from .estimates import HitRates, per_model
 
@@ -72,7 +73,7 @@ def continuation_trie(continuations: list[list[int]], log_rates: torch.Tensor) -
     )
 
 
-class RetrievalSource:
+class RetrievalSource(Declared):
     """Candidates copied from what followed earlier occurrences of the committed text's longest
     matching suffix; subclasses say where they look (`retrieve`). Hit rates per (match length, depth)
     are learned from every verification and kept per target under `rates_key`."""

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from ..attention import key_positions
 from ..cache import compact, last_logits_only, new_cache, truncate
 from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
+from ..declared import Declared
 from ..device import model_device
 from ..verify import Verification, masked_forward
 from .together import current_round
@@ -57,7 +58,7 @@ class SlotTree:
         return depths, ancestors
 
 
-class ModelDrafter:
+class ModelDrafter(Declared):
     forwards_together = True  # in a batch, its forwards run with the other rows' (`drafters.together`)
 
     def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..declared import Declared
 from .estimates import HitRates, per_model
 
 WIDTH = 8  # k: successors kept per token, as in the paper
@@ -57,7 +58,7 @@ class RecyclingMatrix:
         return self.next.numel() * self.next.element_size()
 
 
-class RecyclingDrafter:
+class RecyclingDrafter(Declared):
     """The matrix as a `Drafter`: any tree policy can grow its tree from recycled tokens, no forward pass."""
 
     prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`

@@ -27,11 +27,12 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import DEFAULT_MAX_DEPTH, SpecConfig
-from ..names import TRAINED_SOURCES
+from ..drafter_spec import KINDS, DrafterSpec, declare_source
+from ..names import BUILTIN_SOURCE_KINDS, TRAINED_SOURCES, SourceKind
 from ..parts import shipped_part
 from ..tree import DraftTree, merge, merge_sampled, node_paths, top_nodes
 from ..verify import Verification
-from . import Drafter
+from . import Declared, Drafter
 from .datastore import open_datastore
 from .lookup import DatastoreSource, LookupSource
 from .recycling import RecyclingDrafter
@@ -61,39 +62,24 @@ class SourceContext:
 
 
 SourceFactory = Callable[[SourceContext], "Drafter | CandidateSource"]
-_SOURCES: dict[str, tuple[SourceFactory, bool]] = {}  # name -> (factory, answers distribution queries)
-_SAMPLED: set[str] = set()  # distribution sources whose children are sampled by default at temperature > 0
+_FACTORIES: dict[str, SourceFactory] = {}  # name -> what makes its drafter for a generation
 
 
-def register_source(name: str, distribution: bool, sampled: bool = False) -> Callable[[SourceFactory], SourceFactory]:
-    """Make a draft source selectable by name (`drafter="a+b"`, `--drafter`, `opt:a+b`). `distribution`:
-    it is a Drafter (root/expand/observe), else a CandidateSource (start/propose/observe). `sampled`: as
-    the first source, its children are drawn from its distribution at temperature > 0 (children="auto")."""
+def register_source(name: str, kind: SourceKind) -> Callable[[SourceFactory], SourceFactory]:
+    """Make a draft source selectable by name (`drafter="a+b"`, `--drafter`, `opt:a+b`), with what it does
+    (`SourceKind`: a Drafter (root/expand/observe) if `kind.distribution`, else a CandidateSource
+    (start/propose/observe); whether a layer runs a network; whether its children are sampled)."""
 
     def add(factory: SourceFactory) -> SourceFactory:
-        _SOURCES[name] = (factory, distribution)
-        if sampled:
-            _SAMPLED.add(name)
+        _FACTORIES[name] = factory
+        declare_source(name, kind)
         return factory
 
     return add
 
 
 def available_sources() -> list[str]:
-    return sorted(_SOURCES)
-
-
-def source_names(spec: str) -> list[str]:
-    """'model+lookup' -> ['model', 'lookup'], checked: known names, no repeats; distribution sources
-    first (the first one drives the tree policy), otherwise in the order given."""
-    names = [n.strip() for n in spec.split("+")]
-    unknown = [n for n in names if n not in _SOURCES]
-    if unknown or not spec.strip():
-        raise ValueError(f"unknown draft source {unknown[0] if unknown else spec!r} in drafter {spec!r}; "
-                         f"available: {', '.join(available_sources())} (join several with '+')")
-    if len(set(names)) != len(names):
-        raise ValueError(f"drafter {spec!r} names a source twice")
-    return sorted(names, key=lambda n: not _SOURCES[n][1])
+    return sorted(_FACTORIES)
 
 
 def _model(context: SourceContext) -> Drafter:
@@ -103,13 +89,11 @@ def _model(context: SourceContext) -> Drafter:
     return context.draft
 
 
-# A network's distribution is worth sampling children from (at temperature 1 on HumanEval: 0.68x -> 0.98x
-# over plain decoding, docs/BENCHMARKS.md); Token Recycling's rows are last-seen target top-k lists kept
-# across generations, so its sampled trees would make a seeded generation depend on the ones before it:
-# it keeps top-ranked children, whose verification emits what plain sampling does with the seed.
-register_source("model", distribution=True, sampled=True)(_model)
-register_source("recycling", distribution=True)(lambda c: RecyclingDrafter(c.target, c.vocab, c.device))
-register_source("lookup", distribution=False)(lambda c: LookupSource(c.target))
+# Sampling children from a network's distribution: at temperature 1 on HumanEval, 0.68x -> 0.98x over
+# plain decoding (docs/BENCHMARKS.md); why recycling keeps top-ranked children: `opttree.names`.
+register_source("model", BUILTIN_SOURCE_KINDS["model"])(_model)
+register_source("recycling", BUILTIN_SOURCE_KINDS["recycling"])(lambda c: RecyclingDrafter(c.target, c.vocab, c.device))
+register_source("lookup", BUILTIN_SOURCE_KINDS["lookup"])(lambda c: LookupSource(c.target))
 
 
 def _datastore(context: SourceContext) -> DatastoreSource:
@@ -121,7 +105,7 @@ def _datastore(context: SourceContext) -> DatastoreSource:
     return DatastoreSource(context.target, store)
 
 
-register_source("datastore", distribution=False)(_datastore)
+register_source("datastore", BUILTIN_SOURCE_KINDS["datastore"])(_datastore)
 
 
 # target -> {(name, folder, its files' newest mtime, device, dtype): the loaded part}
@@ -149,7 +133,7 @@ def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -
             loaded[key] = load(folder, context.target)
         return drafter(loaded[key], context.target, context.vocab)
 
-    register_source(name, distribution=True, sampled=True)(factory)
+    register_source(name, BUILTIN_SOURCE_KINDS[name])(factory)
 
 
 def _head():  # (loader, drafter class), imported when first used
@@ -168,7 +152,7 @@ _trained("head", "a feature head", _head)
 _trained("early-exit", "an exit layer", _early_exit)
 
 
-class TrieDrafter:
+class TrieDrafter(Declared):
     """A candidate source as the step's only distribution source: a node's children get
     log(child score) - log(node score) for the trie's continuations, -inf for every other token."""
 
@@ -205,19 +189,18 @@ class TrieDrafter:
         self.source.observe(result)
 
 
-class DrafterCandidates:
+class DrafterCandidates(Declared):
     """A distribution source as a candidate source: its own OPT-Tree (delta 0) under the same budget."""
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.start, self.observe = drafter.start, drafter.observe
-        self.prompt_rows = getattr(drafter, "prompt_rows", 0)
+        self.prompt_rows, self.wants_hidden = drafter.prompt_rows, drafter.wants_hidden
+        self.reads_target_cache = drafter.reads_target_cache
         if self.prompt_rows:
             self.seed = drafter.seed
-        self.wants_hidden = getattr(drafter, "wants_hidden", False)
         if self.wants_hidden:
             self.seed_hidden = drafter.seed_hidden
-        self.reads_target_cache = getattr(drafter, "reads_target_cache", False)
         if self.reads_target_cache:
             self.share_target_cache = drafter.share_target_cache
 
@@ -229,16 +212,16 @@ class DrafterCandidates:
         return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, torch.full_like(tree.tokens, -1))
 
 
-class Sources:
+class Sources(Declared):
     """The step's drafter when sources are combined: the first answers the policy's queries (its root
     distribution is kept for RASD's pruning), every source hears `start`, `seed` and `observe`."""
 
     def __init__(self, first: Drafter, candidates: list[CandidateSource]):
         self.first, self.candidates = first, candidates
-        self.prompt_rows = max([getattr(s, "prompt_rows", 0) for s in [first, *candidates]])
-        self.wants_hidden = any(getattr(s, "wants_hidden", False) for s in [first, *candidates])
-        self.reads_target_cache = any(getattr(s, "reads_target_cache", False) for s in [first, *candidates])
-        self.forwards_together = getattr(first, "forwards_together", False)  # candidates run no network
+        self.prompt_rows = max(s.prompt_rows for s in [first, *candidates])
+        self.wants_hidden = any(s.wants_hidden for s in [first, *candidates])
+        self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
+        self.forwards_together = first.forwards_together  # candidates run no network
         self.root_logq: torch.Tensor | None = None
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -247,17 +230,17 @@ class Sources:
 
     def seed(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         for source in [self.first, *self.candidates]:
-            if getattr(source, "prompt_rows", 0):
+            if source.prompt_rows:
                 source.seed(tokens[-source.prompt_rows :], logits[-source.prompt_rows :])
 
     def seed_hidden(self, hidden_states: tuple[torch.Tensor, ...]) -> None:
         for source in [self.first, *self.candidates]:
-            if getattr(source, "wants_hidden", False):
+            if source.wants_hidden:
                 source.seed_hidden(hidden_states)
 
     def share_target_cache(self, cache) -> None:
         for source in [self.first, *self.candidates]:
-            if getattr(source, "reads_target_cache", False):
+            if source.reads_target_cache:
                 source.share_target_cache(cache)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
@@ -320,54 +303,44 @@ def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> D
                                trie.draft_slots), len(trie))
 
 
-def default_drafter(has_draft: bool, has_datastore: bool = False) -> str:
-    """`model` with a draft model, else the train-free `recycling+lookup`; with a datastore,
-    `+datastore`."""
-    return ("model" if has_draft else "recycling+lookup") + ("+datastore" if has_datastore else "")
+def default_max_depth(spec: DrafterSpec, budget: int) -> int:
+    """max_depth when the caller gives none: DEFAULT_MAX_DEPTH (8) when a network drafts (a layer costs a
+    forward of it); otherwise the budget, at least 8: recycled and retrieved layers cost no forward pass,
+    and a retrieved copy is as long as the budget lets it be (measured: docs/BENCHMARKS.md, "Depth:
+    train-free layers are free")."""
+    return DEFAULT_MAX_DEPTH if spec.runs_network else max(DEFAULT_MAX_DEPTH, budget)
 
 
-def default_max_depth(config, has_draft: bool) -> int:
-    """max_depth when the caller gives none: DEFAULT_MAX_DEPTH (8) when a draft model drafts (a layer
-    costs a draft forward); otherwise the budget, at least 8: recycled and retrieved layers cost no
-    forward pass, and a retrieved copy is as long as the budget lets it be (measured: docs/BENCHMARKS.md,
-    "Depth: train-free layers are free")."""
-    spec = config.drafter or default_drafter(has_draft, config.datastore is not None)
-    if {"model", "head", "early-exit"} & set(source_names(spec)):  # a layer costs a forward of a network
-        return DEFAULT_MAX_DEPTH
-    return max(DEFAULT_MAX_DEPTH, config.budget)
+def default_children(children: str, spec: DrafterSpec, policy) -> str:
+    """`children` with "auto" resolved where the drafter spec decides it: sampled children are drawn from
+    the first source's distribution where it is one to sample from (`SourceKind.sampled`: the draft
+    model, the head, early exit), and other sources' candidates join them only under a policy whose
+    sampled trees keep their keys (`TreePolicy.sampled_keys`). Elsewhere "auto" takes the top-ranked
+    ("top"); where children can be sampled it stays the policy's own choice."""
+    if children != "auto" or not policy.needs_drafter:
+        return children
+    mixable = len(spec.names) == 1 or policy.sampled_keys
+    return "auto" if spec.first.sampled and mixable else "top"
 
 
-def default_children(config, has_draft: bool, policy) -> str:
-    """`config.children` with "auto" resolved where the drafter spec decides it: sampled children are
-    drawn from the first source's distribution where it is one to sample from (`register_source(...,
-    sampled=True)`: the draft model, the head, early exit), and other sources' candidates join them only
-    under a policy whose sampled trees keep their keys (`TreePolicy.sampled_keys`). Elsewhere "auto"
-    takes the top-ranked ("top"); where children can be sampled it stays the policy's own choice."""
-    if config.children != "auto" or not policy.needs_drafter:
-        return config.children
-    names = source_names(config.drafter or default_drafter(has_draft, config.datastore is not None))
-    mixable = len(names) == 1 or policy.sampled_keys
-    return "auto" if names[0] in _SAMPLED and mixable else "top"
-
-
-def make_sources(spec: str, policy, config, context: SourceContext):
+def make_sources(spec: DrafterSpec, policy, config, context: SourceContext):
     """(drafter, policy) for the engine: the drafter spec's sources, combined as described above."""
-    names = source_names(spec)
-    if context.draft is not None and "model" not in names:
+    if context.draft is not None and not spec.uses_draft_model:
         raise ValueError(f"a draft model was given but drafter {spec!r} does not use it: add 'model' "
                          f"(e.g. 'model+{spec}') or leave the draft out")
-    if config.datastore is not None and "datastore" not in names:
+    if config.datastore is not None and "datastore" not in spec:
         raise ValueError(f"a datastore was given but drafter {spec!r} does not use it: add 'datastore' "
                          f"(e.g. '{spec}+datastore')")
-    if config.draft_temperature != 1 and "model" not in names:
+    if config.draft_temperature != 1 and not spec.uses_draft_model:
         raise ValueError(f"draft_temperature applies to a draft model; drafter {spec!r} has none")
-    made = [(_SOURCES[n][0](context), _SOURCES[n][1]) for n in names]
-    if names == ["model"]:
+    made = [(_FACTORIES[n](context), KINDS[n].distribution) for n in spec.names]
+    if len(made) == 1 and spec.first.draft_model:  # the draft model alone: the policy drives it directly
         return made[0][0], policy
     first, distribution = made[0]
-    if samples_children(policy) and (not distribution or (len(names) > 1 and not policy.sampled_keys)):
-        takes = "a distribution source first (model, head, early-exit or recycling)" if policy.sampled_keys else \
-            "one distribution source (model, head, early-exit or recycling)"
+    if samples_children(policy) and (not distribution or (len(made) > 1 and not policy.sampled_keys)):
+        listed = ", ".join(sorted(n for n, kind in KINDS.items() if kind.distribution))
+        takes = f"a distribution source first ({listed})" if policy.sampled_keys else \
+            f"one distribution source ({listed})"
         raise ValueError(f"tree={config.tree!r} samples its children at temperature > 0 and its verification "
                          f"needs exactly the draft distribution it sampled from: it takes {takes}, not {spec!r} "
                          "(or take the top-ranked children: children='top')")
@@ -375,4 +348,4 @@ def make_sources(spec: str, policy, config, context: SourceContext):
         first = TrieDrafter(first, context.vocab, config.budget, config.max_depth)
     candidates = [DrafterCandidates(s) if d else s for s, d in made[1:]]
     sources = Sources(first, candidates)
-    return sources, MergedPolicy(policy, config.budget, config.max_depth, prune=names[0] == "model")
+    return sources, MergedPolicy(policy, config.budget, config.max_depth, prune=spec.first.draft_model)

@@ -57,7 +57,7 @@ class Round:
         self.pool: ThreadPoolExecutor | None = None
         self.threads = 0  # the pool's size: a batch's rows at most
         self.arrived = threading.Condition()
-        self.waiting: list[_Forward] = []  # the forwards of this round, in the order the rows asked
+        self.waiting: list[_Forward] = []  # the forwards the rows wait for, in the order they asked
         self.running = 0  # 1 while a row runs, until it waits for a forward or ends
 
     def run(self, builds: list[Callable[[], object]]) -> list:

@@ -250,10 +250,10 @@ class Server:
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
                         top_p=req.top_p, seed=seed)
         try:
+            with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
             if self.leader:
                 run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
                 return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now

@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..declared import Declared
 from ..length import LengthPredictor
 
 
-class StepLog:
+class StepLog(Declared):
     """A depth control that drafts as `fixed` does and records each step (`stream(..., depth=...)`): the
     target's feature and the root, then the accepted count. A step whose depth max_new_tokens capped
     (the last few of a run) is marked, to be left out."""

@@ -1,0 +1,28 @@
+"""What a drafter, a candidate source or a depth control declares about itself, as class attributes the
+engine reads directly. Inherit `Declared` for these defaults (none of the optional hooks); a user's
+object that does not is read once, where it enters (`declared_by`)."""
+
+from __future__ import annotations
+
+
+class Declared:
+    # R > 0: it gets `seed(tokens (R,), logits (R, V))`, the target's logits at the prompt's last R
+    # positions, from the prefill (Token Recycling's cold start)
+    prompt_rows: int = 0
+    # it gets the target's hidden states (`seed_hidden`, `Verification.hidden_states`; a depth control:
+    # `limit`'s feature)
+    wants_hidden: bool = False
+    # it gets the target's cache after the prefill (`share_target_cache`) and drafts on it, one sequence
+    # at a time
+    reads_target_cache: bool = False
+    # in a batch, it drafts in a thread of its own and hands its forwards to the round that batches them
+    # with the other rows' (`drafters.together`)
+    forwards_together: bool = False
+
+
+DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together")
+
+
+def declared_by(obj: object) -> dict:
+    """A user object's declarations (`Declared`'s defaults where it has none): read once, where it enters."""
+    return {name: getattr(obj, name, getattr(Declared, name)) for name in DECLARED}
