@@ -141,25 +141,17 @@ def char_tokenizer(vocab: int = 96):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[2], pad_token=alphabet[0])
 
 
-def sample_counts(target, draft, prompt, steps: int, runs: int, batch: int = 100, **kw):
-    """Counter of the first `steps` generated tokens over `runs` seeded generations (seeds 0..runs-1),
-    `batch` requests decoding together: each row draws what it draws alone with its seed
-    (tests/test_batch.py), and a batch's step costs about one row's. Targets and drafters that decode
-    one sequence at a time (a batch refuses them) run one request after another."""
+def sample_counts(target, draft, prompt, steps: int, runs: int, **kw):
+    """Counter of the first `steps` generated tokens over `runs` seeded generations (seeds 0..runs-1), one
+    speculator for them all (its settings and checks resolved once)."""
     from collections import Counter
 
     import opttree
 
     speculator = opttree.Speculator(target, draft, max_new_tokens=steps, eos_token_id=[], **kw)
     counts = Counter()
-    for start in range(0, runs, batch):
-        requests = [opttree.Request(prompt, seed=seed) for seed in range(start, min(start + batch, runs))]
-        try:
-            outs = speculator.generate(requests)
-        except NotImplementedError:  # one at a time (chains, the early-exit source)
-            outs = [speculator.generate(request) for request in requests]
-        for out in outs:
-            counts[tuple(out.new_tokens.tolist())] += 1
+    for seed in range(runs):
+        counts[tuple(speculator.generate(opttree.Request(prompt, seed=seed)).new_tokens.tolist())] += 1
     return counts
 
 

@@ -218,7 +218,6 @@ class Generation:
         self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
         self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
         self.phases = PhaseClock(self.device)
-        self.drafting = Round()  # rows that draft together: their threads, kept from step to step
         self.started = False  # the rows given at the start are prefilled (the first step is under way)
         self.ended = False  # every row has finished: nothing more runs
 
@@ -266,7 +265,6 @@ class Generation:
                 self._settle(b, finished, step)
             self._leave()
         self.ended = True
-        self.drafting.close()
 
     def step(self) -> list[tuple[int, torch.Tensor]]:
         """One step of every running row, for a caller that admits and cancels rows between steps (a
@@ -408,7 +406,7 @@ class Generation:
                 spans[i] = (start, phases.mark(), 1.0)
         if together:
             start = phases.mark()
-            built = self.drafting.run([partial(rows[i].draft, caps[i]) for i in together])
+            built = Round().run([partial(rows[i].draft, caps[i]) for i in together])
             end = phases.mark()
             for i, tree in zip(together, built):
                 trees[i], spans[i] = tree, (start, end, 1 / len(together))

@@ -2,8 +2,8 @@
 draft-model forwards the rows ask for in the same round run as one batched forward.
 
 A drafter declares `forwards_together = True` when its forwards may be batched with other rows' (a
-`ModelDrafter`: its `root` and `expand` hand them to the open `Round`). The rows run one at a time,
-each until it waits for a forward or is done; then the round runs the waiting forwards, one per draft
+`ModelDrafter`: its `root` and `expand` hand them to the open `Round`). A round waits until every
+row's thread is either waiting for a forward or done, then runs the waiting forwards, one per draft
 model: the rows' caches stacked (`opttree.cache.stack_rows`, each padded at its end), each row's new
 tokens under its own mask (its cache and its own new tokens, as its forward alone would see them), and
 each row's new keys and values appended to its own cache. Rows are batched in row order, and a row's
@@ -16,7 +16,6 @@ draft on a CPU, any draft on a GPU), so B rows draft in about the time of one.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,8 +39,7 @@ class _Forward:
     positions: torch.Tensor
     allowed: torch.Tensor | None
     keys: Callable[[], torch.Tensor] | None
-    logits: torch.Tensor | BaseException | None = field(default=None, repr=False)
-    ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    logits: torch.Tensor | None = field(default=None, repr=False)
 
 
 def current_round() -> "Round | None":
@@ -50,75 +48,62 @@ def current_round() -> "Round | None":
 
 
 class Round:
-    """A batch's drafting, step after step (`run`); drafters hand their forwards to it (`submit`). Its
-    threads are kept from one step to the next (a thread start costs about what a row's policy does)."""
+    """One step's drafting of several rows (`run`); drafters hand their forwards to it (`submit`)."""
 
     def __init__(self):
-        self.pool: ThreadPoolExecutor | None = None
-        self.threads = 0  # the pool's size: a batch's rows at most
-        self.arrived = threading.Condition()
-        self.waiting: list[_Forward] = []  # the forwards the rows wait for, in the order they asked
-        self.running = 0  # 1 while a row runs, until it waits for a forward or ends
+        self.lock = threading.Condition()
+        self.waiting: list[_Forward] = []
+        self.done = 0  # rows whose tree is built (or whose drafting failed)
 
     def run(self, builds: list[Callable[[], object]]) -> list:
-        """Each build in a thread of its own; returns their results in order (the first error is raised).
-        One row runs at a time, until it waits for a forward or ends: rows running side by side would
-        trade the interpreter lock at every torch call (measured: 3x the rows' own time)."""
-        if self.pool is None or self.threads < len(builds):
-            self.close()
-            self.threads = max(len(builds), 2)
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="opttree-draft")
-        futures = []
-        for i, build in enumerate(builds):
-            self._resume(lambda: futures.append(self.pool.submit(self._row, i, build)))
-        while self.waiting:
-            forwards, self.waiting = sorted(self.waiting, key=lambda f: f.row), []
-            try:
-                for model in {id(f.model): f.model for f in forwards}.values():
-                    forward_together([f for f in forwards if f.model is model])
-            except BaseException as error:  # noqa: BLE001 - the rows waiting for it fail with it
-                for f in forwards:
-                    f.logits = error
-            for f in forwards:
-                self._resume(f.ready.set)
-        return [future.result() for future in futures]  # the first row's error is raised here
+        """Each build in a thread of its own; returns their results in order (the first error is raised)."""
+        results, errors = [None] * len(builds), [None] * len(builds)
+        threads = [threading.Thread(target=self._row, args=(i, build, results, errors), daemon=True)
+                   for i, build in enumerate(builds)]
+        for thread in threads:
+            thread.start()
+        with self.lock:
+            while True:
+                self.lock.wait_for(lambda: len(self.waiting) + self.done == len(builds))
+                if not self.waiting:
+                    break
+                forwards, self.waiting = sorted(self.waiting, key=lambda f: f.row), []
+                try:
+                    for model in {id(f.model): f.model for f in forwards}.values():
+                        forward_together([f for f in forwards if f.model is model])
+                except BaseException as error:  # noqa: BLE001 - the rows waiting for it fail with it
+                    for f in forwards:
+                        f.logits = error
+                self.lock.notify_all()
+        for thread in threads:
+            thread.join()
+        failed = next((error for error in errors if error is not None), None)
+        if failed is not None:
+            raise failed
+        return results
 
-    def _resume(self, start: Callable[[], object]) -> None:
-        """Start (or wake) one row and wait until it waits for a forward or ends."""
-        with self.arrived:
-            self.running = 1
-            start()
-            self.arrived.wait_for(lambda: self.running == 0)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
-            self.pool = None
-
-    def _row(self, index: int, build: Callable[[], object]) -> object:
+    def _row(self, index: int, build: Callable[[], object], results: list, errors: list) -> None:
         _here.round, _here.row = self, index
         try:
             with torch.inference_mode():
-                return build()
+                results[index] = build()
+        except BaseException as error:  # noqa: BLE001 - raised again by `run`, in the caller's thread
+            errors[index] = error
         finally:
             _here.round = None
-            self._leave(None)
-
-    def _leave(self, forward: _Forward | None) -> None:
-        """The calling row stops running: it waits for `forward`, or (None) it is done."""
-        with self.arrived:
-            if forward is not None:
-                self.waiting.append(forward)
-            self.running = 0
-            self.arrived.notify()
+            with self.lock:
+                self.done += 1
+                self.lock.notify_all()
 
     def submit(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
                keys: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """The row's forward, batched with the other rows' waiting forwards: logits (Q, V); the row's cache gains
         the Q new keys and values, as `masked_forward` would have appended them."""
         forward = _Forward(_here.row, model, cache, tokens, positions, allowed, keys)
-        self._leave(forward)
-        forward.ready.wait()
+        with self.lock:
+            self.waiting.append(forward)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: forward.logits is not None)
         if isinstance(forward.logits, BaseException):
             raise forward.logits
         return forward.logits
