@@ -26,3 +26,15 @@ DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_toget
 def declared_by(obj: object) -> dict:
     """A user object's declarations (`Declared`'s defaults where it has none): read once, where it enters."""
     return {name: getattr(obj, name, getattr(Declared, name)) for name in DECLARED}
+
+
+HOOKS = {"prompt_rows": "seed", "wants_hidden": "seed_hidden", "reads_target_cache": "share_target_cache"}
+
+
+def pass_hooks(wrapper: Declared, inner: object) -> None:
+    """`wrapper` (which stands for `inner`) declares what `inner` declares of HOOKS, and passes those hooks on."""
+    declared = declared_by(inner)
+    for name, hook in HOOKS.items():
+        setattr(wrapper, name, declared[name])
+        if declared[name]:
+            setattr(wrapper, hook, getattr(inner, hook))

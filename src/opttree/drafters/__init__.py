@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from ..verify import Verification
-from ..declared import Declared, declared_by
+from ..declared import Declared, declared_by, pass_hooks
 
 
 class Drafter(Protocol):
@@ -41,14 +41,8 @@ class CheckedDrafter(Declared):
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner, self.vocab = inner, vocab
-        for name, value in declared_by(inner).items():
-            setattr(self, name, value)
-        if self.prompt_rows:
-            self.seed = inner.seed
-        if self.wants_hidden:
-            self.seed_hidden = inner.seed_hidden
-        if self.reads_target_cache:
-            self.share_target_cache = inner.share_target_cache
+        pass_hooks(self, inner)
+        self.forwards_together = declared_by(inner)["forwards_together"]
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 

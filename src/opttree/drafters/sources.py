@@ -27,6 +27,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import DEFAULT_MAX_DEPTH, SpecConfig
+from ..declared import pass_hooks
 from ..drafter_spec import KINDS, DrafterSpec, declare_source
 from ..names import BUILTIN_SOURCE_KINDS, TRAINED_SOURCES, SourceKind
 from ..parts import shipped_part
@@ -195,14 +196,7 @@ class DrafterCandidates(Declared):
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.start, self.observe = drafter.start, drafter.observe
-        self.prompt_rows, self.wants_hidden = drafter.prompt_rows, drafter.wants_hidden
-        self.reads_target_cache = drafter.reads_target_cache
-        if self.prompt_rows:
-            self.seed = drafter.seed
-        if self.wants_hidden:
-            self.seed_hidden = drafter.seed_hidden
-        if self.reads_target_cache:
-            self.share_target_cache = drafter.share_target_cache
+        pass_hooks(self, drafter)
 
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
         from ..policies.opt import OptTree  # policies import drafters: imported when first used
