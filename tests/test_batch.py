@@ -286,3 +286,29 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
                 torch.testing.assert_close(row.feature, alone.feature)
         assert sum(row.feature is not None for row in together) == (0 if method == dict(drafter="recycling") else 4)
         check_rows(target, batch, speculator.generate([opttree.Request(prompt) for prompt in batch]))
+
+
+def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_the_batch_as_it_was(monkeypatch):
+    """`Generation.admit_all`: arrivals join a running batch in one prefill forward and decode exactly; if
+    that prefill raises, none of them joins and the running rows go on unharmed."""
+    import opttree.engine as engine
+
+    target = tiny("llama", seed=1)
+    speculator = opttree.Speculator(target, budget=6, eos_token_id=[], max_new_tokens=NEW)
+    first, later = prompts([9, 30], seed=41), prompts([4, 60, 17], seed=42)
+    run = speculator.stream([opttree.Request(p) for p in first])
+    chunks = {b: list(chunk) for b, chunk in run.step()}  # the first step (the first two rows' prefill with it)
+    prefills = []
+    original = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda t, c, rows: (prefills.append(len(rows)), original(t, c, rows)))
+    broken = [speculator.row(opttree.Request(p)) for p in later]
+    broken[1].drafter.start = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        run.admit_all(broken)
+    assert len(run.rows) == 2 and run.active == [0, 1]
+    assert run.admit_all([speculator.row(opttree.Request(p)) for p in later]) == [2, 3, 4]
+    assert prefills == [3, 3]  # one forward for the three arrivals (the failed try, then the admission)
+    for b, chunk in run:
+        chunks.setdefault(b, []).extend(chunk.tolist())
+    for b, prompt in enumerate(first + later):
+        assert chunks[b] == hf_greedy(target, prompt[None], NEW)[0, prompt.shape[0]:].tolist(), b

@@ -310,20 +310,31 @@ class Generation:
 
     def admit(self, row: Row) -> int:
         """Continuous batching: `row` joins the batch between two steps, while the generation runs (or
-        before it starts): prefilled alone, then stacked into the cache; its chunks follow as
-        (index, chunk) pairs from the next step on. Returns its index in `.rows`."""
+        before it starts): prefilled, then stacked into the cache; its chunks follow as (index, chunk)
+        pairs from the next step on. Returns its index in `.rows`."""
+        return self.admit_all([row])[0]
+
+    def admit_all(self, rows: list[Row]) -> list[int]:
+        """`admit` for several rows at once, prefilled together in one forward. If that raises, none of
+        them joins (the batch is as it was) and the error is raised."""
         if self.single:
             raise ValueError("one sequence does not admit others: start a batch (a list of prompts or requests)")
         if self.ended:
             raise ValueError("this batch has ended (every row finished): start a new one")
-        _check_batchable(self, [self.rows[b] for b in self.active] + [row])  # refused: it never joins `rows`
-        self.rows.append(row)
-        if row.wants_hidden and not self.wants_hidden:
+        _check_batchable(self, [self.rows[b] for b in self.active] + rows)  # refused: they never join `rows`
+        first = len(self.rows)
+        self.rows += rows
+        new = list(range(first, len(self.rows)))
+        if self.started:  # running: they join now; before the start, the first prefill takes them
+            try:
+                with torch.inference_mode():
+                    self._join(new)
+            except BaseException:
+                del self.rows[first:]
+                raise
+        if any(row.wants_hidden for row in rows) and not self.wants_hidden:
             self.wants_hidden = self.verifier.hidden = True
-        if self.started:  # running: it joins now; before the start, the first prefill takes it
-            with torch.inference_mode():
-                self._join([len(self.rows) - 1])
-        return len(self.rows) - 1
+        return new
 
     def cancel(self, b: int) -> None:
         """Row b leaves the batch (a request cancelled between steps); the others go on."""

@@ -114,6 +114,7 @@ class Batcher:
         for b in [b for b, job in self.jobs.items() if job.stopped()]:
             self.run.cancel(b)
             self.jobs.pop(b).end()
+        arrivals = self._admit_together(arrivals)
         for i, job in enumerate(arrivals):
             if not self._admit(job):  # it decodes alone: first in line again, once the batch has drained
                 with self.changed:
@@ -121,6 +122,34 @@ class Batcher:
                 break
         if self.jobs:
             self._step()
+
+    def _admit_together(self, arrivals: list[BatchJob]) -> list[BatchJob]:
+        """The arrivals join the batch in one prefill (`Generation.admit_all`); returns those left to admit
+        one at a time: all of them when that fails, so that a request that cannot share a batch, or whose
+        prefill fails, is found alone and the others join."""
+        live = []
+        for job in arrivals:
+            if job.stopped():
+                job.end()
+            else:
+                live.append(job)
+        if len(live) < 2:
+            return live
+        try:
+            if self.run is None or self.run.ended:  # a new batch
+                run = Generation(self.target, [job.row for job in live], width=0, static=False, batch=True,
+                                 allocator=self.allocator)
+                run.begin()  # prefilled now
+                self.run, indices = run, list(range(len(live)))
+            else:
+                indices = self.run.admit_all([job.row for job in live])  # prefilled now
+        except Exception:  # noqa: BLE001 - each is admitted alone instead, and fails alone if it fails
+            return live
+        now = time.perf_counter()
+        for b, job in zip(indices, live):
+            job.waited_s = now - job.joined
+            self.jobs[b] = job
+        return []
 
     def _admit(self, job: BatchJob) -> bool:
         """`job` joins the batch, or ends (stopped, or failed alone); False: it cannot share a batch
