@@ -31,10 +31,12 @@ def declared_by(obj: object) -> dict:
 HOOKS = {"prompt_rows": "seed", "wants_hidden": "seed_hidden", "reads_target_cache": "share_target_cache"}
 
 
-def pass_hooks(wrapper: Declared, inner: object) -> None:
-    """`wrapper` (which stands for `inner`) declares what `inner` declares of HOOKS, and passes those hooks on."""
+def pass_hooks(wrapper: Declared, inner: object) -> dict:
+    """`wrapper` (which stands for `inner`) declares what `inner` declares of HOOKS, and passes those hooks
+    on; returns all of `inner`'s declarations."""
     declared = declared_by(inner)
     for name, hook in HOOKS.items():
         setattr(wrapper, name, declared[name])
         if declared[name]:
             setattr(wrapper, hook, getattr(inner, hook))
+    return declared

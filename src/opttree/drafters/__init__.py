@@ -12,8 +12,8 @@ from typing import Protocol
 
 import torch
 
+from ..declared import Declared, pass_hooks
 from ..verify import Verification
-from ..declared import Declared, declared_by, pass_hooks
 
 
 class Drafter(Protocol):
@@ -41,8 +41,7 @@ class CheckedDrafter(Declared):
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner, self.vocab = inner, vocab
-        pass_hooks(self, inner)
-        self.forwards_together = declared_by(inner)["forwards_together"]
+        self.forwards_together = pass_hooks(self, inner)["forwards_together"]
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 

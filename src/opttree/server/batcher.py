@@ -136,19 +136,9 @@ class Batcher:
         if len(live) < 2:
             return live
         try:
-            if self.run is None or self.run.ended:  # a new batch
-                run = Generation(self.target, [job.row for job in live], width=0, static=False, batch=True,
-                                 allocator=self.allocator)
-                run.begin()  # prefilled now
-                self.run, indices = run, list(range(len(live)))
-            else:
-                indices = self.run.admit_all([job.row for job in live])  # prefilled now
+            self._join(live)
         except Exception:  # noqa: BLE001 - each is admitted alone instead, and fails alone if it fails
             return live
-        now = time.perf_counter()
-        for b, job in zip(indices, live):
-            job.waited_s = now - job.joined
-            self.jobs[b] = job
         return []
 
     def _admit(self, job: BatchJob) -> bool:
@@ -158,20 +148,27 @@ class Batcher:
             job.end()
             return True
         try:
-            if self.run is None or self.run.ended:  # a new batch
-                run = Generation(self.target, [job.row], width=0, static=False, batch=True, allocator=self.allocator)
-                run.begin()  # prefilled now
-                self.run, b = run, 0
-            else:
-                b = self.run.admit(job.row)  # prefilled now
+            self._join([job])
         except NotImplementedError:
             return False
         except Exception as err:  # this request fails; the batch goes on
             job.end(error=err)
-            return True
-        job.waited_s = time.perf_counter() - job.joined
-        self.jobs[b] = job
         return True
+
+    def _join(self, jobs: list[BatchJob]) -> None:
+        """The jobs' rows join the batch (a new one if none runs), prefilled now in one forward; if that
+        raises, none of them joins."""
+        rows = [job.row for job in jobs]
+        if self.run is None or self.run.ended:
+            run = Generation(self.target, rows, width=0, static=False, batch=True, allocator=self.allocator)
+            run.begin()
+            self.run, indices = run, list(range(len(rows)))
+        else:
+            indices = self.run.admit_all(rows)
+        now = time.perf_counter()
+        for b, job in zip(indices, jobs):
+            job.waited_s = now - job.joined
+            self.jobs[b] = job
 
     def _step(self) -> None:
         drafted = {b: job.stats.drafted_tokens for b, job in self.jobs.items()}
