@@ -6,8 +6,8 @@ Each method (`POLICY[:DRAFTER][@BUDGET]`) generates --max-new-tokens tokens from
 prompt, greedy: one warm-up, one timed run (wall time per step, tokens/s, mean accepted length), one
 run under torch.profiler (CUDA kernels, memcpys and memsets per step; their summed device time). GPU busy =
 device time / the timed run's wall time (the profiled run's own wall time is inflated by the profiler).
-The methods of --compiled then run again on the target's compiled fixed-shape step (CUDA graphs),
-after a warm-up that compiles it (its time is printed).
+The methods of --compiled then run again on the compiled fixed-shape steps (`compile_model`: the
+target's and the draft's, CUDA graphs), after a warm-up that compiles them (its time is printed).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main() -> None:
     rows = [measure(target, draft, ids, m, args.max_new_tokens) for m in methods]
     if args.compiled:
         opttree.compile_model(target)
+        opttree.compile_model(draft)
         for m in args.compiled.split(","):
             start = time.perf_counter()
             run(target, draft, ids, parse(m), 16)

@@ -6,10 +6,11 @@ from helpers import hf_greedy, tiny_model
 from transformers import DynamicCache
 
 import opttree
-from opttree.cache import cache_argument, compact, static_cache
+from opttree.cache import cache_argument, capacity, compact, static_cache
+from opttree.drafters import ModelDrafter, StaticModelDrafter
 from opttree.speculator import use_static
 from opttree.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
-from opttree.verify import verify_tree
+from opttree.verify import Verification, verify_tree
 
 ARCHS = ["llama", "qwen2", "gpt_neox", "phi3"]
 
@@ -63,6 +64,33 @@ def test_padded_forward_and_in_place_compaction_match_the_dynamic_cache(arch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_the_static_draft_gives_the_dynamic_drafts_log_probabilities_and_grows_when_full(arch):
+    """The draft over a preallocated cache with padded fixed-shape forwards (`StaticModelDrafter`: what a
+    static-path generation drafts with) returns what the dynamic drafter returns, step after step: the
+    prompt, roots of several new tokens, tree layers, compaction to the accepted path, and a cache that
+    grows a capacity bucket on the way (a 250-token prompt in 256 positions)."""
+    model = tiny_model(arch, seed=5)
+    prompt = torch.randint(3, 96, (250,), generator=torch.Generator().manual_seed(2))
+    drafters = {"dynamic": ModelDrafter(model), "static": StaticModelDrafter(model, positions=1, root_rows=4)}
+    outs = {}
+    with torch.inference_mode():
+        for name, drafter in drafters.items():
+            committed, outs[name] = prompt, []
+            drafter.start(committed)
+            for _ in range(3):
+                outs[name].append(drafter.root(committed))  # (V,)
+                outs[name].append(drafter.expand(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, -1])))  # slots 0-2
+                outs[name].append(drafter.expand(torch.tensor([6, 7]), torch.tensor([1, 0])))  # slots 3, 4
+                path = DraftTree(torch.tensor([4, 6, 9]), torch.tensor([-1, 0, 1]), torch.tensor([1, 2, 3]),
+                                 torch.zeros(3), draft_slots=torch.tensor([1, 3, -1]))  # 4 -> 6 -> an unrun leaf
+                drafter.observe(Verification(committed[-1], path, torch.zeros(4, 96), torch.arange(3), torch.tensor(11)))
+                committed = torch.cat([committed, torch.tensor([4, 6, 9, 11])])
+    assert capacity(drafters["static"].cache) == 512  # grown from 256 by the first tree
+    for got, expected in zip(outs["static"], outs["dynamic"], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt_neox"])
 def pair(request):
     return tiny_model(request.param, seed=1, layers=2, hidden=64), tiny_model(request.param, seed=2, layers=1, hidden=32)
@@ -113,12 +141,15 @@ def test_compiled_static_step_is_exact_compiles_once_per_bucket_and_turns_the_st
     assert use_static(None, target) is False
     opttree.compile_model(target)  # the fixed-shape step; the forward stays eager
     assert use_static(None, target) is True and use_static(False, target) is False
+    opttree.compile_model(draft)  # the draft's fixed-shape steps: a root's rows and a tree layer's
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    graphs = []
     for prompt, ref in zip(ids, refs):
         out = opttree.generate(target, prompt, draft, budget=4, max_new_tokens=12, eos_token_id=[])
         assert torch.equal(out.sequences, ref)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs == [3, 3, 3]  # the target's step, the draft's root and tree layer: none after the first prompt
 
 
 def test_the_environment_forces_the_static_path_both_ways(monkeypatch):

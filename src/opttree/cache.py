@@ -73,6 +73,19 @@ def static_cache(model: PreTrainedModel, capacity: int) -> Cache:
     return Cache(layers=[RollbackLayer(max_cache_len=capacity) for _ in range(layers)])
 
 
+def grow(cache: Cache, capacity: int) -> None:
+    """A static cache's layers moved to buffers of `capacity` positions, their rows and lengths kept (a new
+    capacity bucket: a compiled step compiles once more for it). In place."""
+    for i, layer in enumerate(cache.layers):
+        wider = RollbackLayer(max_cache_len=capacity)
+        if layer.is_initialized:
+            wider.lazy_initialization(layer.keys, layer.values)
+            wider.keys[:, :, : layer.max_cache_len] = layer.keys
+            wider.values[:, :, : layer.max_cache_len] = layer.values
+            wider.cumulative_length.copy_(layer.cumulative_length)
+        cache.layers[i] = wider
+
+
 def is_static(cache: Cache) -> bool:
     return bool(cache.layers) and isinstance(cache.layers[0], RollbackLayer)
 

@@ -63,12 +63,13 @@ def compile_model(model: PreTrainedModel, static: bool = True) -> PreTrainedMode
     compile (about a minute for the shipped target on a 2-core CPU), so it pays for long runs
     (benchmarks, servers), not for one prompt.
 
-    static=True: a separate step function for the static path's fixed-shape tree forwards (`static_step`),
-    compiled for fixed shapes (one compilation per budget), with CUDA graphs on a GPU; the forward
-    stays eager for the prefill, whose length changes with every prompt. Generations with this target
-    then take the static path unless told otherwise.
-    static=False: the forward itself, with dynamic shapes (trees and caches change size every step;
-    for a draft model, whose shapes the static path does not fix)."""
+    static=True: a separate step function for the static path's fixed-shape forwards (`static_step`),
+    compiled for fixed shapes (one compilation per shape and capacity bucket), with CUDA graphs on a
+    GPU; the forward stays eager for the prefill, whose length changes with every prompt. A target's
+    generations then take the static path unless told otherwise, and a draft model's drafter in a
+    static-path generation (`drafters.StaticModelDrafter`) runs its root and tree layers through it.
+    static=False: the forward itself, with dynamic shapes (trees and caches change size every step:
+    the dynamic path, and a batch's draft)."""
     # dynamo keeps at most `recompile_limit` (8) compiled versions per code object, and every model's
     # forward is the same code: a target's step per budget and capacity bucket, a draft's few call
     # patterns, a second model... past 8, every call silently runs eager. Allow many more.

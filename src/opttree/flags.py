@@ -66,8 +66,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         "('auto' = cuda when available, else cpu) (default: auto)")
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models: the target's "
-                        "fixed-shape step of the static path (once per budget; CUDA graphs on a GPU) and the draft's "
-                        "forward; the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
+                        "and the draft's fixed-shape steps of the static path (once per budget; CUDA graphs on a GPU); "
+                        "the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
                         "it pays for long runs")
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
                         help="the static path: trees padded to the budget, a preallocated KV cache compacted in "
@@ -275,9 +275,10 @@ def load_pair(args):
         target = quantize(target, args.quantize)
     if args.draft_quantize and draft is not None:
         draft = quantize(draft, args.draft_quantize)
-    if args.compile:  # the target's static step, unless --no-static; a draft's shapes are never fixed
-        target = compile_model(target, static=getattr(args, "static", None) is not False)
-        draft = draft and compile_model(draft, static=False)
+    if args.compile:  # the fixed-shape steps of the static path, unless --no-static
+        static = getattr(args, "static", None) is not False
+        target = compile_model(target, static=static)
+        draft = draft and compile_model(draft, static=static)
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 

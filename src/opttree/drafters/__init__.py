@@ -70,6 +70,6 @@ class CheckedDrafter(Declared):
         return logq
 
 
-from .model import ChainDrafter, ModelDrafter, model_drafter  # noqa: E402
+from .model import ChainDrafter, ModelDrafter, StaticModelDrafter, model_drafter  # noqa: E402
 
-__all__ = ["Declared", "Drafter", "CheckedDrafter", "ChainDrafter", "ModelDrafter", "model_drafter"]
+__all__ = ["Declared", "Drafter", "CheckedDrafter", "ChainDrafter", "ModelDrafter", "StaticModelDrafter", "model_drafter"]

@@ -18,10 +18,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention import key_positions
-from ..cache import compact, last_logits_only, new_cache, truncate
+from ..cache import (capacity, compact, context_window, grow, last_logits_only, new_cache, static_cache, static_capacity,
+                     truncate)
 from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
 from ..declared import Declared
-from ..device import model_device
+from ..device import model_device, static_step
 from ..verify import Verification, masked_forward
 from .together import current_round
 
@@ -93,13 +94,7 @@ class ModelDrafter(Declared):
         # goes in as the last row: only the draft's guesses depend on it, never the output
         new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
-        together = current_round() if self.forwards_together else None
-        if together is not None:  # one forward with the other rows' (`drafters.together`)
-            positions = torch.arange(self.committed_len, committed.shape[0], device=self.device)
-            logits = together.submit(self.model, self.cache, new, positions, None)[-1]  # (V,)
-        else:
-            logits = forward_chains(self.model, self.cache, new[None], self.committed_len,
-                                    **last_logits_only(self.model))[0, -1]  # (V,)
+        logits = self._root_forward(new, committed.shape[0])  # (V,)
         self.committed_len = self.base = committed.shape[0]
         self._open_tree()
         return self._log_probs(logits)
@@ -111,12 +106,24 @@ class ModelDrafter(Declared):
                             dim=1)  # (K, base+S+K)
         keys = partial(key_positions, self.base, self.base - 1 + self.slots.depths, allowed.shape[1])
         positions = self.base - 1 + depths  # (K,)
+        logits = self._tree_forward(tokens, positions, allowed, keys)  # (K, V)
+        return self._log_probs(logits)
+
+    def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
+        """(R,) new committed tokens at positions committed_len .. end - 1 -> the last one's logits (V,)."""
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
-            logits = together.submit(self.model, self.cache, tokens, positions, allowed, keys)  # (K, V)
-        else:
-            logits = masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)  # (K, V)
-        return self._log_probs(logits)
+            positions = torch.arange(self.committed_len, end, device=self.device)
+            return together.submit(self.model, self.cache, new, positions, None)[-1]
+        return forward_chains(self.model, self.cache, new[None], self.committed_len,
+                              **last_logits_only(self.model))[0, -1]
+
+    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys) -> torch.Tensor:
+        """(K,) slots at (K,) positions under (K, base+S+K) `allowed`, after the cache -> logits (K, V)."""
+        together = current_round() if self.forwards_together else None
+        if together is not None:  # one forward with the other rows' (`drafters.together`)
+            return together.submit(self.model, self.cache, tokens, positions, allowed, keys)
+        return masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
@@ -132,6 +139,69 @@ class ModelDrafter(Declared):
         compact(self.cache, self.base, kept)
         self.committed_len = self.base + kept.shape[0]
 
+
+
+class StaticModelDrafter(ModelDrafter):
+    """The draft model over a preallocated cache (`opttree.cache.static_cache`), for a static-path
+    generation. After the prompt, every forward is padded to a fixed number of rows (the next power of
+    two) over the cache's whole capacity, so a draft compiled for fixed shapes (`compile_model(draft)`)
+    replays one graph per row count and capacity bucket (CUDA graphs on a GPU), whatever the prompt's
+    length; the new committed tokens of a step's root are padded to `root_rows` (the longest accepted
+    path and its root, for one shape). A padding row attends to itself only; its keys are dropped after
+    the forward. The cache is sized for `positions` (the generation's length and a step's slots) and
+    grows a bucket if that was short."""
+
+    forwards_together = False  # one preallocated sequence
+
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None, positions: int = 0,
+                 root_rows: int = 1):
+        super().__init__(model, temperature, vocab)
+        self.positions, self.root_rows, self.window = positions, root_rows, context_window(model)
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = static_cache(self.model, static_capacity(max(self.positions, input_ids.shape[0]), self.window))
+        self.committed_len = 0
+
+    def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
+        if not self.cache.is_initialized:  # the prompt: one eager forward under the causal mask allocates the cache
+            self._make_room(end)
+            return super()._root_forward(new, end)
+        start, count = self.committed_len, new.shape[0]
+        allowed = torch.ones(count, end, dtype=torch.bool, device=self.device).tril(start)  # (R, start+R) causal
+        positions = torch.arange(start, end, device=self.device)  # (R,)
+        keys = partial(key_positions, start, positions, end)
+        return self._fixed_forward(new, positions, allowed, keys, self.root_rows)[-1]
+
+    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys) -> torch.Tensor:
+        return self._fixed_forward(tokens, positions, allowed, keys)
+
+    def _fixed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys,
+                       rows: int = 1) -> torch.Tensor:
+        """(Q,) tokens at (Q,) positions after the cache's L rows, under (Q, L+Q) `allowed` (keys: their
+        (L+Q,) positions) -> logits (Q, V), run as W rows (`rows`, or the next power of two >= Q) over the
+        cache's capacity C."""
+        count, used = tokens.shape[0], allowed.shape[1]
+        width = max(rows, 1 << (count - 1).bit_length())  # W
+        self._make_room(used - count + width)
+        keys_total = capacity(self.cache)  # C
+        pad = torch.arange(count, width, device=self.device)  # (W-Q,) padding rows, after the real ones
+        fixed = allowed.new_zeros(width, keys_total)  # (W, C)
+        fixed[:count, :used] = allowed
+        fixed[pad, used - count + pad] = True  # a padding row sees itself only
+        ids = torch.cat([tokens, tokens.new_zeros(width - count)])  # (W,)
+        where = torch.cat([positions, used - count + pad])  # (W,)
+
+        def every_key() -> torch.Tensor:  # (C,) the unused rows count as their index
+            return torch.cat([keys(), torch.arange(used, keys_total, device=self.device)])
+
+        logits = masked_forward(self.model, self.cache, ids, where, fixed, forward=static_step(self.model),
+                                keys=every_key)  # (W, V)
+        truncate(self.cache, used)  # the padding rows' keys go
+        return logits[:count]
+
+    def _make_room(self, needed: int) -> None:
+        if needed > capacity(self.cache):
+            grow(self.cache, static_capacity(needed, self.window))
 
 class ChainDrafter(ModelDrafter):
     """A draft model that a tree mask cannot drive exactly (`opttree.chains.verified_as_chains`: state
@@ -171,6 +241,15 @@ class ChainDrafter(ModelDrafter):
         pass  # the accepted tokens enter the cache with the next root
 
 
-def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None) -> ModelDrafter:
-    """A draft model's drafter: its trees under a tree mask, or as chains where a mask cannot drive it."""
-    return (ChainDrafter if verified_as_chains(model) else ModelDrafter)(model, temperature, vocab=vocab)
+def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None,
+                  static_positions: int = 0, max_depth: int = 1) -> ModelDrafter:
+    """A draft model's drafter: its trees under a tree mask, or as chains where a mask cannot drive it.
+    `static_positions` > 0: a static-path generation's, over a preallocated cache of that many positions,
+    its roots padded for accepted paths up to `max_depth` (`StaticModelDrafter`; chains keep
+    transformers' own cache)."""
+    if verified_as_chains(model):
+        return ChainDrafter(model, temperature, vocab=vocab)
+    if static_positions:
+        root_rows = 1 << max_depth.bit_length()  # the next power of two > max_depth: a path and its root
+        return StaticModelDrafter(model, temperature, vocab=vocab, positions=static_positions, root_rows=root_rows)
+    return ModelDrafter(model, temperature, vocab=vocab)
