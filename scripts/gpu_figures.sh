@@ -5,14 +5,17 @@
 #   scripts/gpu_figures.sh calibrate OUT_DIR # opttree calibrate's budget x delta grid for the shipped pair
 #   scripts/gpu_figures.sh bench   OUT_DIR   # HumanEval bench against transformers' peers (compiled included), TARGETS
 #   scripts/gpu_figures.sh profile OUT_DIR   # per step: wall time, kernels, GPU busy; eager and compiled (CUDA graphs), 1B target
+#   scripts/gpu_figures.sh compiled OUT_DIR  # HumanEval bench, --compile (target's and draft's steps in CUDA graphs) vs hf-compiled, 1B
 #   scripts/gpu_figures.sh batch   OUT_DIR   # a batch of BATCH prompts against one at a time and transformers' batched generate, 1B
 #   scripts/gpu_figures.sh defaults OUT_DIR  # no flags (first-use choices on this GPU), shipped pair
 #   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
+#   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
 # Packages carried along in wheels/ are installed first, without dependencies: *.whl with pip, *.tar.xz as an
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
 # a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
-# LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8) can be overridden.
+# LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8), PROFILED (eager methods of
+# `profile`), COMPILED (its compiled ones) can be overridden.
 set -euo pipefail
 what=$1 out=$2
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -20,12 +23,15 @@ opttree() { python3 -m opttree.cli "$@"; }
 humaneval=${HUMANEVAL:-../shared/data/humaneval.jsonl}
 big=/tmp/opttree-target-1b
 mkdir -p "$out"
-if compgen -G "wheels/*.whl" > /dev/null; then python3 -m pip install -q --no-deps wheels/*.whl; fi
-for package in wheels/*.tar.xz; do
-    [ -e "$package" ] || continue
-    mkdir -p /tmp/opttree-packages && tar xJf "$package" -C /tmp/opttree-packages
-    export PYTHONPATH=/tmp/opttree-packages:$PYTHONPATH
-done
+if [ -z "${OPTTREE_WHEELS_IN:-}" ]; then  # once: the steps of `all` and `short` inherit it
+    if compgen -G "wheels/*.whl" > /dev/null; then python3 -m pip install -q --no-deps wheels/*.whl; fi
+    for package in wheels/*.tar.xz; do
+        [ -e "$package" ] || continue
+        mkdir -p /tmp/opttree-packages && tar xJf "$package" -C /tmp/opttree-packages
+        export PYTHONPATH=/tmp/opttree-packages:$PYTHONPATH
+    done
+    export OPTTREE_WHEELS_IN=1
+fi
 shipped_target=$(opttree models --path target) shipped_draft=$(opttree models --path draft)  # unpacked once
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -33,7 +39,18 @@ inflated() {  # the shipped target widened to 2048 / 5632 and deepened to 22 lay
     [ -d $big ] || opttree train inflate --target $shipped_target --out $big --device cuda
 }
 if [ "$what" = all ]; then
-    for step in check curves calibrate bench; do "$0" $step "$out"; done
+    for step in check curves calibrate bench; do bash "$0" $step "$out"; done
+    exit 0
+fi
+if [ "$what" = short ]; then  # each step's output kept in OUT_DIR even when its time runs out
+    inflated > "$out/inflate.txt" 2>&1
+    timeout 110 bash "$0" check "$out" 2>&1 | tee "$out/check.txt" || true
+    PROFILED=${PROFILED:-ar} timeout 150 bash "$0" profile "$out" 2>&1 | tee "$out/profile.txt" || true
+    # 96 new tokens: the first 8 prompts then fit one capacity bucket, so each step compiles once
+    BENCH_OUT=/tmp/opttree-compiled-1b LIMIT=${LIMIT:-8} BUDGETS=${BUDGETS:-16} MAX_NEW=${MAX_NEW:-96} \
+        timeout 240 bash "$0" compiled "$out" 2>&1 \
+        | tee "$out/compiled.txt" || true
+    for f in results.json results.md; do cp /tmp/opttree-compiled-1b/$f "$out/compiled-$f" 2>/dev/null || true; done
     exit 0
 fi
 case $what in
@@ -64,7 +81,16 @@ bench)
     ;;
 profile)
     inflated
-    python3 scripts/gpu_step_profile.py --target $big --draft $shipped_draft --compiled ar,opt:recycling+lookup@16
+    python3 scripts/gpu_step_profile.py --target $big --draft $shipped_draft \
+        --methods "${PROFILED:-ar,opt@16,opt@64,opt:recycling+lookup@16,opt:recycling+lookup@64}" \
+        --compiled "${COMPILED:-ar,opt@64,opt:recycling+lookup@16,opt@16}"
+    ;;
+compiled)  # opttree's --compile: the target's and the draft's fixed-shape steps, CUDA graphs
+    inflated
+    opttree bench --target $big --draft $shipped_draft --device cuda --dtype bfloat16 --compile \
+        --prompts "$humaneval" --limit "${LIMIT:-20}" --methods ar,hf-compiled,opt,opt:recycling+lookup \
+        --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens "${MAX_NEW:-128}" --out "${BENCH_OUT:-$out/compiled-1b}" \
+        --no-progress
     ;;
 batch)
     inflated

@@ -51,16 +51,19 @@ def measure(target, draft, ids, method: str, max_new_tokens: int) -> dict:
     out = run(target, draft, ids, kwargs, max_new_tokens)
     sync()
     wall = time.perf_counter() - start
+    s = out.stats  # greedy: the profiled run takes the same steps
+    row = {"method": method, "tokens/s": s.new_tokens / wall, "MAL": s.mean_accepted_length,
+           "ms/step": 1000 * wall / s.steps, "kernels/step": float("nan"), "GPU busy %": float("nan")}
+    if ids.device.type != "cuda":  # nothing to count off a GPU
+        return row
     # device activity only: a CPU trace of 128 tokens holds too many events to read in time
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         profiled = run(target, draft, ids, kwargs, max_new_tokens)
         sync()
     device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_s = sum(e.time_range.elapsed_us() for e in device) / 1e6
-    s = out.stats  # greedy: the profiled run takes the same steps
     assert torch.equal(profiled.sequences, out.sequences)
-    return {"method": method, "tokens/s": s.new_tokens / wall, "MAL": s.mean_accepted_length,
-            "ms/step": 1000 * wall / s.steps, "kernels/step": len(device) / s.steps, "GPU busy %": 100 * busy_s / wall}
+    return row | {"kernels/step": len(device) / s.steps, "GPU busy %": 100 * busy_s / wall}
 
 
 def main() -> None:
@@ -77,8 +80,11 @@ def main() -> None:
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(args.device)
     target, draft = load(args.target), load(args.draft)
     ids = AutoTokenizer.from_pretrained(args.target)(PROMPT, return_tensors="pt").input_ids.to(args.device)
-    methods = args.methods.split(",")
-    rows = [measure(target, draft, ids, m, args.max_new_tokens) for m in methods]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
+    print("| method | tokens/s | MAL | ms/step | kernels/step | GPU busy % |\n|---|---:|---:|---:|---:|---:|", flush=True)
+    for m in args.methods.split(","):  # each row as soon as it is measured: a run cut short keeps its rows
+        show(measure(target, draft, ids, m, args.max_new_tokens))
     if args.compiled:
         opttree.compile_model(target)
         opttree.compile_model(draft)
@@ -86,13 +92,12 @@ def main() -> None:
             start = time.perf_counter()
             run(target, draft, ids, parse(m), 16)
             print(f"compile + capture of {m}+compile: {time.perf_counter() - start:.1f} s", flush=True)
-            rows.append(measure(target, draft, ids, m, args.max_new_tokens) | {"method": m + "+compile"})
-    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"{device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
-    print("| method | tokens/s | MAL | ms/step | kernels/step | GPU busy % |\n|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['method']} | {r['tokens/s']:.1f} | {r['MAL']:.2f} | {r['ms/step']:.2f} | {r['kernels/step']:.0f} "
-              f"| {r['GPU busy %']:.1f} |")
+            show(measure(target, draft, ids, m, args.max_new_tokens) | {"method": m + "+compile"})
+
+
+def show(r: dict) -> None:
+    print(f"| {r['method']} | {r['tokens/s']:.1f} | {r['MAL']:.2f} | {r['ms/step']:.2f} | {r['kernels/step']:.0f} "
+          f"| {r['GPU busy %']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
