@@ -15,7 +15,7 @@
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
 # a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
 # LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8), PROFILED (eager methods of
-# `profile`), COMPILED (its compiled ones) can be overridden.
+# `profile`), COMPILED (its compiled ones), METHODS and MAX_NEW (of `compiled`) can be overridden.
 set -euo pipefail
 what=$1 out=$2
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -88,7 +88,7 @@ profile)
 compiled)  # opttree's --compile: the target's and the draft's fixed-shape steps, CUDA graphs
     inflated
     opttree bench --target $big --draft $shipped_draft --device cuda --dtype bfloat16 --compile \
-        --prompts "$humaneval" --limit "${LIMIT:-20}" --methods ar,hf-compiled,opt,opt:recycling+lookup \
+        --prompts "$humaneval" --limit "${LIMIT:-20}" --methods "${METHODS:-ar,hf-compiled,opt,opt:recycling+lookup}" \
         --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens "${MAX_NEW:-128}" --out "${BENCH_OUT:-$out/compiled-1b}" \
         --no-progress
     ;;

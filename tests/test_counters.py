@@ -75,3 +75,25 @@ def test_host_syncs_per_step_stay_under_their_ceiling(shipped, monkeypatch, case
     costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=case[4] == "device", children=case[5]
                          if len(case) > 5 else "auto")
     assert costs.host_syncs <= CEILINGS[case], where
+
+
+def _affine(x):
+    return x * 2 + 1
+
+
+def test_counting_leaves_compiled_functions_compiled():
+    """A compiled function called while counting runs its eager code, and compiles when called after:
+    torch.compile marks a function first met under a dispatch mode as eager for good (without the
+    stance, `unique_graphs` stays 0 here)."""
+    import torch._dynamo
+
+    compiled = torch.compile(_affine)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with StepCounter() as counter:
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert counter.ops >= 2  # its ops ran eagerly, under the counter
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    compiled(torch.ones(3))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+

@@ -13,6 +13,12 @@ are visible on a CPU too: `StepCounter` is a `TorchDispatchMode` that counts, wh
 
 `count_steps(run)` drives a `Generation` past its first chunk (prefill and first step) and counts the
 rest, per step.
+
+While counting, compiled functions run their eager code (`torch.compiler.set_stance("force_eager")`),
+so the counts are those of the eager step. That stance is not a detail: torch.compile does not run
+under a dispatch mode, and a compiled function first called under one is marked to run eager from
+then on, in this process, also after the mode ends (measured: a bench's counted run left `--compile`
+and hf-compiled at eager speed for every timed run after it).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class StepCounter(TorchDispatchMode):
         self._reading = 0  # inside a counted host read (its own scalar reads are not counted again)
         self._handles: list = []
         self._patched: dict = {}
+        self._stance = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -117,6 +124,8 @@ class StepCounter(TorchDispatchMode):
         for method in _HOST_READS:
             self._patched[method] = getattr(torch.Tensor, method)
             setattr(torch.Tensor, method, self._count_call(method))
+        self._stance = torch.compiler.set_stance("force_eager")  # the module docstring: why
+        self._stance.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -125,7 +134,9 @@ class StepCounter(TorchDispatchMode):
         for method, original in self._patched.items():
             setattr(torch.Tensor, method, original)
         self._patched.clear()
-        return super().__exit__(*exc)
+        result = super().__exit__(*exc)
+        self._stance.__exit__(*exc)
+        return result
 
 
 def count_steps(run, where: bool = False) -> tuple[StepCosts, StepCounter]:
