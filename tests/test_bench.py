@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
+import opttree
 from opttree import profiles
 from opttree.calibration import estimate, measure
 from opttree.calibration import report as cal_report
@@ -194,6 +195,28 @@ def test_the_compiled_peer_is_exact_and_compiles_in_the_warm_up(pair, cases):
         assert r["warmup_s"] > 0 and r["host_syncs_per_step"] >= 0 and r["ops_per_step"] > 0
     compiled = [r for r in records if r["label"] == "hf-compiled"]
     assert compiled[0]["warmup_s"] > 5 * max(r["time_s"] for r in compiled)  # the compilation happened there
+
+
+def test_the_warm_up_compiles_every_bucket_the_timed_runs_use():
+    """With a compiled target the static path's step compiles once per budget and capacity bucket, and a
+    tree widens the bucket (a 150-token prompt, 60 new tokens and a 60-node tree need 270 positions: the
+    512 bucket, where the generation alone fits 256): the warm-up compiles it, no timed run does."""
+    import torch._dynamo
+
+    from opttree.bench.runner import Case, build_runners, warm_up
+
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
+    opttree.compile_model(target)
+    cases = [Case(Prompt("long", "code", "x"), torch.arange(150)[None] % 90 + 3)]
+    specs = expand_methods(["opt:recycling"], [(60, None)])
+    settings = Settings(max_new_tokens=60, eos_token_id=-1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    warm_up(target, None, specs, settings, cases)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for runner in build_runners(target, None, specs, settings).values():
+        runner(cases[0].ids)
+    assert compiled >= 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
 
 
 def meta(temperature=0.0):

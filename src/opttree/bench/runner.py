@@ -135,11 +135,14 @@ def warm_up(target, draft, specs: list[MethodSpec], settings: Settings, cases: l
     short = Settings(**{**asdict(settings), "max_new_tokens": min(WARMUP_TOKENS, settings.max_new_tokens)})
     ids = cases[0].ids
     limit = context_window(target)
-    buckets = sorted({static_capacity(case.ids.shape[1] + settings.max_new_tokens, limit) for case in cases})
-    # a prompt just past half a bucket lands in that bucket with the warm-up's few new tokens and any tree
-    in_buckets = [ids.repeat(1, bucket // ids.shape[1] + 1)[:, : bucket // 2 + 1] for bucket in buckets]
     seconds = {}
     for spec, (label, runner) in zip(specs, build_runners(target, draft, specs, short).items()):
+        # the buckets of the timed runs: a static-path step spans the generation and its tree, padded to the
+        # budget (`engine.static_rows`; measured: without the tree, budget 64 compiled in a timed run)
+        width = spec.budget or 0
+        buckets = sorted({static_capacity(case.ids.shape[1] + settings.max_new_tokens + width, limit) for case in cases})
+        # a prompt just past half a bucket lands in that bucket with the warm-up's few new tokens and any tree
+        in_buckets = [ids.repeat(1, bucket // ids.shape[1] + 1)[:, : bucket // 2 + 1] for bucket in buckets]
         start = time.perf_counter()
         for prompt in [ids, ids[:, : max(ids.shape[1] // 2, 1)], *in_buckets]:
             runner(prompt)
