@@ -45,7 +45,7 @@ def sync() -> None:
 
 def measure(target, draft, ids, method: str, max_new_tokens: int) -> dict:
     kwargs = parse(method)
-    run(target, draft, ids, kwargs, 16)  # warm-up
+    run(target, draft, ids, kwargs, max_new_tokens)  # warm-up: the same capacity buckets as the timed run
     sync()
     start = time.perf_counter()
     out = run(target, draft, ids, kwargs, max_new_tokens)
@@ -90,7 +90,7 @@ def main() -> None:
         opttree.compile_model(draft)
         for m in args.compiled.split(","):
             start = time.perf_counter()
-            run(target, draft, ids, parse(m), 16)
+            run(target, draft, ids, parse(m), args.max_new_tokens)
             print(f"compile + capture of {m}+compile: {time.perf_counter() - start:.1f} s", flush=True)
             show(measure(target, draft, ids, m, args.max_new_tokens) | {"method": m + "+compile"})
 
