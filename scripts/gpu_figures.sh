@@ -83,7 +83,7 @@ profile)
     inflated
     python3 scripts/gpu_step_profile.py --target $big --draft $shipped_draft \
         --methods "${PROFILED:-ar,opt@16,opt@64,opt:recycling+lookup@16,opt:recycling+lookup@64}" \
-        --compiled "${COMPILED:-ar,opt@64,opt:recycling+lookup@16,opt@16}"
+        --compiled "${COMPILED:-ar,opt@64,opt@64!host,opt:recycling+lookup@16,opt:recycling+lookup@16!host,opt@16,opt@16!host}"
     ;;
 compiled)  # opttree's --compile: the target's and the draft's fixed-shape steps, CUDA graphs
     inflated
