@@ -91,6 +91,20 @@ def test_the_static_draft_gives_the_dynamic_drafts_log_probabilities_and_grows_w
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_draft_drafts_in_fixed_shapes_only_when_compiled_for_them():
+    """A static-path generation's draft model drafts over its own preallocated cache once it has a
+    compiled fixed-shape step (`compile_model(draft)`, CUDA graphs on a GPU); otherwise over its
+    growing cache (on a CPU the padding costs more than it saves)."""
+    target = tiny_model("llama", seed=1, layers=1, hidden=32)
+    draft = tiny_model("llama", seed=2, layers=1, hidden=32)
+    speculator = opttree.Speculator(target, draft, static=True, budget=4, max_new_tokens=4)
+    request = opttree.Request(torch.arange(3, 9))
+    assert type(speculator.stream(request).rows[0].drafter) is ModelDrafter
+    opttree.compile_model(draft)
+    assert type(speculator.stream(request).rows[0].drafter) is StaticModelDrafter
+    assert type(opttree.Speculator(target, draft, static=False).stream(request).rows[0].drafter) is ModelDrafter
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gpt_neox"])
 def pair(request):
     return tiny_model(request.param, seed=1, layers=2, hidden=64), tiny_model(request.param, seed=2, layers=1, hidden=32)

@@ -66,8 +66,9 @@ def compile_model(model: PreTrainedModel, static: bool = True) -> PreTrainedMode
     static=True: a separate step function for the static path's fixed-shape forwards (`static_step`),
     compiled for fixed shapes (one compilation per shape and capacity bucket), with CUDA graphs on a
     GPU; the forward stays eager for the prefill, whose length changes with every prompt. A target's
-    generations then take the static path unless told otherwise, and a draft model's drafter in a
-    static-path generation (`drafters.StaticModelDrafter`) runs its root and tree layers through it.
+    generations then take the static path unless told otherwise, and a draft model compiled so drafts
+    in fixed shapes on that path (`drafters.StaticModelDrafter`: its roots and tree layers through the
+    step; what pays on a GPU, while on a CPU its dynamic-shape compile, static=False, measured faster).
     static=False: the forward itself, with dynamic shapes (trees and caches change size every step:
     the dynamic path, and a batch's draft)."""
     # dynamo keeps at most `recompile_limit` (8) compiled versions per code object, and every model's

@@ -66,8 +66,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                         "('auto' = cuda when available, else cpu) (default: auto)")
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models: the target's "
-                        "and the draft's fixed-shape steps of the static path (once per budget; CUDA graphs on a GPU); "
-                        "the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
+                        "fixed-shape step of the static path (once per budget; CUDA graphs on a GPU), the draft's "
+                        "too on a GPU, its forward on a CPU; the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
                         "it pays for long runs")
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
                         help="the static path: trees padded to the budget, a preallocated KV cache compacted in "
@@ -278,7 +278,9 @@ def load_pair(args):
     if args.compile:  # the fixed-shape steps of the static path, unless --no-static
         static = getattr(args, "static", None) is not False
         target = compile_model(target, static=static)
-        draft = draft and compile_model(draft, static=static)
+        # the draft's too on a GPU (its layers in CUDA graphs); on a CPU its dynamic-shape compile measured
+        # faster (docs/BENCHMARKS.md, "Static shapes and compiled steps on the CPU")
+        draft = draft and compile_model(draft, static=static and model_device(draft).type == "cuda")
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 

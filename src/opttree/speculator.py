@@ -288,8 +288,9 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
         check(_check_fits, draft, "draft", max_len)
         check(check_model, draft, "draft", max_len)
         check(certify, draft, "draft", max_len, config.budget + 1)
-        # a static-path generation's draft holds the sequence and a step's slots (max_depth layers of `budget`)
-        positions = max_len + config.max_depth * config.budget + 1 if config.static else 0
+        # a static-path generation's draft with a compiled fixed-shape step (`compile_model(draft)`) drafts in
+        # fixed shapes too, over a cache of the sequence and a step's slots (max_depth layers of `budget`)
+        positions = max_len + config.max_depth * config.budget + 1 if config.static and has_static_step(draft) else 0
         draft = model_drafter(draft, config.draft_temperature, vocab=vocab, static_positions=positions,
                               max_depth=config.max_depth)
     elif draft is not None:
