@@ -140,7 +140,6 @@ class ModelDrafter(Declared):
         self.committed_len = self.base + kept.shape[0]
 
 
-
 class StaticModelDrafter(ModelDrafter):
     """The draft model over a preallocated cache (`opttree.cache.static_cache`), for a static-path
     generation. After the prompt, every forward is padded to a fixed number of rows (the next power of
@@ -202,6 +201,7 @@ class StaticModelDrafter(ModelDrafter):
     def _make_room(self, needed: int) -> None:
         if needed > capacity(self.cache):
             grow(self.cache, static_capacity(needed, self.window))
+
 
 class ChainDrafter(ModelDrafter):
     """A draft model that a tree mask cannot drive exactly (`opttree.chains.verified_as_chains`: state
