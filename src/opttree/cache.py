@@ -39,15 +39,13 @@ class RollbackLayer(StaticLayer):
     tensor), plus what speculation needs and transformers' `StaticCache` lacks: compaction to the
     accepted path and rollback, both in place (no new buffer, no host sync)."""
 
-    def keep(self, start: int, keep: torch.Tensor) -> None:
-        """Rows `start + keep` move to start, start + 1, ...; the layer then ends at start + K. keep: (K,) long."""
+    def keep(self, rows: torch.Tensor, dest: torch.Tensor, end: int) -> None:
+        """Rows `rows` (K,) move to `dest` (K,); the layer then ends at `end`."""
         if not self.is_initialized:
             return
-        rows = start + keep  # (K,)
-        dest = torch.arange(start, start + keep.shape[0], device=rows.device)  # (K,)
         self.keys.index_copy_(2, dest, self.keys.index_select(2, rows))  # (B, H, K, Dh), gathered first
         self.values.index_copy_(2, dest, self.values.index_select(2, rows))
-        self.cumulative_length.fill_(start + keep.shape[0])
+        self.cumulative_length.fill_(end)
 
     def truncate(self, length: int) -> None:
         if self.is_initialized:
@@ -139,11 +137,14 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
     keeps: per row, (K_b,) long offsets relative to `source`, increasing. In place.
     """
     end = max(start + keep.shape[0] for start, keep in zip(starts, keeps))
+    if is_static(cache):  # one sequence, rows at its prefix; the indices made once for every layer
+        assert len(starts) == 1 and source == starts[0], "a static cache holds one sequence"
+        rows = source + keeps[0]  # (K,)
+        dest = torch.arange(source, end, device=rows.device)  # (K,)
+        for layer in cache.layers:
+            layer.keep(rows, dest, end)
+        return
     for layer in cache.layers:
-        if isinstance(layer, RollbackLayer):  # the static path: one sequence, rows at its prefix
-            assert len(starts) == 1 and source == starts[0], "a static cache holds one sequence"
-            layer.keep(starts[0], keeps[0])
-            continue
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         for row, (start, keep) in enumerate(zip(starts, keeps)):

@@ -142,13 +142,19 @@ class ModelDrafter(Declared):
 
 class StaticModelDrafter(ModelDrafter):
     """The draft model over a preallocated cache (`opttree.cache.static_cache`), for a static-path
-    generation. After the prompt, every forward is padded to a fixed number of rows (the next power of
-    two) over the cache's whole capacity, so a draft compiled for fixed shapes (`compile_model(draft)`)
-    replays one graph per row count and capacity bucket (CUDA graphs on a GPU), whatever the prompt's
-    length; the new committed tokens of a step's root are padded to `root_rows` (the longest accepted
-    path and its root, for one shape). A padding row attends to itself only; its keys are dropped after
-    the forward. The cache is sized for `positions` (the generation's length and a step's slots) and
-    grows a bucket if that was short."""
+    generation. After the prompt, every forward is padded to a fixed number of rows over the cache's
+    whole capacity, so a draft compiled for fixed shapes (`compile_model(draft)`) replays one graph per
+    row count and capacity bucket (CUDA graphs on a GPU), whatever the prompt's length: a tree layer of
+    K slots runs as the next power of two >= K rows, the new committed tokens of a step's root as
+    `root_rows` (the longest accepted path and its root). The cache is sized for `positions` (the
+    generation's length and a step's slots) and grows a bucket if that was short.
+
+    A tree's attention pattern is kept in preallocated buffers, by slot: `keys_of[s]` (C,) the keys
+    slot s attends to (the committed prefix, its ancestors and itself), `depth_of[s]`. A layer's slots
+    copy their parents' rows and add themselves, and the forward takes the layer's rows as they are:
+    a few ops a layer, none of them sized by the tree (what a GPU step pays for in launches). A padding
+    row takes whatever its buffer row holds: every row attends to key 0 at least, and its output and
+    keys are dropped."""
 
     forwards_together = False  # one preallocated sequence
 
@@ -156,51 +162,82 @@ class StaticModelDrafter(ModelDrafter):
                  root_rows: int = 1):
         super().__init__(model, temperature, vocab)
         self.positions, self.root_rows, self.window = positions, root_rows, context_window(model)
+        self.keys_of = torch.ones(0, 0, dtype=torch.bool, device=self.device)  # (S_max, C) by slot
+        self.depth_of = torch.zeros(0, dtype=torch.long, device=self.device)  # (S_max,)
+        self.prefix = torch.zeros(0, dtype=torch.bool, device=self.device)  # (C,) the committed keys
+
+    def _open_tree(self) -> None:
+        self.filled = 0  # slots of the current tree
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = static_cache(self.model, static_capacity(max(self.positions, input_ids.shape[0]), self.window))
         self.committed_len = 0
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        log_probs = super().root(committed)
+        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base  # (C,) the committed keys
+        return log_probs
 
     def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
         if not self.cache.is_initialized:  # the prompt: one eager forward under the causal mask allocates the cache
             self._make_room(end)
             return super()._root_forward(new, end)
         start, count = self.committed_len, new.shape[0]
-        allowed = torch.ones(count, end, dtype=torch.bool, device=self.device).tril(start)  # (R, start+R) causal
-        positions = torch.arange(start, end, device=self.device)  # (R,)
-        keys = partial(key_positions, start, positions, end)
-        return self._fixed_forward(new, positions, allowed, keys, self.root_rows)[-1]
-
-    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys) -> torch.Tensor:
-        return self._fixed_forward(tokens, positions, allowed, keys)
-
-    def _fixed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys,
-                       rows: int = 1) -> torch.Tensor:
-        """(Q,) tokens at (Q,) positions after the cache's L rows, under (Q, L+Q) `allowed` (keys: their
-        (L+Q,) positions) -> logits (Q, V), run as W rows (`rows`, or the next power of two >= Q) over the
-        cache's capacity C."""
-        count, used = tokens.shape[0], allowed.shape[1]
-        width = max(rows, 1 << (count - 1).bit_length())  # W
-        self._make_room(used - count + width)
+        width = max(self.root_rows, 1 << (count - 1).bit_length())  # W
+        self._make_room(start + width)
         keys_total = capacity(self.cache)  # C
-        pad = torch.arange(count, width, device=self.device)  # (W-Q,) padding rows, after the real ones
-        fixed = allowed.new_zeros(width, keys_total)  # (W, C)
-        fixed[:count, :used] = allowed
-        fixed[pad, used - count + pad] = True  # a padding row sees itself only
+        pad = torch.arange(count, width, device=self.device)  # (W-R,) padding rows, after the real ones
+        allowed = torch.ones(width, keys_total, dtype=torch.bool, device=self.device).tril(start)  # (W, C) causal
+        allowed[pad, : start + count] = False  # a padding row sees itself only
+        positions = torch.arange(start, start + width, device=self.device)  # (W,)
+        ids = torch.cat([new, new.new_zeros(width - count)])  # (W,)
+        logits = masked_forward(self.model, self.cache, ids, positions, allowed, forward=static_step(self.model),
+                                keys=partial(key_positions, start, positions, keys_total))  # (W, V)
+        truncate(self.cache, end)  # the padding rows' keys go
+        return logits[count - 1]
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        count, first = tokens.shape[0], self.filled  # K new slots: first .. first + K - 1
+        width = 1 << (count - 1).bit_length()  # W
+        self._make_room(self.base + first + width)
+        self._slot_room(first + width)
+        slots = torch.arange(first, first + count, device=self.device)  # (K,)
+        has_parent, parent = parent_slots >= 0, parent_slots.clamp(min=0)  # (K,), (K,)
+        keys_of = torch.where(has_parent[:, None], self.keys_of[parent], self.prefix)  # (K, C) the ancestors' keys
+        keys_of[torch.arange(count, device=self.device), self.base + slots] = True  # and its own
+        self.keys_of[slots] = keys_of
+        depths = torch.where(has_parent, self.depth_of[parent] + 1, 1)  # (K,)
+        self.depth_of[slots] = depths
+        self.filled += count
         ids = torch.cat([tokens, tokens.new_zeros(width - count)])  # (W,)
-        where = torch.cat([positions, used - count + pad])  # (W,)
+        positions = torch.cat([self.base - 1 + depths, depths.new_zeros(width - count)])  # (W,)
+        keys_total = capacity(self.cache)
 
-        def every_key() -> torch.Tensor:  # (C,) the unused rows count as their index
-            return torch.cat([keys(), torch.arange(used, keys_total, device=self.device)])
+        def every_key() -> torch.Tensor:  # (C,) the prefix, the slots at their depths, unused rows as their index
+            return key_positions(self.base, self.base - 1 + self.depth_of[: self.filled], keys_total)
 
-        logits = masked_forward(self.model, self.cache, ids, where, fixed, forward=static_step(self.model),
-                                keys=every_key)  # (W, V)
-        truncate(self.cache, used)  # the padding rows' keys go
-        return logits[:count]
+        logits = masked_forward(self.model, self.cache, ids, positions, self.keys_of[first : first + width],
+                                forward=static_step(self.model), keys=every_key)  # (W, V)
+        truncate(self.cache, self.base + self.filled)  # the padding rows' keys go
+        return self._log_probs(logits[:count])
 
     def _make_room(self, needed: int) -> None:
+        """Cache rows up to `needed`."""
         if needed > capacity(self.cache):
             grow(self.cache, static_capacity(needed, self.window))
+
+    def _slot_room(self, slots: int) -> None:
+        """Tree buffers for `slots` slots, over the cache's capacity."""
+        rows, keys_total = self.keys_of.shape
+        if slots <= rows and keys_total == capacity(self.cache):
+            return
+        wider = torch.zeros(max(slots, 2 * rows), capacity(self.cache), dtype=torch.bool, device=self.device)
+        wider[:, 0] = True  # no row attends to nothing (a padding row's output is dropped, never NaN)
+        wider[:rows, :keys_total] = self.keys_of
+        self.keys_of = wider  # (S_max, C)
+        self.depth_of = torch.cat([self.depth_of, self.depth_of.new_zeros(wider.shape[0] - rows)])
+        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base
 
 
 class ChainDrafter(ModelDrafter):
