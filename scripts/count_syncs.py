@@ -6,6 +6,10 @@ from one HumanEval-style prompt; the prefill and the first step are left out.
 
     python scripts/count_syncs.py                       # the default methods, the stop decided on the host and on the device
     python scripts/count_syncs.py opt:model@64 dyspec:model@16 --temperature 1 --where
+    python scripts/count_syncs.py opt:model@16 opt:model@64 --temperature 0 --compiled   # what a GPU runs
+
+--compiled: both models compiled for the static path (`compile_model`), so the draft drafts in fixed
+shapes as on a GPU (counted eagerly: the counter runs compiled code's eager version).
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--where", action="store_true", help="also list the lines of opttree that read the device")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="compile both models for the static path first")
     args = parser.parse_args()
     target, draft, tokenizer = opttree.demo_models(dtype=torch.float32)
+    if args.compiled:
+        opttree.compile_model(target), opttree.compile_model(draft)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     rows = []
     for temperature in args.temperature:
