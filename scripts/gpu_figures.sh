@@ -43,11 +43,11 @@ if [ "$what" = all ]; then
     exit 0
 fi
 if [ "$what" = short ]; then  # each step's output kept in OUT_DIR even when its time runs out
-    timeout 110 bash "$0" check "$out" 2>&1 | tee "$out/check.txt" || true
+    timeout 90 bash "$0" check "$out" 2>&1 | tee "$out/check.txt" || true
     inflated > "$out/inflate.txt" 2>&1 || true
-    PROFILED=${PROFILED:-ar} timeout 150 bash "$0" profile "$out" 2>&1 | tee "$out/profile.txt" || true
-    # 96 new tokens: the first 8 prompts then fit one capacity bucket, so each step compiles once
-    BENCH_OUT=/tmp/opttree-compiled-1b LIMIT=${LIMIT:-8} BUDGETS=${BUDGETS:-16} MAX_NEW=${MAX_NEW:-96} \
+    PROFILED=${PROFILED:-ar} timeout 180 bash "$0" profile "$out" 2>&1 | tee "$out/profile.txt" || true
+    # 96 new tokens: the first 8 prompts then fit few capacity buckets, so each step compiles once or twice
+    BENCH_OUT=/tmp/opttree-compiled-1b LIMIT=${LIMIT:-8} BUDGETS=${BUDGETS:-16,64} MAX_NEW=${MAX_NEW:-96} \
         timeout 240 bash "$0" compiled "$out" 2>&1 \
         | tee "$out/compiled.txt" || true
     for f in results.json results.md; do cp /tmp/opttree-compiled-1b/$f "$out/compiled-$f" 2>/dev/null || true; done
