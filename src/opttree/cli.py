@@ -149,6 +149,7 @@ def cmd_demo(args) -> int:
     from .speculator import generate
 
     target, draft, tokenizer = load_pair(args)
+    dtype = str(target.dtype).removeprefix("torch.")  # what --dtype (auto by default) loaded
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
     draft = used_draft(tree, draft)
@@ -193,7 +194,7 @@ def cmd_demo(args) -> int:
     same = len(prompts) - len(differences)
     if args.json:
         print(json.dumps({"rows": rows, "identical_to_ar": same, "differences": differences, "prompts": len(prompts),
-                          "budget": tree["budget"], "drafter": str(tree.get("drafter") or "") or None, "dtype": args.dtype,
+                          "budget": tree["budget"], "drafter": str(tree.get("drafter") or "") or None, "dtype": dtype,
                           "disturbed": disturbed or None}))
         return 0
     width = max(10, len(label) + 2)
@@ -206,7 +207,7 @@ def cmd_demo(args) -> int:
     where = "; ".join(f"prompt {d['prompt']} from new token {d['token']}" for d in differences)
     drafted_by = f"drafter {tree.get('drafter') or 'model'}, " if tree["tree"] != "ar" else ""
     print(f"\n{same}/{len(prompts)} completions identical to plain decoding{' (' + where + ' differs)' if where else ''} "
-          f"({args.dtype}, temperature {args.temperature}, {drafted_by}budget {tree['budget']}, delta {tree['delta']:g}, "
+          f"({dtype}, temperature {args.temperature}, {drafted_by}budget {tree['budget']}, delta {tree['delta']:g}, "
           f"draft temperature {tree['draft_temperature']:.2g})")
     if disturbed:
         print(f"WARNING: the machine looked disturbed during the demo ({disturbed}): the speedups above are not "
@@ -214,8 +215,8 @@ def cmd_demo(args) -> int:
     if args.temperature > 0:
         print("(sampling: the outputs follow the target's distribution exactly; the same tokens as plain "
               "decoding are not guaranteed at temperature > 0)")
-    elif differences and args.dtype not in ("float32", "fp32"):
-        print(f"({args.dtype} rounds a forward over a tree differently from a one-token forward, so near-ties can "
+    elif differences and dtype != "float32":
+        print(f"({dtype} rounds a forward over a tree differently from a one-token forward, so near-ties can "
               "flip; --dtype float32 is the exact reference, token for token)")
     return 0
 

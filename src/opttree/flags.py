@@ -225,7 +225,6 @@ def add_tp_arg(parser: argparse.ArgumentParser) -> None:
 
 def check_tp(args, target_path, device: "torch.device") -> None:
     """--tp: joins the ranks and refuses what does not combine with a sharded target, before loading."""
-    import torch
     from transformers import AutoConfig
 
     from . import parallel
@@ -236,13 +235,12 @@ def check_tp(args, target_path, device: "torch.device") -> None:
             raise ValueError(f"--tp does not combine with {flag}: a sharded target runs eager, unquantized")
     parallel.start(device)
     parallel.check_plan(AutoConfig.from_pretrained(target_path, local_files_only=True), target_path)
-    if args.dtype == "auto":  # measuring would load the whole target on one rank: the rule instead
-        args.dtype = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
 
 
 def load_pair(args):
     """(target, draft, tokenizer) from --target / --draft, or the shipped pair; with --tp the target is
     sharded over the ranks (`opttree.parallel`)."""
+    import torch
     from transformers import AutoTokenizer
 
     from .demo import demo_paths, load_model
@@ -261,9 +259,12 @@ def load_pair(args):
     draft_device = resolve_device(args.draft_device or args.device)
     if args.tp:
         check_tp(args, target_path, device)
-    if args.dtype == "auto":
-        args.dtype = auto_dtype(target_path, draft_path, device)
-    dtype, draft_dtype = torch_dtype(args.dtype), torch_dtype(args.draft_dtype or args.dtype)
+    chosen = args.dtype
+    if chosen == "auto" and args.tp:  # measuring would load the whole target on one rank: the rule instead
+        chosen = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    elif chosen == "auto":
+        chosen = auto_dtype(target_path, draft_path, device)
+    dtype, draft_dtype = torch_dtype(chosen), torch_dtype(args.draft_dtype or chosen)
     attn = getattr(args, "attn_implementation", "sdpa")
     if args.tp:  # transformers places each rank's shard (cuda:LOCAL_RANK on GPUs); the draft goes beside it
         target = load_model(target_path, dtype, attn, tp_plan="auto")
