@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
@@ -83,11 +84,12 @@ def describe_calibration(settings: dict) -> str:
     return ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in settings.items())
 
 
-def fill_calibration_defaults(args) -> None:
-    """Every calibrate setting the user left unset, from the full or the --quick table."""
-    for name, value in (QUICK_CALIBRATION if args.quick else FULL_CALIBRATION).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+def with_calibration_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """calibrate's arguments with every setting the user left unset taken from the full or the --quick
+    table (a new namespace; the parsed one is left as typed)."""
+    table = QUICK_CALIBRATION if args.quick else FULL_CALIBRATION
+    return argparse.Namespace(**{**vars(args), **{name: value for name, value in table.items()
+                                                     if getattr(args, name) is None}})
 
 
 # ---- argument parsing ----------------------------------------------------------------------------
@@ -265,7 +267,7 @@ def cmd_calibrate(args) -> int:
     from ..flags import load_pair
     from .prompts import encode, load_prompts, parse_text
 
-    fill_calibration_defaults(args)
+    args = with_calibration_defaults(args)
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     target, draft, tokenizer = load_pair(args)

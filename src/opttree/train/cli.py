@@ -53,7 +53,7 @@ def _add_train_args(p: argparse.ArgumentParser, lr: float, batch_size: int) -> N
     _add_corpus_args(p)
 
 
-def _train_config(args, steps=None, minutes=None, run_dir=None):
+def _train_config(args, steps=None, minutes=None, run_dir=None, resume=None):
     from .lm import TrainConfig
 
     return TrainConfig(run_dir=run_dir or args.run_dir, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -61,7 +61,7 @@ def _train_config(args, steps=None, minutes=None, run_dir=None):
                        grad_clip=args.grad_clip, steps=steps if steps is not None else args.steps,
                        minutes=minutes if minutes is not None else args.minutes, eval_every=args.eval_every,
                        eval_windows=args.eval_windows, ckpt_minutes=args.ckpt_minutes, seed=args.seed,
-                       bf16=_bf16_autocast(args), resume=args.resume)
+                       bf16=_bf16_autocast(args), resume=args.resume if resume is None else resume)
 
 
 def _bf16_autocast(args) -> bool:
@@ -312,19 +312,19 @@ def cmd_pair(args) -> None:
         train_tokenizer(load_texts(args.corpus, "train", _heldout(args)), args.vocab_size, tok_dir)
     tok = load_tokenizer(tok_dir)
     train, heldout = _tokens(tok, args, out / "data")
-    args.resume = True  # the pair command is always restartable
 
     target_dir = out / "target"
     if not (target_dir / "final" / "model.safetensors").exists():
         _log("== target")
-        cfg = _train_config(args, steps=args.steps_target, minutes=args.minutes_target, run_dir=target_dir)
+        cfg = _train_config(args, steps=args.steps_target, minutes=args.minutes_target, run_dir=target_dir,
+                            resume=True)  # the pair command is always restartable
         cfg.lr, cfg.batch_size = args.lr_target, args.batch_size_target
         train_lm(tok, train, heldout, ModelShape.parse(args.target_shape) if args.target_shape else TARGET_SHAPE,
                  cfg, _log)
     draft_dir = out / "draft"
     if not (draft_dir / "final" / "model.safetensors").exists():
         _log("== draft")
-        cfg = _train_config(args, steps=args.steps_draft, minutes=args.minutes_draft, run_dir=draft_dir)
+        cfg = _train_config(args, steps=args.steps_draft, minutes=args.minutes_draft, run_dir=draft_dir, resume=True)
         cfg.lr, cfg.batch_size = args.lr_draft, args.batch_size_draft
         train_draft(load_target(target_dir / "final"), tok, train, heldout,
                     ModelShape.parse(args.draft_shape) if args.draft_shape else DRAFT_SHAPE, cfg,
