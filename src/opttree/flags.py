@@ -67,8 +67,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", help="the draft's device, if not --device")
     parser.add_argument("--compile", action="store_true", help="torch.compile the models: the target's "
                         "fixed-shape step of the static path (once per budget; CUDA graphs on a GPU), the draft's "
-                        "too on a GPU, its forward on a CPU; the first compiled generations took 29-180 s on a 2-core CPU (docs/USAGE.md), so "
-                        "it pays for long runs")
+                        "too on a GPU, its forward on a CPU; the first compiled generations took 29-180 s on a "
+                        "2-core CPU (docs/USAGE.md), so it pays for long runs")
     parser.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
                         help="the static path: trees padded to the budget, a preallocated KV cache compacted in "
                         "place, one verify shape (default: on with --compile, else off)")
