@@ -11,7 +11,7 @@
 #   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
 #   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
-# Packages carried along in wheels/ are installed first, without dependencies: *.whl with pip, *.tar.xz as an
+# Packages carried along in wheels/ (made here by scripts/gpu_wheels.sh) are installed first, without dependencies: *.whl with pip, *.tar.xz as an
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
 # a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
 # LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8), PROFILED (eager methods of
