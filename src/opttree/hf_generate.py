@@ -5,8 +5,8 @@ the generation config, the logits processors and the stopping criteria, then han
 `custom_generate` runs opttree's speculative loop in its place, reading the settings from what
 transformers prepared, so the output is what `generate` itself would return (token for token at
 temperature 0; the same distribution when sampling). `assistant_model=` is the draft (none: the
-train-free sources draft); opttree's settings (`TREE_SETTINGS`: `tree`, `budget`, `delta`, `max_depth`,
-`drafter`, ...) may be passed to `generate` as keyword arguments. The logits
+train-free sources draft); opttree's tree settings (`tree`, `budget`, `delta`, `max_depth`, `drafter`,
+`draft_temperature`, `datastore`, `head`, `depth_control`) may be passed to `generate` as keyword arguments. The logits
 processors transformers prepared (a repetition penalty, suppressed tokens, a minimum length, ...) are
 applied at every tree node with that node's own context; whatever opttree cannot apply exactly (a time
 limit, a logits processor of your own, output scores) is refused by name instead of being ignored. The last call's statistics
@@ -30,9 +30,6 @@ from .stats import GenerationStats
 IGNORED_MODEL_KWARGS = ("use_cache", "attention_mask", "past_key_values", "cache", "cache_position", "position_ids",
                         "logits_to_keep")
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-# opttree's own settings, passed to generate() as keyword arguments (None: the default)
-TREE_SETTINGS = ("tree", "drafter", "budget", "delta", "max_depth", "draft_temperature", "datastore", "head",
-                 "early_exit", "depth_control", "length_predictor")
 
 
 def from_generate_call(name: str):
@@ -53,16 +50,12 @@ class CustomGenerate:
     stats: GenerationStats | None = None
 
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
-                 generation_config=None, assistant_model=None, streamer=None, seed=None, **kwargs):
-        """What transformers' generate hands a custom loop, with opttree's `TREE_SETTINGS` and the model
-        kwargs it prepared among `kwargs`."""
-        given = {name: kwargs.pop(name) for name in TREE_SETTINGS if name in kwargs}
-        options = {name: value for name, value in given.items() if value is not None}
-        model_kwargs = kwargs  # the rest: what generate() prepared for the model
+                 generation_config=None, assistant_model=None, streamer=None, tree=None,
+                 drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
+                 head=None, early_exit=None, depth_control=None, length_predictor=None, seed=None, **model_kwargs):
         unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
         if unknown:
-            raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model (opttree's settings: "
-                             f"{', '.join(TREE_SETTINGS)})")
+            raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
         positions, mask = model_kwargs.get("position_ids"), model_kwargs.get("attention_mask")
         if positions is not None and not _own_positions(positions, input_ids, mask):
             raise ValueError("opttree's custom_generate numbers each prompt's positions 0..T-1 (padding left out): "
@@ -73,6 +66,10 @@ class CustomGenerate:
         asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
         if asked:
             raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")
+        options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
+                       draft_temperature=draft_temperature, datastore=datastore, head=head, early_exit=early_exit,
+                       depth_control=depth_control, length_predictor=length_predictor)
+        options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
         rules = Rules(per_node_processors(logits_processor), stopping["eos_token_id"])
