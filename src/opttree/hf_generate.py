@@ -49,6 +49,8 @@ class CustomGenerate:
 
     stats: GenerationStats | None = None
 
+    # opttree's settings are named parameters, not **kwargs: transformers' generate refuses any keyword
+    # argument that is neither the model's nor a named parameter of the custom_generate callable
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, assistant_model=None, streamer=None, tree=None,
                  drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
