@@ -175,8 +175,11 @@ class StaticModelDrafter(ModelDrafter):
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         log_probs = super().root(committed)
-        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base  # (C,) the committed keys
+        self._committed_keys()
         return log_probs
+
+    def _committed_keys(self) -> None:
+        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base  # (C,)
 
     def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
         if not self.cache.is_initialized:  # the prompt: one eager forward under the causal mask allocates the cache
@@ -189,11 +192,8 @@ class StaticModelDrafter(ModelDrafter):
         pad = torch.arange(count, width, device=self.device)  # (W-R,) padding rows, after the real ones
         allowed = torch.ones(width, keys_total, dtype=torch.bool, device=self.device).tril(start)  # (W, C) causal
         allowed[pad, : start + count] = False  # a padding row sees itself only
-        positions = torch.arange(start, start + width, device=self.device)  # (W,)
-        ids = torch.cat([new, new.new_zeros(width - count)])  # (W,)
-        logits = masked_forward(self.model, self.cache, ids, positions, allowed, forward=static_step(self.model),
-                                keys=partial(key_positions, start, positions, keys_total))  # (W, V)
-        truncate(self.cache, end)  # the padding rows' keys go
+        positions = torch.arange(start, end, device=self.device)  # (R,)
+        logits = self._padded_forward(new, positions, allowed, partial(key_positions, start, positions, keys_total), end)
         return logits[count - 1]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
@@ -210,17 +210,25 @@ class StaticModelDrafter(ModelDrafter):
         depths = torch.where(has_parent, self.depth_of[parent] + 1, 1)  # (K,)
         self.depth_of[slots] = depths
         self.filled += count
-        ids = torch.cat([tokens, tokens.new_zeros(width - count)])  # (W,)
-        positions = torch.cat([self.base - 1 + depths, depths.new_zeros(width - count)])  # (W,)
         keys_total = capacity(self.cache)
 
         def every_key() -> torch.Tensor:  # (C,) the prefix, the slots at their depths, unused rows as their index
             return key_positions(self.base, self.base - 1 + self.depth_of[: self.filled], keys_total)
 
-        logits = masked_forward(self.model, self.cache, ids, positions, self.keys_of[first : first + width],
-                                forward=static_step(self.model), keys=every_key)  # (W, V)
-        truncate(self.cache, self.base + self.filled)  # the padding rows' keys go
+        logits = self._padded_forward(tokens, self.base - 1 + depths, self.keys_of[first : first + width], every_key,
+                                      self.base + self.filled)
         return self._log_probs(logits[:count])
+
+    def _padded_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys,
+                        end: int) -> torch.Tensor:
+        """(Q,) tokens at (Q,) positions, padded to the W rows of `allowed` (W, C), through the fixed-shape
+        step; the cache then ends at `end` (the padding rows' keys go). Returns logits (W, V)."""
+        pad = (0, allowed.shape[0] - tokens.shape[0])
+        logits = masked_forward(self.model, self.cache, torch.nn.functional.pad(tokens, pad),
+                                torch.nn.functional.pad(positions, pad), allowed, forward=static_step(self.model),
+                                keys=keys)
+        truncate(self.cache, end)
+        return logits
 
     def _make_room(self, needed: int) -> None:
         """Cache rows up to `needed`."""
@@ -237,7 +245,7 @@ class StaticModelDrafter(ModelDrafter):
         wider[:rows, :keys_total] = self.keys_of
         self.keys_of = wider  # (S_max, C)
         self.depth_of = torch.cat([self.depth_of, self.depth_of.new_zeros(wider.shape[0] - rows)])
-        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base
+        self._committed_keys()
 
 
 class ChainDrafter(ModelDrafter):
