@@ -146,10 +146,11 @@ def cmd_demo(args) -> int:
     """`opttree demo`: complete a few code prompts with OPT-Tree and with plain decoding, interleaved."""
     from .calibration import calibrate_first
     from .calibration.measure import noise_problem, probe_ms
+    from .device import dtype_name
     from .speculator import generate
 
     target, draft, tokenizer = load_pair(args)
-    dtype = str(target.dtype).removeprefix("torch.")  # what --dtype (auto by default) loaded
+    dtype = dtype_name(target)  # what --dtype (auto by default) loaded
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
     draft = used_draft(tree, draft)

@@ -16,6 +16,11 @@ def model_device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def dtype_name(model: PreTrainedModel) -> str:
+    """The model's dtype as the --dtype flags spell it: "bfloat16", "float32", ..."""
+    return str(model.dtype).removeprefix("torch.")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a wall-clock reading after it is true (no-op on the CPU)."""
     if device.type == "cuda":

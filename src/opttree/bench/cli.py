@@ -237,6 +237,7 @@ def cmd_bench(args) -> int:
 
 def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
+    from ..device import dtype_name
     from ..hardware import machine_info, now
     from ..speculator import use_static
     from .methods import find_method
@@ -247,10 +248,10 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
         "machine": machine_info(),
         "target": target.config._name_or_path,
         "draft": None if draft is None else draft.config._name_or_path,
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target),
         "device": str(target.device),
         "draft_device": None if draft is None else str(draft.device),
-        "draft_dtype": None if draft is None else str(draft.dtype).removeprefix("torch."),
+        "draft_dtype": None if draft is None else dtype_name(draft),
         "compiled": bool(args.compile),
         "static": use_static(settings.static, target),
         "prompt_file": str(args.prompts),

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from ..cache import context_window
+from ..device import dtype_name
 from ..hardware import hardware_key, machine_info, now
 from ..profiles import (PROFILE_VERSION, SAMPLED_FIELD, find_profile, measured_sources, profile_dir,
                         profile_draft_temperature, profile_key, save_profile)
@@ -79,7 +80,7 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "hardware": hardware_key(target.device),
         "target": target.config._name_or_path,
         "draft": draft.config._name_or_path,
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target),
         "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats),
         "latency": {"k": list(range(1, max_tokens + 1)), "target_s": t_target, "draft_s": t_draft},
         "overhead_per_step_s": overhead,
