@@ -67,20 +67,20 @@ def test_demo_warns_when_the_machine_looked_disturbed(capsys, monkeypatch):
 
 def test_demo_says_which_prompt_differs_and_where(capsys, monkeypatch):
     """A drafted output that differs from plain decoding (forced here) is named: prompt and token."""
-    import opttree.speculator
     from opttree.cli import DEMO_PROMPTS
+    from opttree.speculator import Speculator
 
-    real = opttree.speculator.generate
+    real = Speculator.generate
     second = opttree.demo_models()[2](DEMO_PROMPTS[1], return_tensors="pt").input_ids
 
-    def altered(target, ids, draft, **kwargs):
-        out = real(target, ids, draft, **kwargs)
-        if kwargs.get("tree") != "ar" and torch.equal(ids, second):  # the second demo prompt only
+    def altered(self, request, **kwargs):
+        out = real(self, request, **kwargs)
+        if self.options.get("tree") != "ar" and torch.equal(request.prompt, second):  # the second demo prompt only
             out.sequences = out.sequences.clone()  # an inference tensor: changed on a copy
-            out.sequences[0, ids.shape[1] + 2] += 1  # new token 2 changes
+            out.sequences[0, second.shape[1] + 2] += 1  # new token 2 changes
         return out
 
-    monkeypatch.setattr(opttree.speculator, "generate", altered)
+    monkeypatch.setattr(Speculator, "generate", altered)
     assert main(["demo", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["identical_to_ar"] == 2 and report["differences"] == [{"prompt": 2, "token": 2}]

@@ -70,18 +70,17 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from .calibration import calibrate_first
-    from .speculator import stream
+    from .speculator import Request, Speculator
     from .text import TextStream
 
     prompt = read_prompt(args)
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = resolved_tree_options(args, target, draft)
+    speculator = Speculator(target, used_draft(tree, draft), tokenizer=tokenizer, **tree)
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    run = stream(
-        target, prompt_ids, used_draft(tree, draft), tokenizer=tokenizer, stop=args.stop, **tree,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-    )
+    run = speculator.stream(Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop))
     if not args.json:
         print(prompt, end="", flush=True)
     text = TextStream(tokenizer)  # a character split across chunks prints once it is whole
@@ -147,26 +146,26 @@ def cmd_demo(args) -> int:
     from .calibration import calibrate_first
     from .calibration.measure import noise_problem, probe_ms
     from .device import dtype_name
-    from .speculator import generate
+    from .speculator import Request, Speculator
 
     target, draft, tokenizer = load_pair(args)
     dtype = dtype_name(target)  # what --dtype (auto by default) loaded
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
     draft = used_draft(tree, draft)
-    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id)
+    common = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     label = f"{tree['tree']}:{tree['drafter']}" if tree.get("drafter") and tree["tree"] != "ar" else tree["tree"]
-    methods = {"ar": dict(tree="ar"), label: tree}
+    methods = {name: Speculator(target, draft, eos_token_id=tokenizer.eos_token_id, **options)
+               for name, options in (("ar", dict(tree="ar")), (label, tree))}
     prompts = [tokenizer(p, return_tensors="pt").input_ids for p in DEMO_PROMPTS]
-    generate(target, prompts[0], draft, **methods[label], **{**common, "max_new_tokens": 8})  # warm-up
+    methods[label].generate(Request(prompts[0], max_new_tokens=8, **common))  # warm-up
     probe_before = probe_ms(target, prompts[0][0])  # the same 1-token forward, timed before and after
     totals = {name: {"tokens": 0, "steps": 0, "time": 0.0, "per_prompt": []} for name in methods}
     differences = []  # {"prompt": 1-based number, "token": index of the first new token that differs}
     for number, (text, ids) in enumerate(zip(DEMO_PROMPTS, prompts), start=1):
         outputs = {}
-        for name, method in methods.items():
-            out = generate(target, ids, draft, **method, **common)
+        for name, speculator in methods.items():
+            out = speculator.generate(Request(ids, max_new_tokens=args.max_new_tokens, **common))
             outputs[name] = out
             totals[name]["tokens"] += out.stats.new_tokens
             totals[name]["steps"] += out.stats.steps
