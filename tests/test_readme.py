@@ -40,9 +40,11 @@ SERVER_ADDRESS = "127.0.0.1:8000"  # the README's clients name this address: the
 SUBSTITUTIONS = [
     (r"--max-new-tokens \d+", "--max-new-tokens 8"),                      # generation length
     (r"max_new_tokens=\d+", "max_new_tokens=8"),
+    (r"(opttree\.Speculator\([^)]*)\)", r"\1, max_new_tokens=8)"),    # a speculator's requests: 8 tokens too
     (r"max_tokens=\d+", "max_tokens=8"),                                  # OpenAI clients
     (r'"max_tokens": \d+', '"max_tokens": 8'),
     (r"opttree demo(?!\S)", "opttree demo --max-new-tokens 8"),
+    (r"opttree generate (?!.*--max-new-tokens)", "opttree generate --max-new-tokens 8 "),  # its default is 128
     (r"--budgets [\d,auto]+", "--budgets 4"),                             # bench: one budget,
     (r"opttree bench ", "opttree bench --limit 1 "),                      # one prompt
     (r"opttree calibrate (?!--quick)", "opttree calibrate --quick "),     # calibrate: the quick mode, smaller still
