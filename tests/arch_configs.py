@@ -16,8 +16,9 @@ SMALL = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "initializer_range": 0.2, "init_std": 0.2,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "rotary_dim": 8,
 }
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def tiny_config(model_type: str, **extra):
@@ -28,6 +29,10 @@ def tiny_config(model_type: str, **extra):
     if hasattr(default, "qk_rope_head_dim"):
         small.pop("head_dim", None)  # MLA: head_dim is the rope part, keys have one head per query head
         small["num_key_value_heads"] = small.get("num_attention_heads", 4)
+    elif hasattr(default, "head_dim") and default.head_dim is None:  # Ministral, Hunyuan: None = derive it
+        small["head_dim"] = SMALL["hidden_size"] // SMALL["num_attention_heads"]  # ... which their attention does not
+    if getattr(default, "num_experts_per_tok", 0) is None and any(name in small for name in EXPERT_COUNTS):
+        small["num_experts_per_tok"] = 2  # DeepSeek-V2's default leaves it unset (its checkpoints set 6)
     if _is_int(getattr(default, "attention_hidden_size", None)):
         small["attention_hidden_size"] = 64
     for name in ("layer_types", "mlp_layer_types"):
