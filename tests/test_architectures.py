@@ -43,8 +43,9 @@ SUBSET = {"llama": {"identical"}, "gpt2": {"identical"}, "gemma3_text": {"identi
 # outcomes of every architecture that is not identical in every case, and what stopped the comparison where
 # nothing was compared.
 PINS = Path(__file__).with_name("architectures_pinned.json")
-EXPECTED: dict[str, set[str]] = {name: set(kinds) for name, kinds in json.loads(PINS.read_text())["expected"].items()}
-CAUSES: dict[str, str] = json.loads(PINS.read_text())["causes"]
+_PINNED = json.loads(PINS.read_text())
+EXPECTED: dict[str, set[str]] = {name: set(kinds) for name, kinds in _PINNED["expected"].items()}
+CAUSES: dict[str, str] = _PINNED["causes"]
 # How a refusal's message names its reason (first match wins).
 REASONS = {
     "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",
@@ -80,7 +81,8 @@ def variants(model_type: str) -> list[dict]:
 
 def cause(error: Exception) -> str:
     """An exception as one short line, for an outcome that names why nothing was compared."""
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100] if str(error).strip() else ''}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:100] if text else ''}"
 
 
 def sweep_architecture(model_type: str) -> list[tuple[str, str]]:
@@ -175,7 +177,6 @@ def test_mainstream_architectures_are_not_refused():
 def sweep_isolated(model_type: str, memory_gb: float = 4, timeout_s: float = 900) -> list[tuple[str, str]]:
     """sweep_architecture in a child process with a memory and a time limit: an architecture whose
     "tiny" config is not small (Byte Latent Transformer: a hash-embedding table) cannot stop the sweep."""
-    import json
     import resource
     import subprocess
 
@@ -206,15 +207,22 @@ if __name__ == "__main__":  # the full sweep's counts, one child process per arc
         per_arch[model_type] = Counter(r for _, r in results)
         counts.update(r for _, r in results)
         print(model_type, dict(per_arch[model_type]), flush=True)
-        kinds = {kind(r) for _, r in results}
-        changed += [unpinned(model_type, results)] if unpinned(model_type, results) else []
+        kinds, mismatch = {kind(r) for _, r in results}, unpinned(model_type, results)
+        if mismatch:
+            changed.append(mismatch)
         if model_type not in SUBSET and kinds != {"identical"}:
             pins["expected"][model_type] = sorted(kinds)
             uncompared = sorted(r for _, r in results if kind(r) != r)
             if uncompared:  # 'not built (KeyError: ...)' -> the part in brackets
                 pins["causes"][model_type] = uncompared[0].split("(", 1)[1].rstrip(")")
     if pin:
-        text = json.dumps({"about": json.loads(PINS.read_text())["about"], **pins}, indent=1)
+        import transformers
+
+        about = (f"The full sweep's outcomes (python tests/test_architectures.py --pin, transformers "
+                 f"{transformers.__version__}): each architecture that is not identical in every case, its outcome "
+                 "kinds, and for those not compared, what stopped the comparison. Architectures not listed are "
+                 "identical in every case.")
+        text = json.dumps({"about": about, **pins}, indent=1)
         PINS.write_text(re.sub(r"\[\n\s+([^\]]*?)\n\s+\]", lambda m: "[" + re.sub(r",\n\s+", ", ", m[1]) + "]", text) + "\n")
         print(f"wrote {PINS}: review the causes before committing it")
     print("TOTAL", dict(counts))
