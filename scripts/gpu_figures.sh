@@ -11,11 +11,13 @@
 #   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
 #   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
+#   scripts/gpu_figures.sh rows    OUT_DIR   # check, defaults at T=0 and T=1, compiled steps with the delta stop on the
+#                                            # host and on the device, the 1B target at T=1: under time limits, one lease
 # Packages carried along in wheels/ (made here by scripts/gpu_wheels.sh) are installed first, without dependencies: *.whl with pip, *.tar.xz as an
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
 # a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
-# LIMIT (prompts, default 20), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8), PROFILED (eager methods of
-# `profile`), COMPILED (its compiled ones), METHODS and MAX_NEW (of `compiled`) can be overridden.
+# LIMIT (prompts, default 20), TEMPERATURE (of `bench` and `defaults`, default 0), BUDGETS (16,64), TARGETS (1b shipped), BATCH (8), PROFILED (eager methods of
+# `profile`), COMPILED (its compiled ones), METHODS (of `bench` and `compiled`) and MAX_NEW (of `compiled`) can be overridden.
 set -euo pipefail
 what=$1 out=$2
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -40,6 +42,17 @@ inflated() {  # the shipped target widened to 2048 / 5632 and deepened to 22 lay
 }
 if [ "$what" = all ]; then
     for step in check curves calibrate bench; do bash "$0" $step "$out"; done
+    exit 0
+fi
+if [ "$what" = rows ]; then  # the README's GPU rows (no flags, T=0 and T=1) and the open questions of the step
+    timeout 70 bash "$0" check "$out" 2>&1 | tee "$out/check.txt" || true
+    LIMIT=${LIMIT:-10} timeout 110 bash "$0" defaults "$out" 2>&1 | tee "$out/defaults.txt" || true
+    LIMIT=${LIMIT:-10} TEMPERATURE=1 timeout 70 bash "$0" defaults "$out" 2>&1 | tee "$out/defaults-t1.txt" || true
+    (time inflated) > "$out/inflate.txt" 2>&1 || true
+    PROFILED= COMPILED=${COMPILED:-ar,opt@16,opt@16!host,opt:recycling+lookup@16,opt:recycling+lookup@16!host} \
+        timeout 140 bash "$0" profile "$out" 2>&1 | tee "$out/profile.txt" || true
+    TARGETS=1b LIMIT=${LIMIT:-8} BUDGETS=16 TEMPERATURE=1 METHODS=ar,hf-ar,opt,opt:recycling+lookup \
+        timeout 100 bash "$0" bench "$out" 2>&1 | tee "$out/bench-t1.txt" || true
     exit 0
 fi
 if [ "$what" = short ]; then  # each step's output kept in OUT_DIR even when its time runs out
@@ -75,14 +88,15 @@ bench)
         target=$([ "$name" = 1b ] && echo $big || echo $shipped_target)
         opttree bench --target $target --draft $shipped_draft --device cuda --dtype bfloat16 \
             --prompts "$humaneval" --limit "${LIMIT:-20}" \
-            --methods ar,hf-ar,hf-compiled,hf-lookup,opt,opt:recycling+lookup \
-            --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens 128 --out "$out/bench-$name" --no-progress
+            --methods ${METHODS:-ar,hf-ar,hf-compiled,hf-lookup,opt,opt:recycling+lookup} --temperature ${TEMPERATURE:-0} \
+            --budgets ${BUDGETS:-16,64} --delta 0.3 --max-new-tokens 128 --out "$out/bench-$name-t${TEMPERATURE:-0}" \
+            --no-progress
     done
     ;;
 profile)
     inflated
     python3 scripts/gpu_step_profile.py --target $big --draft $shipped_draft \
-        --methods "${PROFILED:-ar,opt@16,opt@64,opt:recycling+lookup@16,opt:recycling+lookup@64}" \
+        --methods "${PROFILED-ar,opt@16,opt@64,opt:recycling+lookup@16,opt:recycling+lookup@64}" \
         --compiled "${COMPILED:-ar,opt@64,opt@64!host,opt:recycling+lookup@16,opt:recycling+lookup@16!host,opt@16,opt@16!host}"
     ;;
 compiled)  # opttree's --compile: the target's and the draft's fixed-shape steps, CUDA graphs
@@ -106,6 +120,7 @@ serve)
     ;;
 defaults)  # what a user gets with no flags: the first-use choices made on this GPU (an empty cache)
     OPTTREE_CACHE_DIR=/tmp/opttree-empty-cache opttree bench --device cuda --prompts "$humaneval" \
-        --limit "${LIMIT:-20}" --methods ar,opt,hf-ar,hf-lookup --out "$out/defaults" --no-progress
+        --limit "${LIMIT:-20}" --methods ar,opt,hf-ar,hf-lookup --temperature ${TEMPERATURE:-0} \
+        --out "$out/defaults-t${TEMPERATURE:-0}" --no-progress
     ;;
 esac

@@ -100,12 +100,12 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{device}, {args.dtype}, {args.max_new_tokens} new tokens, one code prompt, greedy")
     print("| method | tokens/s | MAL | ms/step | kernels/step | GPU busy % |\n|---|---:|---:|---:|---:|---:|", flush=True)
-    for m in args.methods.split(","):  # each row as soon as it is measured: a run cut short keeps its rows
+    for m in filter(None, args.methods.split(",")):  # each row as soon as it is measured: a run cut short keeps its rows
         show(measure(target, draft, ids, m, args.max_new_tokens))
     if args.compiled:
         opttree.compile_model(target)
         opttree.compile_model(draft)
-        for m in args.compiled.split(","):
+        for m in filter(None, args.compiled.split(",")):
             start = time.perf_counter()
             run(target, draft, ids, parse(m), args.max_new_tokens)
             print(f"compile + capture of {m}+compile: {time.perf_counter() - start:.1f} s", flush=True)
