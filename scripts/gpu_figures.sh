@@ -45,14 +45,18 @@ if [ "$what" = all ]; then
     exit 0
 fi
 if [ "$what" = rows ]; then  # the README's GPU rows (no flags, T=0 and T=1) and the open questions of the step
-    timeout 70 bash "$0" check "$out" 2>&1 | tee "$out/check.txt" || true
-    LIMIT=${LIMIT:-10} timeout 110 bash "$0" defaults "$out" 2>&1 | tee "$out/defaults.txt" || true
-    LIMIT=${LIMIT:-10} TEMPERATURE=1 timeout 70 bash "$0" defaults "$out" 2>&1 | tee "$out/defaults-t1.txt" || true
-    (time inflated) > "$out/inflate.txt" 2>&1 || true
+    # logs in OUT_DIR, each step's files in one archive (a lease brings back few files)
+    files=/tmp/opttree-rows
+    timeout 70 bash "$0" check $files 2>&1 | tee "$out/check.txt" || true
+    LIMIT=${LIMIT:-10} timeout 110 bash "$0" defaults $files 2>&1 | tee "$out/defaults.txt" || true
+    LIMIT=${LIMIT:-10} TEMPERATURE=1 timeout 70 bash "$0" defaults $files 2>&1 | tee "$out/defaults-t1.txt" || true
+    (time timeout 90 python3 -m opttree.cli train inflate --target $shipped_target --out $big --device cuda) \
+        > "$out/inflate.txt" 2>&1 || true
     PROFILED= COMPILED=${COMPILED:-ar,opt@16,opt@16!host,opt:recycling+lookup@16,opt:recycling+lookup@16!host} \
-        timeout 140 bash "$0" profile "$out" 2>&1 | tee "$out/profile.txt" || true
+        timeout 140 bash "$0" profile $files 2>&1 | tee "$out/profile.txt" || true
     TARGETS=1b LIMIT=${LIMIT:-8} BUDGETS=16 TEMPERATURE=1 METHODS=ar,hf-ar,opt,opt:recycling+lookup \
-        timeout 100 bash "$0" bench "$out" 2>&1 | tee "$out/bench-t1.txt" || true
+        timeout 100 bash "$0" bench $files 2>&1 | tee "$out/bench-t1.txt" || true
+    tar czf "$out/rows.tar.gz" -C $files . || true
     exit 0
 fi
 if [ "$what" = short ]; then  # each step's output kept in OUT_DIR even when its time runs out
