@@ -65,7 +65,7 @@ def main() -> None:
                 rows.append({"method": method, "temperature": temperature, "delta_stop": stop, **costs.as_dict(),
                              "mean_accepted_length": round(run.stats.mean_accepted_length, 2),
                              "where": dict(counter.by_line.most_common(6)) if args.where else None})
-    OptTree.stop_on_device = None
+    OptTree.stop_on_device = False
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -13,6 +13,8 @@
 #   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
 #   scripts/gpu_figures.sh rows    OUT_DIR   # check, defaults at T=0 and T=1, compiled steps with the delta stop on the
 #                                            # host and on the device, the 1B target at T=1: under time limits, one lease
+#   scripts/gpu_figures.sh stops   OUT_DIR   # compiled HumanEval bench (8 prompts, 96 tokens), eager steps with either
+#                                            # delta stop, the 1B target at T=1 (4 prompts): under time limits, 5.5 minutes
 # Packages carried along in wheels/ (made here by scripts/gpu_wheels.sh) are installed first, without dependencies: *.whl with pip, *.tar.xz as an
 # unpacked package put first on PYTHONPATH (the transformers this project needs, xz-compressed to 4 MB:
 # a GPU host's image may have an older one). HUMANEVAL (default ../shared/data/humaneval.jsonl),
@@ -57,6 +59,19 @@ if [ "$what" = rows ]; then  # the README's GPU rows (no flags, T=0 and T=1) and
     TARGETS=1b LIMIT=${LIMIT:-8} BUDGETS=16 TEMPERATURE=1 METHODS=ar,hf-ar,opt,opt:recycling+lookup \
         timeout 100 bash "$0" bench $files 2>&1 | tee "$out/bench-t1.txt" || true
     tar czf "$out/rows.tar.gz" -C $files . || true
+    exit 0
+fi
+if [ "$what" = stops ]; then
+    files=/tmp/opttree-stops
+    (time timeout 60 python3 -m opttree.cli train inflate --target $shipped_target --out $big --device cuda) \
+        > "$out/inflate.txt" 2>&1 || true
+    BENCH_OUT=$files/compiled-1b LIMIT=8 BUDGETS=16 MAX_NEW=96 METHODS=ar,hf-compiled,opt,opt:recycling+lookup \
+        timeout 170 bash "$0" compiled $files 2>&1 | tee "$out/compiled.txt" || true
+    PROFILED=ar,opt@16,opt@16!device,opt:recycling+lookup@16,opt:recycling+lookup@16!device COMPILED= \
+        timeout 50 bash "$0" profile $files 2>&1 | tee "$out/profile-eager.txt" || true
+    TARGETS=1b LIMIT=4 BUDGETS=16 TEMPERATURE=1 METHODS=ar,hf-ar,opt,opt:recycling+lookup \
+        timeout 75 bash "$0" bench $files 2>&1 | tee "$out/bench-t1.txt" || true
+    tar czf "$out/stops.tar.gz" -C $files . || true
     exit 0
 fi
 if [ "$what" = short ]; then  # each step's output kept in OUT_DIR even when its time runs out

@@ -3,8 +3,8 @@
 python scripts/gpu_step_profile.py --target DIR --draft DIR [--methods ar,opt@16,...] [--compiled ar,...]
 
 A method is `POLICY[:DRAFTER][@BUDGET]`, with `!host` or `!device` to decide OPT-Tree's delta stop there
-(default: on the device off the CPU; with the draft's layers in CUDA graphs and the GPU mostly idle, a
-read per layer may cost less than drafting every layer to max_depth: `opt@16!host` against `opt@16`).
+(default: the host, a read per draft layer; `!device` drafts every layer to max_depth and reads nothing
+until the acceptance: `opt@16!device` against `opt@16`).
 
 Each method (`POLICY[:DRAFTER][@BUDGET]`) generates --max-new-tokens tokens from one HumanEval-style
 prompt, greedy: one warm-up, one timed run (wall time per step, tokens/s, mean accepted length), one
@@ -33,7 +33,7 @@ PROMPT = 'def binary_search(items, target):\n    """Return the index of target i
 def parse(method: str) -> dict:
     """'POLICY[:DRAFTER][@BUDGET][!host|!device]' -> generate's keyword arguments, and where OPT-Tree's delta
     stop is decided ('stop': host = a read per draft layer, device = every layer drafted; default: the
-    engine's choice, the device off the CPU)."""
+    engine's choice, the host)."""
     method, _, stop = method.partition("!")
     if stop not in ("", "host", "device"):
         raise SystemExit(f"{method}!{stop}: the stop is decided on the host or the device")
@@ -47,12 +47,12 @@ def run(target, draft, ids, kwargs, max_new_tokens):
     kwargs = dict(kwargs)
     stop = kwargs.pop("stop")
     uses_draft = kwargs["tree"] != "ar" and "model" in kwargs.get("drafter", "model")
-    OptTree.stop_on_device = {"": None, "host": False, "device": True}[stop]
+    OptTree.stop_on_device = stop == "device"
     try:
         return opttree.generate(target, ids, draft if uses_draft else None, max_new_tokens=max_new_tokens,
                                 eos_token_id=[], **kwargs)
     finally:
-        OptTree.stop_on_device = None
+        OptTree.stop_on_device = False
 
 
 def sync() -> None:
