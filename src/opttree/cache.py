@@ -144,13 +144,14 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
         for layer in cache.layers:
             layer.keep(rows, dest, end)
         return
+    moves = [(row, start, source + keep) for row, (start, keep) in enumerate(zip(starts, keeps))]  # made once
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
-        for row, (start, keep) in enumerate(zip(starts, keeps)):
-            rows, stop = source + keep, start + keep.shape[0]
-            layer.keys[row, :, start:stop] = layer.keys[row, :, rows]  # (H, K, Dh); the gather copies first
-            layer.values[row, :, start:stop] = layer.values[row, :, rows]
+        for row, start, rows in moves:
+            for data in (layer.keys, layer.values):  # (B, H, S, Dh)
+                part = data if len(moves) == 1 else data[row:row + 1]  # (1, H, S, Dh)
+                part.narrow(2, start, rows.shape[0]).copy_(part.index_select(2, rows))  # the gather copies first
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
 

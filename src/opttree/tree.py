@@ -58,21 +58,19 @@ class DraftTree:
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """(N,) parents -> (N, N) bool, [i, j] True iff node j is node i or one of its ancestors.
 
-    Pointer jumping: after round k every row holds the ancestors within 2^k levels, so ceil(log2 N)
-    rounds suffice for any tree. A fixed number of rounds, known from the shape: nothing is read back.
+    Repeated squaring of the reach matrix M = I + A (A[i, j] = 1 iff j is i's parent): after round k, M
+    holds the ancestors within 2^k levels, so ceil(log2 N) rounds suffice for any tree. A fixed number of
+    rounds, known from the shape (nothing is read back), two ops each: a matmul and a clamp that keeps
+    M 0/1 (exact in any float format: a positive sum of 0/1 products stays positive).
     """
     n = parents.shape[0]
     if n == 0:
         return torch.zeros(0, 0, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(n, device=parents.device)
-    mask = torch.zeros(n, n + 1, dtype=torch.bool, device=parents.device)  # (N, N+1), column N = "past the root"
-    mask[rows, rows] = True
-    jump = torch.where(parents >= 0, parents, n)  # (N,) the ancestor 2^k levels up, n once past the root
-    mask[rows, jump] = True
+    cols = torch.arange(n, device=parents.device)
+    reach = (parents[:, None] == cols).float() + torch.eye(n, device=parents.device)  # (N, N) I + A
     for _ in range(max(n - 1, 1).bit_length()):
-        mask[:, :n] |= mask[jump.clamp(max=n - 1), :n] & (jump < n)[:, None]  # add the ancestors of the one 2^k up
-        jump = torch.where(jump < n, torch.cat([jump, jump.new_full((1,), n)])[jump], n)
-    return mask[:, :n]
+        reach = (reach @ reach).clamp_(max=1)
+    return reach > 0
 
 
 def tree_attention_mask(parents: torch.Tensor, prefix_len: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
