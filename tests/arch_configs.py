@@ -17,8 +17,11 @@ SMALL = {
     "initializer_range": 0.2, "init_std": 0.2,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "rotary_dim": 8,
+    "linear_num_heads": 4, "linear_head_dim": 16,  # linear-attention layers (Kimi Linear)
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
 }
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 
 
 def tiny_config(model_type: str, **extra):
@@ -35,10 +38,15 @@ def tiny_config(model_type: str, **extra):
         small["num_experts_per_tok"] = 2  # DeepSeek-V2's default leaves it unset (its checkpoints set 6)
     if _is_int(getattr(default, "attention_hidden_size", None)):
         small["attention_hidden_size"] = 64
-    for name in ("layer_types", "mlp_layer_types"):
-        pattern = getattr(default, name, None)
-        if isinstance(pattern, list) and pattern:
-            small[name] = (pattern * 2)[:2]
+    # per-layer patterns: each kind once, in the order it first appears, so a hybrid keeps its attention
+    # layer (Qwen3.5 / Qwen3-Next: [linear, full]; two layers from the default's start would be both linear)
+    kinds = {name: list(dict.fromkeys(getattr(default, name))) for name in ("layer_types", "mlp_layer_types")
+             if isinstance(getattr(default, name, None), list) and getattr(default, name)}
+    layers = max([2, *map(len, kinds.values())])
+    for name, pattern in kinds.items():
+        small[name] = (pattern * layers)[:layers]
+    if layers > 2:
+        small.update({name: layers for name in LAYER_COUNTS if name in small})
     for name, token in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0), ("decoder_start_token_id", 0)):
         if hasattr(default, name):
             small[name] = token
