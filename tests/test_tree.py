@@ -45,7 +45,8 @@ def chain_with_twigs(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("parents", [random_parents(25, seed) for seed in range(6)]
                          + [torch.tensor([-1]), torch.tensor([-1, 0]), torch.tensor([-1, -1]),
-                            torch.arange(-1, 36), chain_with_twigs(33), chain_with_twigs(64)])
+                            torch.arange(-1, 36), chain_with_twigs(33), chain_with_twigs(64),
+                            random_parents(200, 7), chain_with_twigs(150)])  # past SQUARING_MAX_NODES too
 def test_ancestor_mask_matches_brute_force(parents):
     n = parents.shape[0]
     mask = ancestor_mask(parents)
