@@ -343,10 +343,10 @@ def accept_rejection_sampling(
     Returns (accepted node indices (A,), bonus token ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
-    children_of = _children_lists(tree.parents)
-    tokens = tree.tokens.tolist()
-    proposed = tree.proposed.tolist() if tree.proposed is not None else [False] * len(tokens)
-    drawn = torch.isfinite(tree.keys).tolist() if tree.keys is not None else [True] * len(tokens)
+    proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+    drawn = torch.isfinite(tree.keys) if tree.keys is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
+    tokens, parents, proposed, drawn = torch.stack([tree.tokens, tree.parents, proposed, drawn]).tolist()  # one read
+    children_of = _children_lists(parents)
     accepted: list[int] = []
     node = -1  # -1 = root
     while True:
@@ -366,7 +366,8 @@ def accept_rejection_sampling(
         coins = torch.rand(len(draws), generator=generator, device=p.device).tolist()
         for child, coin in zip(draws, coins):
             x = tokens[child]
-            if coin * float(q[x]) < float(p[x]):  # accepted with probability min(1, p(x) / q(x))
+            q_x, p_x = torch.stack([q[x], p[x]]).tolist()  # one read
+            if coin * q_x < p_x:  # accepted with probability min(1, p(x) / q(x))
                 accepted.append(child)
                 node = child
                 break
@@ -387,9 +388,9 @@ def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, t
     return p, q / q.sum().clamp(min=torch.finfo(q.dtype).tiny)
 
 
-def _children_lists(parents: torch.Tensor) -> list[list[int]]:
+def _children_lists(parents: list[int]) -> list[list[int]]:
     """children_of[i + 1] = node indices whose parent is i (index 0 = the root), in node order."""
-    children: list[list[int]] = [[] for _ in range(parents.shape[0] + 1)]
-    for child, parent in enumerate(parents.tolist()):
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for child, parent in enumerate(parents):
         children[parent + 1].append(child)
     return children
