@@ -40,7 +40,8 @@ shipped_target=$(opttree models --path target) shipped_draft=$(opttree models --
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 inflated() {  # the shipped target widened to 2048 / 5632 and deepened to 22 layers: 1.1B parameters, same function
-    [ -d $big ] || opttree train inflate --target $shipped_target --out $big --device cuda
+    # optional: a time limit in seconds (default none)
+    [ -d $big ] || timeout "${1:-0}" python3 -m opttree.cli train inflate --target $shipped_target --out $big --device cuda
 }
 if [ "$what" = all ]; then
     for step in check curves calibrate bench; do bash "$0" $step "$out"; done
@@ -52,8 +53,7 @@ if [ "$what" = rows ]; then  # the README's GPU rows (no flags, T=0 and T=1) and
     timeout 70 bash "$0" check $files 2>&1 | tee "$out/check.txt" || true
     LIMIT=${LIMIT:-10} timeout 110 bash "$0" defaults $files 2>&1 | tee "$out/defaults.txt" || true
     LIMIT=${LIMIT:-10} TEMPERATURE=1 timeout 70 bash "$0" defaults $files 2>&1 | tee "$out/defaults-t1.txt" || true
-    (time timeout 90 python3 -m opttree.cli train inflate --target $shipped_target --out $big --device cuda) \
-        > "$out/inflate.txt" 2>&1 || true
+    (time inflated 90) > "$out/inflate.txt" 2>&1 || true
     PROFILED= COMPILED=${COMPILED:-ar,opt@16,opt@16!host,opt:recycling+lookup@16,opt:recycling+lookup@16!host} \
         timeout 140 bash "$0" profile $files 2>&1 | tee "$out/profile.txt" || true
     TARGETS=1b LIMIT=${LIMIT:-8} BUDGETS=16 TEMPERATURE=1 METHODS=ar,hf-ar,opt,opt:recycling+lookup \
@@ -63,8 +63,7 @@ if [ "$what" = rows ]; then  # the README's GPU rows (no flags, T=0 and T=1) and
 fi
 if [ "$what" = stops ]; then
     files=/tmp/opttree-stops
-    (time timeout 60 python3 -m opttree.cli train inflate --target $shipped_target --out $big --device cuda) \
-        > "$out/inflate.txt" 2>&1 || true
+    (time inflated 60) > "$out/inflate.txt" 2>&1 || true
     BENCH_OUT=$files/compiled-1b LIMIT=8 BUDGETS=16 MAX_NEW=96 METHODS=ar,hf-compiled,opt,opt:recycling+lookup \
         timeout 170 bash "$0" compiled $files 2>&1 | tee "$out/compiled.txt" || true
     PROFILED=ar,opt@16,opt@16!device,opt:recycling+lookup@16,opt:recycling+lookup@16!device COMPILED= \
