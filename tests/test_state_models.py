@@ -12,7 +12,12 @@ from opttree.chains import has_state, probe_chains
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention (LFM2)
            "granitemoehybrid": ["mamba", "attention"],  # Mamba-2 + attention (Granite 4)
-           "qwen3_next": ["linear_attention", "full_attention"]}  # gated DeltaNet + attention (Qwen3-Next)
+           "qwen3_next": ["linear_attention", "full_attention"],  # gated DeltaNet + attention (Qwen3-Next)
+           # Mamba-2 + attention + MoE and MLP layers of their own (Nemotron-H, Nemotron 3 Nano)
+           "nemotron_h": ["linear_attention", "moe", "full_attention", "mlp"]}
+# sizes the generic tiny config leaves large (Nemotron-H's Mamba heads and shared expert)
+SIZED = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
+                            moe_shared_expert_intermediate_size=32)}
 
 
 class Oracle(ScriptedDrafter):
@@ -61,6 +66,7 @@ def hybrid(model_type: str, **extra):
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     if model_type == "granitemoehybrid":
         extra.setdefault("mamba_chunk_size", 8)  # transformers' torch chunk scan pads every forward to a chunk
+    extra = {**SIZED.get(model_type, {}), **extra}
     try:
         return tiny(model_type, "sdpa", layer_types=HYBRIDS[model_type], **extra)
     except ValueError:

@@ -16,9 +16,16 @@ from typing import Callable
 import torch
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-DRIVEN_LAYER_TYPES = (FULL, SLIDING, CHUNKED)  # the layer types a tree mask can drive exactly
+# sparse attention whose learned indexer picks each query's top-k keys among those its mask allows
+# (DeepSeek-V3.2, GLM-5, ...): a node's allowed keys are its branch's, so it picks what plain decoding
+# picks; the indexer's keys live in the cache beside the layer's (`opttree.cache`)
+INDEXED = "indexed_attention"
+DRIVEN_LAYER_TYPES = (FULL, SLIDING, CHUNKED, INDEXED)  # the layer types a tree mask can drive exactly
 # layer types that hold a recurrent or convolution state: a target's are verified as chains (`opttree.chains`)
 STATE_LAYER_TYPES = ("conv", "linear_attention", "mamba", "mamba2", "hybrid")
+# layer types that neither attend nor keep a state (a feed-forward block of their own, as in Nemotron-H):
+# they act position by position, so any mask and any verification suits them
+POSITIONWISE_LAYER_TYPES = ("mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ def mask_layout(config) -> MaskLayout:
     """The layout of a model's (text) config. With `layer_types`, one window per type, as a dict when
     the types differ; without, one for every layer: the sliding window when `sliding_window` is set
     (and `use_sliding_window` is not False), as Mistral-style models apply it to all their layers."""
-    types = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    types = [kind for kind in dict.fromkeys(getattr(config, "layer_types", None) or [])
+             if kind not in POSITIONWISE_LAYER_TYPES]
     if types:
         windows = {kind: _window_of(config, kind) for kind in types}
         return MaskLayout(windows, per_type=len(set(windows.values())) > 1)

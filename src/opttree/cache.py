@@ -8,30 +8,50 @@ in place, so a step's shapes never change; what torch.compile and CUDA graphs ne
 
 from __future__ import annotations
 
+import copy
 import inspect
 from functools import lru_cache
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLayer
 
-from .attention import DRIVEN_LAYER_TYPES, STATE_LAYER_TYPES
+from .attention import DRIVEN_LAYER_TYPES, INDEXED, POSITIONWISE_LAYER_TYPES, STATE_LAYER_TYPES
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 # What a layer type that cannot be driven by tree attention really is (for the refusal's message).
 LAYER_KINDS = {
     "linear_attention": "linear attention (a recurrent state)",
-    "indexed_attention": "indexed sparse attention (a learned indexer picks the keys)",
-    "compressed_sparse_attention": "compressed sparse attention",
+    "compressed_sparse_attention": "compressed sparse attention (keys pooled over blocks of positions)",
     "heavily_compressed_attention": "compressed attention",
     "mamba": "state-space (Mamba) layers", "conv": "convolution state", "recurrent": "recurrent layers",
 }
 
 
-def new_cache() -> DynamicCache:
+def has_indexed_attention(model: PreTrainedModel) -> bool:
+    """Whether the model declares indexed sparse attention layers (their cache keeps the indexer's keys)."""
+    return INDEXED in (getattr(model.config.get_text_config(), "layer_types", None) or [])
+
+
+def new_cache(model: PreTrainedModel | None = None) -> DynamicCache:
     """A cache of plain full-attention layers. Sliding and chunked layers keep every key too: their
-    windows are applied by the masks (`opttree.attention`), so the cache rolls back like any other."""
-    return DynamicCache()
+    windows are applied by the masks (`opttree.attention`), so the cache rolls back like any other.
+    A model with indexed sparse attention gets, for those layers, transformers' layer that also keeps
+    the indexer's keys (one per position, compacted with the rest: `sequence_tensors`)."""
+    cache = DynamicCache()
+    if model is not None and has_indexed_attention(model):
+        types = model.config.get_text_config().layer_types
+        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else DynamicLayer() for kind in types]
+    return cache
+
+
+def sequence_tensors(layer) -> list[tuple[str, int]]:
+    """A dynamic layer's tensors that hold one entry per position, with their sequence axis: keys and
+    values (B, H, S, Dh), and an indexed layer's indexer keys (B, S, Di)."""
+    parts = [("keys", 2), ("values", 2)]
+    if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():
+        parts.append(("indexer_keys", 1))
+    return parts
 
 
 class RollbackLayer(StaticLayer):
@@ -148,12 +168,12 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
-        for row, start, rows in moves:
-            for data in (layer.keys, layer.values):  # (B, H, S, Dh)
-                part = data if len(moves) == 1 else data[row:row + 1]  # (1, H, S, Dh)
-                part.narrow(2, start, rows.shape[0]).copy_(part.index_select(2, rows))  # the gather copies first
-        layer.keys = layer.keys[..., :end, :]
-        layer.values = layer.values[..., :end, :]
+        for name, axis in sequence_tensors(layer):
+            data = getattr(layer, name)  # (B, H, S, Dh) keys / values, (B, S, Di) indexer keys
+            for row, start, rows in moves:
+                part = data if len(moves) == 1 else data[row:row + 1]  # one row
+                part.narrow(axis, start, rows.shape[0]).copy_(part.index_select(axis, rows))  # the gather copies first
+            setattr(layer, name, data.narrow(axis, 0, end))
 
 
 def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
@@ -164,23 +184,24 @@ def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
     filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
         return new_cache()
-    data = []
+    layers = []
     for i, layer in enumerate(filled[0].layers):
-        if layer.keys is None or layer.keys.numel() == 0:  # a layer that shares another's keys
-            data.append((None, None))
-            continue
-        pair = []
-        for kind in ("keys", "values"):
-            like = getattr(layer, kind)  # (b, H, T, Dh)
-            heads, dim = like.shape[1], like.shape[3]
-            blocks = []
-            for cache, lengths in parts:
-                states = getattr(cache.layers[i], kind) if max(lengths) else like.new_zeros(len(lengths), heads, 0, dim)
-                pad = like.new_zeros(states.shape[0], heads, longest - states.shape[2], dim)
-                blocks.append(torch.cat([states, pad], dim=2))  # (b_j, H, longest, Dh)
-            pair.append(torch.cat(blocks))
-        data.append(tuple(pair))  # (B, H, longest, Dh) each
-    return DynamicCache(ddp_cache_data=data)
+        stacked = copy.copy(layer)  # the same kind of layer; a layer that shares another's keys stays empty
+        if layer.keys is not None and layer.keys.numel():
+            for name, axis in sequence_tensors(layer):
+                like = getattr(layer, name)  # (b, H, T, Dh) keys / values, (b, T, Di) indexer keys
+                blocks = []
+                for cache, lengths in parts:
+                    states = getattr(cache.layers[i], name) if max(lengths) else like.new_zeros(
+                        (len(lengths), *like.shape[1:axis], 0, *like.shape[axis + 1:]))
+                    pad = list(states.shape)
+                    pad[axis] = longest - states.shape[axis]
+                    blocks.append(torch.cat([states, states.new_zeros(pad)], dim=axis))  # padded to the longest
+                setattr(stacked, name, torch.cat(blocks))  # (B, ..., longest, ...)
+        layers.append(stacked)
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
 
 
 def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
@@ -191,8 +212,8 @@ def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         index = torch.tensor(rows, device=layer.keys.device)
-        layer.keys = layer.keys.index_select(0, index)[..., :end, :]
-        layer.values = layer.values.index_select(0, index)[..., :end, :]
+        for name, axis in sequence_tensors(layer):
+            setattr(layer, name, getattr(layer, name).index_select(0, index).narrow(axis, 0, end))
 
 
 def truncate(cache: Cache, length: int) -> None:
@@ -231,7 +252,7 @@ def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
         )
     layer_types = getattr(config, "layer_types", None) or []
     # state layers run as chains (`opttree.chains`, checked by `certify`)
-    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES))
+    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES) - set(POSITIONWISE_LAYER_TYPES))
     if odd:
         kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
         raise NotImplementedError(

@@ -19,10 +19,10 @@ from functools import lru_cache
 from typing import Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .attention import mask_layout
-from .cache import cache_argument, compact, static_cache
+from .cache import cache_argument, compact, new_cache, static_cache
 from .chains import probe_chains, verified_as_chains
 from .rope import rope_kinds, rope_switch
 from .tree import DraftTree
@@ -209,7 +209,7 @@ def run_probe(model: PreTrainedModel, length: int, capacity: int | None = None) 
     depths = torch.tensor(PROBE_DEPTHS, device=device)
 
     static = capacity is not None
-    cache = static_cache(model, max(capacity, prefix_len + PROBE_PADDED_WIDTH + 1)) if static else DynamicCache()
+    cache = static_cache(model, max(capacity, prefix_len + PROBE_PADDED_WIDTH + 1)) if static else new_cache(model)
     model(input_ids=prefix[None], position_ids=torch.arange(prefix_len, device=device)[None],
           **{cache_argument(model): cache}, use_cache=True)
     tree = DraftTree(tree_tokens[1:], parents, depths, torch.zeros(4, device=device), parents)

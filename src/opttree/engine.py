@@ -385,7 +385,7 @@ class Generation:
         if self.static:
             return static_cache(self.target, static_rows(self.target, row.committed.shape[0] + row.stopper.remaining,
                                                          self.width))
-        return state_cache(self.target) if isinstance(self.verifier, ChainVerifier) else new_cache()
+        return state_cache(self.target) if isinstance(self.verifier, ChainVerifier) else new_cache(self.target)
 
     def _follow_rope_switch(self, cache: Cache, row: Row) -> int | None:
         """LongRoPE as its generate runs it (`opttree.rope`): below the switch O, no node reaches O; when the

@@ -67,7 +67,7 @@ def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     ids = torch.arange(context + k, device=device) % vocab
     times = []
     with torch.inference_mode():
-        cache = new_cache()
+        cache = new_cache(model)
         model(input_ids=ids[None, :context], **{cache_argument(model): cache})
         for _ in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()

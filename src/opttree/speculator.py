@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import check_model, context_window
+from .cache import check_model, context_window, has_indexed_attention
 from .certify import certify
 from .chains import verified_as_chains
 from .config import SpecConfig
@@ -253,6 +253,11 @@ def _static_choice(target: PreTrainedModel, config: SpecConfig, policy: TreePoli
         if config.static:
             raise ValueError(f"static=True does not combine with {CHAINED}: it is verified as a batch of chains over "
                              "transformers' own cache; use static=False")
+        return False
+    if has_indexed_attention(target):
+        if config.static:
+            raise ValueError("static=True does not combine with indexed sparse attention: the static cache has no "
+                             "buffer for the indexer's keys here; use static=False")
         return False
     if config.static is not None:
         return config.static

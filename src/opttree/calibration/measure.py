@@ -58,7 +58,7 @@ def latency_curves(models: dict, context: torch.Tensor, max_tokens: int, repeats
     """
     if max_tokens < 1 or repeats < 1:
         raise ValueError(f"max_tokens and repeats must be >= 1, got {max_tokens}, {repeats}")
-    caches = {name: new_cache() for name in models}
+    caches = {name: new_cache(model) for name, model in models.items()}
     contexts = {name: context.to(model.device) for name, model in models.items()}
     times: dict[str, list[list[float]]] = {name: [[] for _ in range(max_tokens)] for name in models}
     with torch.inference_mode():
@@ -216,7 +216,7 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], d
 
 def probe_ms(model, context: torch.Tensor, repeats: int = NOISE_REPEATS) -> list[float]:
     """ms of `repeats` one-token forwards after `context` (C,) is cached: the noise probe's samples."""
-    cache = new_cache()
+    cache = new_cache(model)
     ids = context.to(model.device)
     with torch.inference_mode():
         model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],

@@ -72,7 +72,7 @@ class ModelDrafter(Declared):
         self.temperature = temperature
         self.vocab = vocab
         self.rows = model.get_input_embeddings().weight.shape[0]  # ids the draft can embed
-        self.cache = new_cache()
+        self.cache = new_cache(self.model)
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
         self._open_tree()
@@ -81,7 +81,7 @@ class ModelDrafter(Declared):
         self.slots = SlotTree(self.device)
 
     def start(self, input_ids: torch.Tensor) -> None:
-        self.cache = new_cache()
+        self.cache = new_cache(self.model)
         self.committed_len = 0
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
