@@ -14,7 +14,9 @@ HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention 
            "granitemoehybrid": ["mamba", "attention"],  # Mamba-2 + attention (Granite 4)
            "qwen3_next": ["linear_attention", "full_attention"],  # gated DeltaNet + attention (Qwen3-Next)
            # Mamba-2 + attention + MoE and MLP layers of their own (Nemotron-H, Nemotron 3 Nano)
-           "nemotron_h": ["linear_attention", "moe", "full_attention", "mlp"]}
+           "nemotron_h": ["linear_attention", "moe", "full_attention", "mlp"],
+           # attention whose keys and values pass short convolutions (a state), full and sliding (Inkling)
+           "inkling_text": ["hybrid", "hybrid_sliding"]}
 # sizes the generic tiny config leaves large (Nemotron-H's Mamba heads and shared expert)
 SIZED = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
                             moe_shared_expert_intermediate_size=32)}
