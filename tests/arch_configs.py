@@ -27,7 +27,7 @@ LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decod
 def tiny_config(model_type: str, **extra):
     """The architecture's default config with every size attribute it has made small (passed to the
     constructor, so derived attributes follow)."""
-    default = AutoConfig.for_model(model_type)
+    default = _GlobalView(AutoConfig.for_model(model_type))
     small = {name: value for name, value in SMALL.items() if _is_int(getattr(default, name, None))}
     if hasattr(default, "qk_rope_head_dim"):
         small.pop("head_dim", None)  # MLA: head_dim is the rope part, keys have one head per query head
@@ -52,11 +52,27 @@ def tiny_config(model_type: str, **extra):
             small[name] = token
     if isinstance(getattr(default, "attention_types", None), list):  # GPT-Neo: one entry per layer
         small["attention_types"] = [[["global", "local"], 1]]
-    derived = [name for name in small if isinstance(getattr(type(default), name, None), property)]
+    derived = [name for name in small if isinstance(getattr(type(default.config), name, None), property)]
     for name in derived:  # computed from other attributes: not a constructor argument
         small.pop(name)
     small.update(extra)
     return AutoConfig.for_model(model_type, **small)
+
+
+class _GlobalView:
+    """A config's attributes, the global value where it declares one per layer (Gemma 4's `head_dim`,
+    which transformers refuses to read globally): what the constructor takes."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __getattr__(self, name):
+        try:
+            return getattr(self.config, name)
+        except AttributeError:
+            raise
+        except Exception:  # transformers' ambiguous per-layer attribute
+            return self.config.to_dict().get(name)
 
 
 def _is_int(value) -> bool:

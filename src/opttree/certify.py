@@ -108,8 +108,9 @@ def recurrent(model, config, max_len: int, tree_rows: int) -> str | None:
 def bidirectional(model, config, max_len: int, tree_rows: int) -> str | None:
     if getattr(config, "is_decoder", None) is False and hasattr(config, "add_cross_attention"):
         return "it is a bidirectional encoder (is_decoder=False); load it with is_decoder=True for causal generation"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "it uses bidirectional attention (use_bidirectional_attention=True)"
+    both_ways = getattr(config, "use_bidirectional_attention", False)
+    if both_ways and both_ways != "vision":  # "vision": both ways among image tokens only; text stays causal
+        return f"it uses bidirectional attention (use_bidirectional_attention={both_ways!r})"
     return None
 
 
