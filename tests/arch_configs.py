@@ -36,6 +36,10 @@ def tiny_config(model_type: str, **extra):
         small["head_dim"] = SMALL["hidden_size"] // SMALL["num_attention_heads"]  # ... which their attention does not
     if getattr(default, "num_experts_per_tok", 0) is None and any(name in small for name in EXPERT_COUNTS):
         small["num_experts_per_tok"] = 2  # DeepSeek-V2's default leaves it unset (its checkpoints set 6)
+    if hasattr(default, "num_key_value_heads") and default.num_key_value_heads is None and "num_key_value_heads" not in small:
+        small["num_key_value_heads"] = SMALL["num_key_value_heads"]  # Nemotron: None, which its attention divides by
+    if hasattr(default, "indexer_compress_ratio"):  # Qwen4-exp's sparse attention: sizes its default leaves unset
+        small.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2)
     if _is_int(getattr(default, "attention_hidden_size", None)):
         small["attention_hidden_size"] = 64
     # per-layer patterns: each kind once, in the order it first appears, so a hybrid keeps its attention
