@@ -24,6 +24,15 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 
 
+# what an architecture's default leaves unset and its model needs
+OWN = {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # no layer pattern
+    "nemotron": dict(num_key_value_heads=2),  # None, which its attention divides by
+    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2),  # its sparse attention's sizes
+}
+
+
 def tiny_config(model_type: str, **extra):
     """The architecture's default config with every size attribute it has made small (passed to the
     constructor, so derived attributes follow)."""
@@ -36,10 +45,6 @@ def tiny_config(model_type: str, **extra):
         small["head_dim"] = SMALL["hidden_size"] // SMALL["num_attention_heads"]  # ... which their attention does not
     if getattr(default, "num_experts_per_tok", 0) is None and any(name in small for name in EXPERT_COUNTS):
         small["num_experts_per_tok"] = 2  # DeepSeek-V2's default leaves it unset (its checkpoints set 6)
-    if hasattr(default, "num_key_value_heads") and default.num_key_value_heads is None and "num_key_value_heads" not in small:
-        small["num_key_value_heads"] = SMALL["num_key_value_heads"]  # Nemotron: None, which its attention divides by
-    if hasattr(default, "indexer_compress_ratio"):  # Qwen4-exp's sparse attention: sizes its default leaves unset
-        small.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2)
     if _is_int(getattr(default, "attention_hidden_size", None)):
         small["attention_hidden_size"] = 64
     # per-layer patterns: each kind once, in the order it first appears, so a hybrid keeps its attention
@@ -59,6 +64,7 @@ def tiny_config(model_type: str, **extra):
     derived = [name for name in small if isinstance(getattr(type(default.config), name, None), property)]
     for name in derived:  # computed from other attributes: not a constructor argument
         small.pop(name)
+    small.update(OWN.get(model_type, {}))
     small.update(extra)
     return AutoConfig.for_model(model_type, **small)
 
