@@ -27,6 +27,10 @@ LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decod
 # what an architecture's default leaves unset and its model needs
 OWN = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # no layer pattern
+    # Gemma 3n: per-layer inputs at full vocabulary size, and 15 layers that reuse others' keys (of 2)
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=96,
+                         hidden_size_per_layer_input=16, laurel_rank=8),
     "nemotron": dict(num_key_value_heads=2),  # None, which its attention divides by
     "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=2),  # its sparse attention's sizes
