@@ -162,3 +162,36 @@ def path_of(tree, i: int) -> tuple[int, ...]:
         path.append(int(tree.tokens[i]))
         i = int(tree.parents[i])
     return tuple(path[::-1])
+
+
+class Oracle(ScriptedDrafter):
+    """Knows the reference output: on the reference's path it favours the next reference token (its other
+    candidates random), so trees are accepted deep and also hold branches that are rejected."""
+
+    def __init__(self, reference: torch.Tensor, vocab: int):
+        super().__init__(vocab, seed=5, sharpness=1.0)
+        self.reference = reference[0].tolist()
+
+    def root(self, committed):
+        self.committed = tuple(committed.tolist())
+        return super().root(committed)
+
+    def logq(self, path):
+        logq = super().logq(path).clone()
+        sequence = self.committed + path
+        if sequence == tuple(self.reference[: len(sequence)]) and len(sequence) < len(self.reference):
+            logq[self.reference[len(sequence)]] += 4.0
+        return torch.log_softmax(logq, dim=-1)
+
+
+def assert_each_generates(target, prompt: torch.Tensor, reference: torch.Tensor, cases: list) -> None:
+    """Each (draft, options) case generates exactly `reference` (greedy, no EOS); an `Oracle`'s deep trees
+    were verified and accepted."""
+    import opttree
+
+    for model_draft, options in cases:
+        out = opttree.generate(target, prompt, model_draft, max_new_tokens=reference.shape[1] - prompt.shape[1],
+                               eos_token_id=[], **options)
+        assert torch.equal(out.sequences, reference), (type(model_draft).__name__, options)
+        if isinstance(model_draft, Oracle):
+            assert out.stats.mean_accepted_length > 2, out.stats

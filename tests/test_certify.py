@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_configs import tiny, tiny_any_attention
+from arch_configs import tiny_any_attention
 from helpers import hf_greedy, tiny_model
 
 import opttree

@@ -6,8 +6,8 @@ run as chains (`opttree.chains`): as targets identical to `generate`, sampled ex
 import pytest
 import torch
 from arch_configs import tiny_any_attention
-from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
-from test_state_models import Oracle, hybrid
+from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
+from test_state_models import hybrid
 
 import opttree
 from opttree.chains import index_attention, probe_chains, verified_as_chains
@@ -29,13 +29,9 @@ def test_index_attention_targets_are_identical_to_generate(name):
     reference = hf_greedy(target, PROMPT, NEW_TOKENS, eos_token_id=[])
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
-    for model_draft, options in [(Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}),
-                                 (draft, {"budget": 16}), (draft, {"tree": "dyspec", "budget": 8}), (target, {"budget": 4}), (None, {"budget": 16}),
-                                 (None, {"tree": "ar"})]:
-        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=NEW_TOKENS, eos_token_id=[], **options)
-        assert torch.equal(out.sequences, reference), (name, type(model_draft).__name__, options)
-        if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
-            assert out.stats.mean_accepted_length > 2, out.stats
+    assert_each_generates(target, PROMPT, reference, [
+        (Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}), (draft, {"budget": 16}),
+        (draft, {"tree": "dyspec", "budget": 8}), (target, {"budget": 4}), (None, {"budget": 16}), (None, {"tree": "ar"})])
 
 
 def test_alibi_sampling_follows_the_target_distribution():

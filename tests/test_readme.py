@@ -13,7 +13,6 @@ that talk to it (they name 127.0.0.1:8000), and stopped at the end.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import socket

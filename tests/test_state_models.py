@@ -4,7 +4,7 @@ hybrids identical to `generate` and sampled exactly; pure Mamba refused with its
 import pytest
 import torch
 from arch_configs import tiny
-from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
+from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
 from opttree.chains import has_state, probe_chains
@@ -20,26 +20,6 @@ HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention 
 # sizes the generic tiny config leaves large (Nemotron-H's Mamba heads and shared expert)
 SIZED = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
                             moe_shared_expert_intermediate_size=32)}
-
-
-class Oracle(ScriptedDrafter):
-    """Knows the reference output: on the reference's path it favours the next reference token (its other
-    candidates random), so trees are accepted deep and also hold branches that are rejected."""
-
-    def __init__(self, reference: torch.Tensor, vocab: int):
-        super().__init__(vocab, seed=5, sharpness=1.0)
-        self.reference = reference[0].tolist()
-
-    def root(self, committed):
-        self.committed = tuple(committed.tolist())
-        return super().root(committed)
-
-    def logq(self, path):
-        logq = super().logq(path).clone()
-        sequence = self.committed + path
-        if sequence == tuple(self.reference[: len(sequence)]) and len(sequence) < len(self.reference):
-            logq[self.reference[len(sequence)]] += 4.0
-        return torch.log_softmax(logq, dim=-1)
 
 
 # Hybrids whose layer pattern is set by their own fields (no `layer_types`; the sweep's generic tiny config
@@ -82,12 +62,9 @@ def test_hybrids_are_identical_to_generate(model_type):
     reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
-    for model_draft, options in [(Oracle(reference, vocab), {"budget": 8}), (Oracle(reference, vocab), {"tree": "chain"}),
-                                 (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})]:
-        out = opttree.generate(target, PROMPT, model_draft, max_new_tokens=30, eos_token_id=[], **options)
-        assert torch.equal(out.sequences, reference), (model_type, options)
-        if isinstance(model_draft, Oracle):  # deep trees were verified and accepted
-            assert out.stats.mean_accepted_length > 2, out.stats
+    assert_each_generates(target, PROMPT, reference, [(Oracle(reference, vocab), {"budget": 8}),
+                                                      (Oracle(reference, vocab), {"tree": "chain"}),
+                                                      (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})])
 
 
 def test_sampled_tokens_follow_the_target_distribution():
