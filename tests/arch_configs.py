@@ -32,6 +32,9 @@ OWN = {
                          num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=96,
                          hidden_size_per_layer_input=16, laurel_rank=8),
     "nemotron": dict(num_key_value_heads=2),  # None, which its attention divides by
+    # DBRX: its default attention config has no rope_theta or clip_qkv, both of which its attention reads
+    "dbrx": dict(attn_config={"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
     "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=2),  # its sparse attention's sizes
 }
