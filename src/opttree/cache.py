@@ -49,7 +49,7 @@ def sequence_tensors(layer) -> list[tuple[str, int]]:
     """A dynamic layer's tensors that hold one entry per position, with their sequence axis: keys and
     values (B, H, S, Dh), and an indexed layer's indexer keys (B, S, Di)."""
     parts = [("keys", 2), ("values", 2)]
-    if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():
+    if isinstance(layer, DynamicIndexedLayer) and layer.is_indexer_initialized and layer.indexer_keys.numel():
         parts.append(("indexer_keys", 1))
     return parts
 
