@@ -38,7 +38,8 @@ BUDGETS = (1, 4, 16)
 # windows and LongRoPE-free small-window variants; gpt_neo (its window crossed), mpt (ALiBi) and bart
 # (positions from the cache length) run as chains, target and draft; tests/test_state_models.py covers the hybrids.
 SUBSET = {"llama": {"identical"}, "gpt2": {"identical"}, "gemma3_text": {"identical"}, "phi3": {"identical"},
-          "gpt_neo": {"identical"}, "mpt": {"identical"}, "bart": {"identical"}, "deepseek_v3": {"identical"}}
+          "gpt_neo": {"identical"}, "mpt": {"identical"}, "bart": {"identical"}, "deepseek_v3": {"identical"},
+          "mamba": {"identical"}}
 # The full sweep's pins (`OPTTREE_FULL_SWEEP=1`; written by `python tests/test_architectures.py --pin`): the
 # outcomes of every architecture that is not identical in every case, and what stopped the comparison where
 # nothing was compared.

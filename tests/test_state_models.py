@@ -1,5 +1,8 @@
 """Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.chains`):
-hybrids identical to `generate` and sampled exactly; pure Mamba refused with its real reason."""
+hybrids and pure Mamba-1 models identical to `generate`, and sampled exactly."""
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ from arch_configs import tiny
 from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
-from opttree.chains import has_state, probe_chains
+from opttree.chains import forward_chains, has_state, probe_chains, state_cache
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention (LFM2)
@@ -75,11 +78,40 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3
 
 
-def test_pure_mamba_is_refused_with_the_reason():
-    """transformers' Mamba starts its scan from zero on a forward of several new tokens: no chain can be verified."""
-    mamba = tiny("mamba", "eager")
-    with pytest.raises(NotImplementedError, match="several new tokens from a cached state"):
-        opttree.generate(mamba, PROMPT, max_new_tokens=8)
+MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.scan`)
+
+
+@pytest.mark.parametrize("model_type", MAMBA1)
+def test_mamba1_models_are_identical_to_generate(model_type):
+    target = tiny(model_type, "eager")
+    assert has_state(target) and probe_chains(target) is None
+    reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
+    assert_each_generates(target, PROMPT, reference, [(Oracle(reference, vocab), {"budget": 8}),
+                                                      (Oracle(reference, vocab), {"tree": "chain"}),
+                                                      (draft, {"budget": 8}), (target, {"budget": 6}),
+                                                      (None, {"budget": 8}), (None, {"tree": "ar"})])
+
+
+@pytest.mark.parametrize("model_type", MAMBA1 + ["jamba"])
+def test_a_chain_continues_the_cached_mamba1_state(model_type):
+    """transformers' Mamba-1 mixers restart the scan from zero on a forward of several tokens; through
+    `forward_chains` the scan continues the cached state (on Jamba's tiny random layer the restart moves the
+    logits by only ~2e-4, which a tolerance-based probe let through)."""
+    model = hybrid(model_type) if model_type in PATTERNED else tiny(model_type, "eager")
+    tokens = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(input_ids=tokens).logits[0, 6:]  # (8, V)
+
+        def continued() -> float:
+            cache = state_cache(model)
+            forward_chains(model, cache, tokens[:, :6], 0)
+            return float((forward_chains(model, cache, tokens[:, 6:], 6)[0] - full).abs().max())
+
+        assert continued() < 1e-5
+        with mock.patch("opttree.chains.continued_scans", lambda model: contextlib.nullcontext()):
+            assert continued() > 1e-5  # transformers' own forward: restarted from zero
 
 
 def test_what_state_models_do_not_combine_with(tmp_path):

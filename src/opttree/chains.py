@@ -16,8 +16,8 @@ prefix through an attention mask and the state cannot be cut back to the accepte
    A cache of KV layers only needs no replay: the row of a chain through the last accepted node is
    kept and cut after it.
 Exact where the model's forward over several new tokens continues its cached state as token-by-token
-decoding does; `probe_chains` checks that for every model first (transformers' Mamba and Falcon-Mamba
-restart the scan from zero on a multi-token forward, and are refused by it). The cost against a tree
+decoding does; `probe_chains` checks that for every model first (transformers' Mamba-1 mixers restart the
+scan from zero on a multi-token forward: `opttree.scan` continues it from the cached state). The cost against a tree
 forward: the target's forward runs L x (D + 1) tokens instead of N + 1 (plus, with state layers, a
 replay of A + 1 tokens).
 """
@@ -32,6 +32,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .attention import STATE_LAYER_TYPES
 from .cache import cache_argument, truncate
+from .scan import continued_scans
 from .tree import DraftTree, leaf_paths
 
 
@@ -136,7 +137,8 @@ def forward_chains(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, p
     """(B, Q) tokens after the cache's `prefix_len` (one chain per cache row) -> logits (B, Q, V)."""
     positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
     where = {"position_ids": positions} if _takes_positions(type(model)) else {}  # Mamba has none
-    return model(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
+    with continued_scans(model):  # Mamba-1 mixers: the scan from the cached state, not from zero
+        return model(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
 
 
 @lru_cache(maxsize=None)
