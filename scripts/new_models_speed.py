@@ -7,11 +7,12 @@
    train-free sources can predict it, from its own repetitions). Tiny and untrained: its figures say
    what the chain verification costs, not what a real LFM2 gains.
 3. Attention on key indices, verified as chains too: a tiny random BLOOM (ALiBi) and a tiny random
-   GPT-Neo (global + local layers, a 64-token window), the same way.
+   GPT-Neo (global + local layers, a 64-token window), the same way; and a tiny random Mamba (recurrent
+   state only: its chains' scan continues the cached state).
 4. What chains cost against a tree forward on the same model: the shipped pair, its target verified as
    one tree (as opttree runs it) and, forced, as chains (`chains`).
 
-    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128] [--models mistral,lfm2,bloom,gpt-neo]
+    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128] [--models mistral,lfm2,bloom,gpt-neo,mamba,chains]
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ def tiny_random(model_type: str, vocab: int, **fields) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
-TINY_INDEX_MODELS = {  # --models name -> (model_type, config fields)
-    "bloom": ("bloom", dict(hidden_size=256, n_layer=4, n_head=4)),
-    "gpt-neo": ("gpt_neo", dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, window_size=64,
-                                max_position_embeddings=1024, attention_types=[[["global", "local"], 2]])),
+TINY_CHAIN_MODELS = {  # --models name -> (model_type, what it is, config fields)
+    "bloom": ("bloom", "attention on key indices", dict(hidden_size=256, n_layer=4, n_head=4)),
+    "gpt-neo": ("gpt_neo", "attention on key indices",
+                dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, window_size=64,
+                     max_position_embeddings=1024, attention_types=[[["global", "local"], 2]])),
+    "mamba": ("mamba", "recurrent state, no attention", dict(hidden_size=256, num_hidden_layers=4, state_size=16)),
 }
 
 
@@ -102,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--models", default="mistral,lfm2,bloom,gpt-neo,chains", help="which sections to run")
+    parser.add_argument("--models", default="mistral,lfm2,bloom,gpt-neo,mamba,chains", help="which sections to run")
     args = parser.parse_args()
     models = args.models.split(",")
     torch.set_num_threads(2)
@@ -121,9 +124,9 @@ def main() -> None:
                      "opt:recycling+lookup": {"budget": 8}}, prompts, args.new_tokens)
     if "lfm2" in models:
         interleaved("tiny random LFM2 (conv + attention), chains", tiny_lfm2(vocab), train_free, prompts, args.new_tokens)
-    for name, (model_type, fields) in TINY_INDEX_MODELS.items():
+    for name, (model_type, kind, fields) in TINY_CHAIN_MODELS.items():
         if name in models:
-            interleaved(f"tiny random {model_type} (attention on key indices), chains",
+            interleaved(f"tiny random {model_type} ({kind}), chains",
                         tiny_random(model_type, vocab, **fields), train_free, prompts, args.new_tokens)
     if "chains" in models:
         target, draft = opttree.demo_models(torch.float32)[:2]
