@@ -565,6 +565,16 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert profiles.measured_sources(json.loads(path.read_text()))
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err
+    # bench: `opt` with the defaults reads the profile, so a pair new here is calibrated first too
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "bench-cache"))
+    prompts = model_dirs[2]
+    bench = ["bench", *pair, "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "4", "--no-progress",
+             "--out", str(tmp_path / "b")]
+    assert main([*bench, "--methods", "opt", "--budgets", "2"]) == 0
+    assert "a quick one first" not in capsys.readouterr().err  # budgets given: nothing read from a profile
+    assert main([*bench, "--methods", "opt"]) == 0
+    assert "a quick one first" in capsys.readouterr().err
+    assert list((tmp_path / "bench-cache" / "profiles").glob("*.json"))
 
 
 def test_plain_text_prompts_may_span_lines_between_separators(tmp_path):

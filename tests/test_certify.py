@@ -64,7 +64,7 @@ def test_positions_from_the_cache_length_are_exact_as_chains(model_type):  # sym
     assert exact(tiny_any_attention(model_type))
 
 
-@pytest.mark.parametrize("model_type, reason", [("rwkv", "recurrent"), ("xlstm", "recurrent")])
+@pytest.mark.parametrize("model_type, reason", [("xlstm", "recurrent")])
 def test_recurrent_models_are_refused_even_for_plain_decoding(model_type, reason):  # symptom 6
     model = tiny_any_attention(model_type)
     with pytest.raises(NotImplementedError, match=reason):

@@ -79,10 +79,11 @@ def test_sampled_tokens_follow_the_target_distribution():
 
 
 MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.scan`)
+OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.own_state`)
 
 
-@pytest.mark.parametrize("model_type", MAMBA1)
-def test_mamba1_models_are_identical_to_generate(model_type):
+@pytest.mark.parametrize("model_type", MAMBA1 + OWN_STATE)
+def test_recurrent_models_are_identical_to_generate(model_type):
     target = tiny(model_type, "eager")
     assert has_state(target) and probe_chains(target) is None
     reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])

@@ -17,6 +17,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLayer
 
 from .attention import DRIVEN_LAYER_TYPES, INDEXED, POSITIONWISE_LAYER_TYPES, STATE_LAYER_TYPES
+from .own_state import STATE_ARGUMENTS
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 # What a layer type that cannot be driven by tree attention really is (for the refusal's message).
@@ -126,13 +127,16 @@ def _takes_logits_to_keep(model_class: type) -> bool:
 
 def cache_argument(model: torch.nn.Module) -> str:
     """The keyword `model`'s forward takes its KV cache by: "cache" (transformers >= 5.24, which
-    deprecates the old name with a FutureWarning) or "past_key_values" (before). Decided per class.
+    deprecates the old name with a FutureWarning) or "past_key_values" (before); "state" for a model that
+    keeps its state outside transformers' cache by that name (`opttree.own_state`: RWKV). Decided per class.
     Pass a cache as `model(..., **{cache_argument(model): cache})`."""
     return _cache_argument(type(model))
 
 
 @lru_cache(maxsize=None)
 def _cache_argument(model_class: type) -> str:
+    if getattr(model_class.config_class, "model_type", None) in STATE_ARGUMENTS:
+        return STATE_ARGUMENTS[model_class.config_class.model_type]
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 

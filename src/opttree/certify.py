@@ -93,8 +93,9 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
 
 # ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
 
-# recurrent models without transformers' state layers (the others are checked by `opttree.chains.probe_chains`)
-RECURRENT_TYPES = ("rwkv", "xlstm", "reformer", "recurrent_gemma")
+# recurrent models whose state opttree cannot hold (transformers' state layers and RWKV's own state,
+# `opttree.own_state`, run as chains, checked by `opttree.chains.probe_chains`)
+RECURRENT_TYPES = ("xlstm", "reformer", "recurrent_gemma")
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
 

@@ -32,15 +32,17 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .attention import STATE_LAYER_TYPES
 from .cache import cache_argument, truncate
+from .own_state import OwnState, keeps_own_state, own_state
 from .scan import continued_scans
 from .tree import DraftTree, leaf_paths
 
 
 
 def has_state(model: PreTrainedModel) -> bool:
-    """Whether the model declares layers that hold a recurrent or convolution state."""
+    """Whether the model declares layers that hold a recurrent or convolution state, or keeps a state of
+    its own outside transformers' cache layers (`opttree.own_state`: RWKV, MiniMax)."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    return any(kind in STATE_LAYER_TYPES for kind in types)
+    return any(kind in STATE_LAYER_TYPES for kind in types) or keeps_own_state(model)
 
 
 ALIBI_TYPES = ("bloom", "mpt")
@@ -69,9 +71,11 @@ def verified_as_chains(model: PreTrainedModel) -> bool:
     return has_state(model) or index_attention(model.config.get_text_config()) is not None
 
 
-def state_cache(model: PreTrainedModel) -> Cache:
-    """transformers' cache laid out for the model's layer types (state layers and KV layers)."""
-    return DynamicCache(config=model.config)
+def state_cache(model: PreTrainedModel) -> Cache | OwnState:
+    """transformers' cache laid out for the model's layer types (state layers and KV layers), or the state
+    the model keeps outside its layers (`opttree.own_state`)."""
+    state = own_state(model)
+    return state if state is not None else DynamicCache(config=model.config)
 
 
 class ChainVerifier:
@@ -146,14 +150,19 @@ def _takes_positions(model_class: type) -> bool:
     return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
-def save_layers(cache: Cache) -> list[dict]:
+def save_layers(cache: Cache | OwnState):
     """Each cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
     update of transformers' layers replaces or writes into tensors that `reorder_cache` made)."""
+    if isinstance(cache, OwnState):
+        return cache.save()
     return [{name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
             for layer in cache.layers]
 
 
-def restore_layers(cache: Cache, saved: list[dict]) -> None:
+def restore_layers(cache: Cache | OwnState, saved) -> None:
+    if isinstance(cache, OwnState):
+        cache.restore(saved)
+        return
     for layer, state in zip(cache.layers, saved):
         vars(layer).clear()
         vars(layer).update(state)

@@ -181,6 +181,7 @@ def as_command(name: str, args) -> str:
 
 
 def cmd_bench(args) -> int:
+    from ..calibration import calibrate_on_first_use
     from ..flags import draft_temperature, load_pair
     from ..parallel import is_main, same_everywhere
     from . import report
@@ -192,6 +193,8 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, categories, args.limit, args.per_category)
     names = method_names(args.methods)
     target, draft, tokenizer = load_pair(args)
+    if args.budgets is None and "opt" in names and not args.tp:  # `opt` with the defaults, as generate and demo
+        calibrate_on_first_use(target, draft, tokenizer, progress=sys.stderr.isatty())  # run it: calibrated first
     names, chosen, budgets, delta = profile_defaults(args, target, draft, names)
     specs = same_everywhere(expand_methods(names, parse_budgets(budgets, delta, target, draft, chosen,
                                                          args.temperature)),
