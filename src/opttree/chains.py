@@ -1,5 +1,6 @@
 """Verification as a batch of root-to-leaf chains, for the targets a tree under one mask cannot drive:
-models with recurrent or convolution state (LFM2, Granite 4 hybrids, Qwen3-Next, Jamba, ...), and KV
+models with recurrent or convolution state (LFM2, Granite 4 hybrids, Qwen3-Next, Jamba, Mamba; RWKV and
+MiniMax, whose states live outside transformers' cache layers: `opttree.own_state`), and KV
 models whose attention reads a key's *index* in the cache where a tree needs its position (ALiBi: BLOOM,
 MPT, Falcon with `alibi=True`; GPT-Neo's local layers; positions counted from the cache length: BART's
 decoder family). In a chain, every key's index is its position.
