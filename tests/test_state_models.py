@@ -70,8 +70,10 @@ def test_hybrids_are_identical_to_generate(model_type):
                                                       (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})])
 
 
-def test_sampled_tokens_follow_the_target_distribution():
-    target = hybrid("lfm2", vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.6)
+@pytest.mark.parametrize("model_type", ["lfm2", "mamba"])  # a hybrid with convolution state; a pure recurrent model
+def test_sampled_tokens_follow_the_target_distribution(model_type):
+    small = dict(vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.6)
+    target = hybrid(model_type, **small) if model_type in HYBRIDS else tiny(model_type, "eager", **small)
     draft = tiny_model("llama", vocab=6, hidden=32, layers=1, seed=4, init=0.6)
     prompt, runs, warp = torch.tensor([[1, 3, 0, 4, 1, 3]]), 600, {"temperature": 0.9}
     counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=6, max_depth=2, **warp)
