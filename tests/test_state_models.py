@@ -58,16 +58,23 @@ def hybrid(model_type: str, **extra):
         return tiny(model_type, "eager", layer_types=HYBRIDS[model_type], **extra)
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(PATTERNED))
-def test_hybrids_are_identical_to_generate(model_type):
-    target = hybrid(model_type)
+MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.scan`)
+OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.own_state`)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(PATTERNED) + MAMBA1 + OWN_STATE)
+def test_state_models_are_identical_to_generate(model_type):
+    hybrid_model = model_type in HYBRIDS or model_type in PATTERNED
+    target = hybrid(model_type) if hybrid_model else tiny(model_type, "eager")
     assert has_state(target) and probe_chains(target) is None
     reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
+    own_draft = [] if hybrid_model else [(target, {"budget": 6})]  # the model as its own draft (`ChainDrafter`)
     assert_each_generates(target, PROMPT, reference, [(Oracle(reference, vocab), {"budget": 8}),
                                                       (Oracle(reference, vocab), {"tree": "chain"}),
-                                                      (draft, {"budget": 8}), (None, {"budget": 8}), (None, {"tree": "ar"})])
+                                                      (draft, {"budget": 8}), *own_draft,
+                                                      (None, {"budget": 8}), (None, {"tree": "ar"})])
 
 
 @pytest.mark.parametrize("model_type", ["lfm2", "mamba"])  # a hybrid with convolution state; a pure recurrent model
@@ -78,23 +85,6 @@ def test_sampled_tokens_follow_the_target_distribution(model_type):
     prompt, runs, warp = torch.tensor([[1, 3, 0, 4, 1, 3]]), 600, {"temperature": 0.9}
     counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=6, max_depth=2, **warp)
     assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, **warp), runs) > 1e-3
-
-
-MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.scan`)
-OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.own_state`)
-
-
-@pytest.mark.parametrize("model_type", MAMBA1 + OWN_STATE)
-def test_recurrent_models_are_identical_to_generate(model_type):
-    target = tiny(model_type, "eager")
-    assert has_state(target) and probe_chains(target) is None
-    reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
-    vocab = target.get_output_embeddings().weight.shape[0]
-    draft = tiny_model("llama", vocab=vocab, hidden=32, layers=1, seed=3)
-    assert_each_generates(target, PROMPT, reference, [(Oracle(reference, vocab), {"budget": 8}),
-                                                      (Oracle(reference, vocab), {"tree": "chain"}),
-                                                      (draft, {"budget": 8}), (target, {"budget": 6}),
-                                                      (None, {"budget": 8}), (None, {"tree": "ar"})])
 
 
 @pytest.mark.parametrize("model_type", MAMBA1 + ["jamba"])
