@@ -55,3 +55,16 @@ def test_the_static_path_is_refused_with_its_reason_and_not_chosen_for_the_user(
         opttree.generate(target, PROMPT, max_new_tokens=4, static=True)
     out = opttree.generate(target, PROMPT, max_new_tokens=8, eos_token_id=[])  # the static path left to the engine
     assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 8, eos_token_id=[]))
+
+
+def test_early_exit_drafts_on_a_sparse_attention_target(tmp_path):
+    """The early-exit drafter runs the target's own first layers over the target's cache: with indexed
+    layers, their indexer keys too."""
+    from opttree.drafters.early_exit import ExitLayer
+
+    target = sparse("deepseek_v32")
+    folder = ExitLayer(target, 1).save(tmp_path, target)
+    for tree in ("opt", "chain"):
+        out = opttree.generate(target, PROMPT, tree=tree, drafter="early-exit", early_exit=folder, budget=8,
+                               max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 20, eos_token_id=[])), tree

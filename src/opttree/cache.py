@@ -34,15 +34,17 @@ def has_indexed_attention(model: PreTrainedModel) -> bool:
     return INDEXED in (getattr(model.config.get_text_config(), "layer_types", None) or [])
 
 
-def new_cache(model: PreTrainedModel | None = None) -> DynamicCache:
+def new_cache(model: PreTrainedModel | None = None, layer_types: list[str] | None = None) -> DynamicCache:
     """A cache of plain full-attention layers. Sliding and chunked layers keep every key too: their
     windows are applied by the masks (`opttree.attention`), so the cache rolls back like any other.
     A model with indexed sparse attention gets, for those layers, transformers' layer that also keeps
-    the indexer's keys (one per position, compacted with the rest: `sequence_tensors`)."""
+    the indexer's keys (one per position, compacted with the rest: `sequence_tensors`). `layer_types`:
+    those of a part of a model (e.g. an early-exit layer's copy of one target layer) instead of a model's."""
     cache = DynamicCache()
-    if model is not None and has_indexed_attention(model):
-        types = model.config.get_text_config().layer_types
-        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else DynamicLayer() for kind in types]
+    if layer_types is None and model is not None and has_indexed_attention(model):
+        layer_types = model.config.get_text_config().layer_types
+    if layer_types and INDEXED in layer_types:
+        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else DynamicLayer() for kind in layer_types]
     return cache
 
 

@@ -76,9 +76,10 @@ class ExitLayer(nn.Module):
         self.temperature = 1.0  # divides its logits when drafting: calibrated after training (fit_temperature)
         # not submodules: their weights are the target's and stay out of this module's state_dict
         types = getattr(decoder.config, "layer_types", None)
+        self.layer_types = types and types[layers : layers + 1]  # its one layer's kind (its cache's: `new_cache`)
         self.__dict__["lower"] = partial_decoder(decoder, list(decoder.layers[:layers]), nn.Identity(),
                                                  types and types[:layers])
-        self.__dict__["upper"] = partial_decoder(decoder, [self.layer], self.norm, types and types[layers : layers + 1])
+        self.__dict__["upper"] = partial_decoder(decoder, [self.layer], self.norm, self.layer_types)
 
     def forward(self, states: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None = None,
                 cache=None, keys=None) -> torch.Tensor:
@@ -127,7 +128,7 @@ class EarlyExitDrafter(Declared):
         self.start(torch.empty(0, dtype=torch.long))
 
     def start(self, input_ids: torch.Tensor) -> None:
-        self.cache = new_cache()  # the exit layer's
+        self.cache = new_cache(layer_types=self.exit.layer_types)  # the exit layer's
         self.fed = 0  # positions 0..fed-1 are in the exit layer's cache
         self.pending = torch.empty(0, self.exit.norm.weight.shape[-1], device=self.device)  # (P, H) not fed yet
 
