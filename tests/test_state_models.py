@@ -19,10 +19,15 @@ HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention 
            # Mamba-2 + attention + MoE and MLP layers of their own (Nemotron-H, Nemotron 3 Nano)
            "nemotron_h": ["linear_attention", "moe", "full_attention", "mlp"],
            # attention whose keys and values pass short convolutions (a state), full and sliding (Inkling)
-           "inkling_text": ["hybrid", "hybrid_sliding"]}
+           "inkling_text": ["hybrid", "hybrid_sliding"],
+           # compressed attention over a sliding window: pooled every 8 and every 4 tokens (DeepSeek-V4)
+           "deepseek_v4": ["heavily_compressed_attention", "compressed_sparse_attention"]}
 # sizes the generic tiny config leaves large (Nemotron-H's Mamba heads and shared expert)
 SIZED = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
-                            moe_shared_expert_intermediate_size=32)}
+                            moe_shared_expert_intermediate_size=32),
+         # 6 + 30 tokens cross the window and several pooled entries of each kind
+         "deepseek_v4": dict(sliding_window=16, compress_rates={"compressed_sparse_attention": 4,
+                                                                "heavily_compressed_attention": 8})}
 
 
 # Hybrids whose layer pattern is set by their own fields (no `layer_types`; the sweep's generic tiny config

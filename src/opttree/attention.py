@@ -22,8 +22,11 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 INDEXED = "indexed_attention"
 DRIVEN_LAYER_TYPES = (FULL, SLIDING, CHUNKED, INDEXED)  # the layer types a tree mask can drive exactly
 # layer types that hold a recurrent or convolution state: a target's are verified as chains (`opttree.chains`);
-# "hybrid" / "hybrid_sliding": Zamba 2's shared attention block, Inkling's attention over short convolutions
-STATE_LAYER_TYPES = ("conv", "linear_attention", "mamba", "mamba2", "hybrid", "hybrid_sliding")
+# "hybrid" / "hybrid_sliding": Zamba 2's shared attention block, Inkling's attention over short convolutions;
+# DeepSeek-V4's compressed attention: besides a sliding window of keys, its layers keep the tokens not yet
+# pooled into a compressed entry and the entries pooled so far, a state that grows with the sequence
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
+STATE_LAYER_TYPES = ("conv", "linear_attention", "mamba", "mamba2", "hybrid", "hybrid_sliding", *COMPRESSED)
 # layer types that neither attend nor keep a state (a feed-forward block of their own, as in Nemotron-H):
 # they act position by position, so any mask and any verification suits them
 POSITIONWISE_LAYER_TYPES = ("mlp", "moe")

@@ -23,8 +23,6 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 # What a layer type that cannot be driven by tree attention really is (for the refusal's message).
 LAYER_KINDS = {
     "linear_attention": "linear attention (a recurrent state)",
-    "compressed_sparse_attention": "compressed sparse attention (keys pooled over blocks of positions)",
-    "heavily_compressed_attention": "compressed attention",
     "mamba": "state-space (Mamba) layers", "conv": "convolution state", "recurrent": "recurrent layers",
 }
 
