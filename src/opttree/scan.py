@@ -3,8 +3,8 @@
 transformers' Mamba-1 mixers (`MambaMixer`, `FalconMambaMixer`, `JambaMambaMixer`) decode one token with the
 cached recurrent state, but run a forward of several new tokens through their module's `mamba_selective_scan`,
 which starts from a zero state (the CUDA kernel it stands in for takes no initial state). A chain of drafted
-tokens after a cached prefix would then be computed as if nothing came before it: on a trained model, wrong
-logits; on a tiny random one, logits a few 1e-4 off, which is how Jamba passed a tolerance-based probe.
+tokens after a cached prefix would then be computed as if nothing came before it: wrong logits, only a few
+1e-4 off on a tiny random model, which is how Jamba passed a tolerance-based probe.
 
 `continued_scans(model)` runs a forward with each such mixer's scan started from the state its layer holds in
 the cache: a pre-hook on the mixer reads `cache.get_recurrent_state(layer)` for a forward of several tokens,
