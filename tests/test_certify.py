@@ -84,9 +84,9 @@ def test_models_without_a_positioned_kv_cache_are_refused_clearly(model_type):  
 
 def test_a_layer_type_tree_masks_cannot_drive_is_named_as_such():
     model = tiny_model("llama", seed=6)
-    model.config.layer_types = ["compressed_sparse_attention", "full_attention"]  # DeepSeek-V4's
+    model.config.layer_types = ["recurrent", "full_attention"]  # RecurrentGemma's kind, outside transformers' cache
     message = refusal(model)
-    assert "compressed sparse attention" in message and "linear attention" not in message
+    assert "'recurrent': recurrent layers" in message and "linear attention" not in message
 
 
 def test_a_model_that_crashes_in_the_tree_forward_is_refused_by_name(monkeypatch):
