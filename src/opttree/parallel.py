@@ -19,6 +19,7 @@ A rank that dies is noticed by `torchrun`, which ends the others with an error.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +59,12 @@ def start(device: torch.device) -> None:
         if device.type == "cuda":  # one GPU per rank, before NCCL starts
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        atexit.register(_leave)  # a group left to the interpreter's teardown can abort the process at exit
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_plan(config, path) -> None:
