@@ -1,5 +1,6 @@
 """Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.chains`):
-hybrids and pure Mamba-1 models identical to `generate`, and sampled exactly."""
+hybrids, pure recurrent models (Mamba-1, RWKV) and DeepSeek-V4's compressed attention identical to
+`generate`, and sampled exactly; a Mamba-1 chain's scan continues the cached state."""
 
 import contextlib
 from unittest import mock
