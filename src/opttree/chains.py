@@ -33,7 +33,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .attention import STATE_LAYER_TYPES
 from .cache import cache_argument, truncate
-from .own_state import OwnState, keeps_own_state, own_state
+from .own_state import OwnState, keeps_own_state, layer_attributes, own_state, put_back
 from .scan import continued_scans
 from .tree import DraftTree, leaf_paths
 
@@ -152,21 +152,16 @@ def _takes_positions(model_class: type) -> bool:
 
 
 def save_layers(cache: Cache | OwnState):
-    """Each cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
-    update of transformers' layers replaces or writes into tensors that `reorder_cache` made)."""
-    if isinstance(cache, OwnState):
-        return cache.save()
-    return [{name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
-            for layer in cache.layers]
+    """Each cache layer's attributes (`own_state.layer_attributes`), or a state's of its own."""
+    return cache.save() if isinstance(cache, OwnState) else [layer_attributes(layer) for layer in cache.layers]
 
 
 def restore_layers(cache: Cache | OwnState, saved) -> None:
     if isinstance(cache, OwnState):
         cache.restore(saved)
         return
-    for layer, state in zip(cache.layers, saved):
-        vars(layer).clear()
-        vars(layer).update(state)
+    for layer, attributes in zip(cache.layers, saved):
+        put_back(layer, attributes)
 
 
 def probe_chains(model: PreTrainedModel) -> str | None:

@@ -20,6 +20,17 @@ import torch
 from transformers import PreTrainedModel
 
 
+def layer_attributes(layer) -> dict:
+    """A cache layer's attributes, its dicts of state tensors copied (the tensors themselves are not: every
+    update of transformers' layers replaces or writes into tensors that `reorder_cache` made)."""
+    return {name: dict(value) if isinstance(value, dict) else value for name, value in vars(layer).items()}
+
+
+def put_back(layer, attributes: dict) -> None:
+    vars(layer).clear()
+    vars(layer).update(attributes)
+
+
 class OwnState:
     """A state kept outside transformers' cache layers: `reorder_cache(rows)` makes new tensors, so what
     `save` returned stays as it was; `restore` puts it back."""
@@ -67,13 +78,12 @@ def _minimax_state_class() -> type:
                                  for state in self.linear_cache]
 
         def save(self) -> tuple[list[dict], list]:
-            return [dict(vars(layer)) for layer in self.layers], list(self.linear_cache)
+            return [layer_attributes(layer) for layer in self.layers], list(self.linear_cache)
 
         def restore(self, saved: tuple[list[dict], list]) -> None:
             layers, self.linear_cache = saved
             for layer, attributes in zip(self.layers, layers):
-                vars(layer).clear()
-                vars(layer).update(attributes)
+                put_back(layer, attributes)
 
     return MiniMaxState
 

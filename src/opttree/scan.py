@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,19 +41,31 @@ def restarts_scan(model: PreTrainedModel) -> bool:
     return model.config.get_text_config().model_type in RESTARTED_SCANS
 
 
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Mamba-1 mixers ([] for others)
+
+
+def _mixers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The model's Mamba-1 mixers, found once per model (their module's scan wrapped on the way)."""
+    if model not in _MIXERS:
+        mixers = []
+        if restarts_scan(model):
+            module_name, mixer_name = RESTARTED_SCANS[model.config.get_text_config().model_type]
+            module = sys.modules[module_name]  # imported: the model is built from it
+            _wrap_scan(module)
+            mixers = [m for m in model.modules() if isinstance(m, getattr(module, mixer_name))]
+        _MIXERS[model] = mixers
+    return _MIXERS[model]
+
+
 @contextmanager
 def continued_scans(model: PreTrainedModel) -> Iterator[None]:
     """Within: the model's Mamba-1 mixers start a scan of several tokens from their cached state. A no-op for
     other models."""
-    if not restarts_scan(model):
+    mixers = _mixers(model)
+    if not mixers:
         yield
         return
-    module_name, mixer_name = RESTARTED_SCANS[model.config.get_text_config().model_type]
-    module = sys.modules[module_name]  # imported: the model is built from it
-    _wrap_scan(module)
-    mixer_class = getattr(module, mixer_name)
-    hooks = [mixer.register_forward_pre_hook(_capture_state, with_kwargs=True)
-             for mixer in model.modules() if isinstance(mixer, mixer_class)]
+    hooks = [mixer.register_forward_pre_hook(_capture_state, with_kwargs=True) for mixer in mixers]
     token = _INITIAL.set(None)
     try:
         yield
