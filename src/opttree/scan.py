@@ -1,6 +1,8 @@
-"""Mamba-1's selective scan continued from the cached state, so that Mamba, Falcon-Mamba and Jamba run as chains.
+"""Mamba-1's selective scan continued from the cached state, so that Mamba, Falcon-Mamba, Jamba and Zamba run
+as chains.
 
-transformers' Mamba-1 mixers (`MambaMixer`, `FalconMambaMixer`, `JambaMambaMixer`) decode one token with the
+transformers' Mamba-1 mixers (`MambaMixer`, `FalconMambaMixer`, `JambaMambaMixer`, `ZambaMambaMixer`: one
+scan per head) decode one token with the
 cached recurrent state, but run a forward of several new tokens through their module's `mamba_selective_scan`,
 which starts from a zero state (the CUDA kernel it stands in for takes no initial state). A chain of drafted
 tokens after a cached prefix would then be computed as if nothing came before it: wrong logits, only a few
@@ -31,9 +33,12 @@ RESTARTED_SCANS = {
     "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer"),
     "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
     "jamba": ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),
+    "zamba": ("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer"),  # a scan per head, in head order
 }
 
-_INITIAL: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("opttree_scan_state", default=None)
+# the states the scans of the mixer now running start from, in call order (None: from zero)
+_INITIAL: contextvars.ContextVar[Iterator[torch.Tensor] | None] = contextvars.ContextVar("opttree_scan_state",
+                                                                                       default=None)
 
 
 def restarts_scan(model: PreTrainedModel) -> bool:
@@ -76,11 +81,12 @@ def continued_scans(model: PreTrainedModel) -> Iterator[None]:
 
 
 def _capture_state(mixer, args: tuple, kwargs: dict) -> None:
-    """Before a mixer's forward: the state its scan starts from (None: from zero, as transformers does)."""
+    """Before a mixer's forward: the states its scans start from (None: from zero, as transformers does).
+    A state (B, I, S) is one scan's; Zamba's (B, heads, I / heads, S) is one scan per head, run in head order."""
     hidden = args[0] if args else kwargs["hidden_states"]  # (B, Q, H)
     cache = kwargs.get("cache")
     state = cache.get_recurrent_state(mixer.layer_idx) if cache is not None and hidden.shape[1] > 1 else None
-    _INITIAL.set(state)
+    _INITIAL.set(None if state is None else iter([state] if state.dim() == 3 else state.unbind(1)))
 
 
 def _wrap_scan(module) -> None:
@@ -89,8 +95,13 @@ def _wrap_scan(module) -> None:
         return
 
     def scan(*args, **kwargs):
-        state = _INITIAL.get()
-        return original(*args, **kwargs) if state is None else scan_from(state, *args, **kwargs)
+        states = _INITIAL.get()
+        if states is None:
+            return original(*args, **kwargs)
+        state = next(states, None)
+        if state is None:  # more scans than the captured state has parts: a mixer this module does not know
+            raise RuntimeError("a Mamba-1 mixer ran more scans than its cached state has heads")
+        return scan_from(state, *args, **kwargs)
 
     scan.continues_state = True
     module.mamba_selective_scan = scan
