@@ -1,6 +1,6 @@
-"""Quantized models (torchao, CPU): opttree's output equals the quantized model's own greedy generate,
-whether quantized in memory (`opttree.quantize`, `--quantize`) or saved quantized and loaded with
-`from_pretrained`."""
+"""Quantized models (torchao and bitsandbytes, CPU): opttree's output equals the quantized model's own greedy
+generate, whether quantized in memory (`opttree.quantize`, `--quantize`) or loaded quantized with
+`from_pretrained`; what quantizes activations at run time is refused by name."""
 
 import json
 
@@ -94,3 +94,37 @@ def test_int4_groups_fit_the_layers_input_sizes():
     assert torch.equal(out.sequences, hf_greedy(target, PROMPT, 20, eos_token_id=[]))
     with pytest.raises(ValueError, match="input sizes"):
         quantize(tiny_model("llama", seed=0, hidden=36), "int4")
+
+
+def _bitsandbytes_model(path, seed: int, **quantization):
+    """A tiny Llama saved in fp32 and loaded quantized by bitsandbytes on the CPU (its widths multiples of 64:
+    bitsandbytes' CPU 4-bit path quantizes blocks of 64 inputs)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    pytest.importorskip("bitsandbytes")
+    tiny_model("llama", seed=seed, hidden=64, vocab=128).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**quantization),
+                                                device_map="cpu").eval()
+
+
+@pytest.mark.parametrize("quantization", [dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+                                          dict(load_in_4bit=True, bnb_4bit_quant_type="fp4",
+                                               bnb_4bit_compute_dtype=torch.bfloat16)])
+def test_a_bitsandbytes_4bit_target_and_draft_are_exact_against_their_own_generate(tmp_path, quantization):
+    target = _bitsandbytes_model(tmp_path / "target", 0, **quantization)
+    draft = _bitsandbytes_model(tmp_path / "draft", 1, **quantization)
+    assert type(target.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"  # really quantized
+    reference = hf_greedy(target, PROMPT, 40, eos_token_id=[])
+    assert not torch.equal(reference, hf_greedy(tiny_model("llama", seed=0, hidden=64, vocab=128), PROMPT, 40,
+                                                eos_token_id=[]))  # a model of its own
+    for draft_model, options in [(draft, {"budget": 16}), (None, {"budget": 8}), (None, {"tree": "chain"})]:
+        out = opttree.generate(target, PROMPT, draft_model, max_new_tokens=40, eos_token_id=[], **options)
+        assert torch.equal(out.sequences, reference), (quantization, options)
+
+
+def test_bitsandbytes_8bit_is_refused_by_name(tmp_path):
+    """LLM.int8 rounds activations to int8 and picks outlier columns from all the tokens of a forward: on this
+    model a tree forward's logits differ from a causal forward's by ~0.1."""
+    target = _bitsandbytes_model(tmp_path, 1, load_in_8bit=True)
+    with pytest.raises(NotImplementedError, match="bitsandbytes 8-bit.*load_in_4bit"):
+        opttree.generate(target, PROMPT, budget=8, max_new_tokens=8)

@@ -157,14 +157,28 @@ def _forward_params(model_class: type) -> frozenset:
 
 
 def activation_quantization(model, config, max_len: int, tree_rows: int) -> str | None:
-    """torchao's dynamic activation quantization (weights whose `act_quant_kwargs` is set) rounds every
-    token's activations to int8 steps at run time: the float rounding that differs between a tree forward
-    and a one-token decode becomes a whole step (logits ~1e-2 apart), so argmaxes flip."""
+    """torchao's dynamic activation quantization (weights whose `act_quant_kwargs` is set) and bitsandbytes'
+    8-bit (LLM.int8: activations rounded to int8 by row, and the columns with an outlier in *any* token of the
+    forward computed apart in 16 bits) quantize activations at run time: the float rounding that differs
+    between a tree forward and a one-token decode becomes a whole step (logits ~1e-2 to 1e-1 apart), and with
+    LLM.int8 a token's result depends on the other tokens of its forward."""
     if any(getattr(p, "act_quant_kwargs", None) is not None for p in model.parameters()):
         return ("its activations are quantized at run time (torchao dynamic activation quantization), which turns "
                 "float rounding differences between forwards into whole int8 steps; quantize the weights only "
                 "(e.g. torchao Int8WeightOnlyConfig, `--quantize int8`)")
+    if _quantization(config).get("load_in_8bit"):
+        return ("its activations are quantized at run time (bitsandbytes 8-bit, LLM.int8: int8 rows and outlier "
+                "columns chosen from every token of a forward); load it in 4 bits (`load_in_4bit=True`: weights "
+                "only) or quantize the weights with torchao (`--quantize int8`)")
     return None
+
+
+def _quantization(config) -> dict:
+    """The model's `quantization_config` as a dict ({} for a model not quantized by transformers' loader)."""
+    quantization = getattr(config, "quantization_config", None)  # set only on models loaded quantized
+    if quantization is None:
+        return {}
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
 
 
 KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
@@ -217,10 +231,11 @@ def run_probe(model: PreTrainedModel, length: int, capacity: int | None = None) 
     tree = DraftTree(tree_tokens[1:], parents, depths, torch.zeros(4, device=device), parents)
     tree_logits = verify_tree(model, cache, tree_tokens[0], tree, prefix_len, width=PROBE_PADDED_WIDTH,
                               compiled=False)  # (5, V)
+    rounding = _compute_dtype(model, tree_logits.dtype)
     for branch in PROBE_BRANCHES:
         rows = torch.tensor(branch, device=device)
         reference = _causal_logits(model, torch.cat([prefix, tree_tokens[rows]]))[-3:]  # (3, V)
-        if not _close(tree_logits[rows], reference):
+        if not _close(tree_logits[rows], reference, rounding):
             return (f"the tree forward's logits on branch {branch} differ from a causal forward "
                     f"(max |diff| {_diff(tree_logits[rows], reference):.3g})")
 
@@ -228,7 +243,7 @@ def run_probe(model: PreTrainedModel, length: int, capacity: int | None = None) 
     compact(cache, prefix_len, keep)
     step = verify_tree(model, cache, after[0], DraftTree.empty(device), prefix_len + 3, compiled=False)  # (1, V)
     reference = _causal_logits(model, torch.cat([prefix, tree_tokens[keep], after]))[-1:]
-    if not _close(step, reference):
+    if not _close(step, reference, rounding):
         return f"after compacting the cache to one branch, the next step differs (max |diff| {_diff(step, reference):.3g})"
     return None
 
@@ -243,8 +258,16 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to the rounding of the model's dtype (different kernels, same maths)."""
+def _close(a: torch.Tensor, b: torch.Tensor, rounding: torch.dtype) -> bool:
+    """Equal up to the rounding of the dtype the model computes in (different kernels, same maths)."""
     scale = 1.0 + float(b.float().abs().max())
-    tolerance = max(1e-4, 16 * torch.finfo(a.dtype).eps) * scale
+    tolerance = max(1e-4, 16 * torch.finfo(rounding).eps) * scale
     return _diff(a, b) <= tolerance
+
+
+def _compute_dtype(model: PreTrainedModel, logits: torch.dtype) -> torch.dtype:
+    """The dtype whose rounding a forward carries: the logits', or bitsandbytes 4-bit's declared compute dtype
+    where that is coarser (its layers compute in it whatever the model's dtype)."""
+    declared = _quantization(model.config).get("bnb_4bit_compute_dtype")
+    compute = getattr(torch, declared) if isinstance(declared, str) else logits
+    return compute if torch.finfo(compute).eps > torch.finfo(logits).eps else logits
