@@ -84,7 +84,7 @@ def test_models_without_a_positioned_kv_cache_are_refused_clearly(model_type):  
 
 def test_a_layer_type_tree_masks_cannot_drive_is_named_as_such():
     model = tiny_model("llama", seed=6)
-    model.config.layer_types = ["recurrent", "full_attention"]  # RecurrentGemma's kind, outside transformers' cache
+    model.config.layer_types = ["recurrent", "full_attention"]  # a kind outside transformers' cache layers
     message = refusal(model)
     assert "'recurrent': recurrent layers" in message and "linear attention" not in message
 

@@ -1,6 +1,7 @@
 """Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.chains`):
-hybrids, pure recurrent models (Mamba-1, RWKV) and DeepSeek-V4's compressed attention identical to
-`generate`, and sampled exactly; a Mamba-1 chain's scan continues the cached state."""
+hybrids, pure recurrent models (Mamba-1, RWKV, RecurrentGemma) and DeepSeek-V4's compressed attention
+identical to `generate`, and sampled exactly; a Mamba-1 chain's scan continues the cached state, and
+RecurrentGemma's blocks continue theirs token by token."""
 
 import contextlib
 from unittest import mock
@@ -50,6 +51,11 @@ PATTERNED = {
     "zamba": dict(attention_hidden_size=128, attention_head_dim=32, num_key_value_heads=4, n_mamba_heads=2,
                   mamba_d_state=8, mamba_dt_rank=8, num_hidden_layers=3, initializer_range=0.3,
                   layers_block_type=["hybrid", "linear_attention", "hybrid"]),
+    # RG-LRU recurrent blocks (their state kept on the blocks: `opttree.own_state`) around local attention over
+    # 16 positions; untied embeddings at init 0.5: tied ones, or smaller, give a greedy output of one token
+    "recurrent_gemma": dict(lru_width=64, head_dim=16, attention_window_size=16, num_hidden_layers=3,
+                            block_types=["recurrent", "attention", "recurrent"], initializer_range=0.5,
+                            tie_word_embeddings=False),
 }
 
 
@@ -116,6 +122,14 @@ def test_a_chain_continues_the_cached_mamba1_state(model_type):
         assert continued() < 1e-5
         with mock.patch("opttree.chains.continued_scans", lambda model: contextlib.nullcontext()):
             assert continued() > 1e-5  # transformers' own forward: restarted from zero
+
+
+def test_recurrent_gemma_blocks_continue_their_state_token_by_token():
+    """RecurrentGemma's recurrent blocks restart their convolution from zeros on a forward of several tokens;
+    `opttree.own_state` runs such a forward token by token once a state is cached (else the chains differ)."""
+    assert probe_chains(hybrid("recurrent_gemma")) is None
+    with mock.patch("opttree.own_state._token_by_token", lambda forward: forward):
+        assert "several new tokens" in probe_chains(hybrid("recurrent_gemma"))  # a new model: bound unpatched
 
 
 def test_what_state_models_do_not_combine_with(tmp_path):

@@ -95,7 +95,7 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
 
 # recurrent models whose state opttree cannot hold (transformers' state layers, and RWKV's and MiniMax's
 # states, `opttree.own_state`, run as chains, checked by `opttree.chains.probe_chains`)
-RECURRENT_TYPES = ("xlstm", "reformer", "recurrent_gemma")
+RECURRENT_TYPES = ("xlstm", "reformer")
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
 
