@@ -49,7 +49,7 @@ EXPECTED: dict[str, set[str]] = {name: set(kinds) for name, kinds in _PINNED["ex
 CAUSES: dict[str, str] = _PINNED["causes"]
 # How a refusal's message names its reason (first match wins).
 REASONS = {
-    "ALiBi": "ALiBi", "cache length": "positions from the cache length", "recurrent": "recurrent state",
+    "ALiBi": "ALiBi", "cache length": "positions from the cache length", "hash buckets": "hash-bucketed attention (Reformer)",
     "several new tokens": "state restarted by a multi-token forward (Mamba)",
     "bidirectional": "bidirectional", "local-attention": "local window (GPT-Neo)",
     "rope_type=": "rope factors switched by length",
@@ -154,7 +154,7 @@ def test_the_pins_catch_a_family_that_becomes_refused_or_is_no_longer_compared()
     assert unpinned("qwen3", identical + [("x/eager", "refused: ALiBi")])  # a new refusal
     assert unpinned("qwen3", [("qwen3", "not built (KeyError: 'x')")])  # no longer built
     assert unpinned("bert", [("x", "refused: bidirectional")]) is None
-    assert unpinned("bert", [("x", "refused: recurrent state")])  # the reason changed
+    assert unpinned("bert", [("x", "refused: hash-bucketed attention (Reformer)")])  # the reason changed
 
 
 def test_every_pinned_outcome_is_a_known_reason_or_has_its_cause():

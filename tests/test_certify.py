@@ -64,10 +64,9 @@ def test_positions_from_the_cache_length_are_exact_as_chains(model_type):  # sym
     assert exact(tiny_any_attention(model_type))
 
 
-@pytest.mark.parametrize("model_type, reason", [("xlstm", "recurrent")])
-def test_recurrent_models_are_refused_even_for_plain_decoding(model_type, reason):  # symptom 6
-    model = tiny_any_attention(model_type)
-    with pytest.raises(NotImplementedError, match=reason):
+def test_bucketed_attention_is_refused_even_for_plain_decoding():  # symptom 6
+    model = tiny_any_attention("reformer", is_decoder=True, axial_pos_embds=False)
+    with pytest.raises(NotImplementedError, match="hash buckets"):
         opttree.generate(model, PROMPT, tree="ar", max_new_tokens=8, eos_token_id=[])
 
 

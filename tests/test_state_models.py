@@ -32,11 +32,11 @@ SIZED = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size
                                                                 "heavily_compressed_attention": 8})}
 
 
-# Hybrids whose layer pattern is set by their own fields (no `layer_types`; the sweep's generic tiny config
-# breaks them): small configs that their own generate runs on a CPU (the torch fallbacks of the Mamba kernels)
+# Models whose layer pattern or state is set by fields of their own (no `layer_types`; the sweep's generic tiny
+# config breaks them): small configs that their own generate runs on a CPU (the torch fallbacks of the Mamba kernels)
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-PATTERNED = {
+OWN_CONFIG = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                   mamba_dt_rank=8),  # Mamba + attention, mixture of experts (Jamba)
@@ -56,16 +56,21 @@ PATTERNED = {
     "recurrent_gemma": dict(lru_width=64, head_dim=16, attention_window_size=16, num_hidden_layers=3,
                             block_types=["recurrent", "attention", "recurrent"], initializer_range=0.5,
                             tie_word_embeddings=False),
+    # mLSTM blocks only, their state in xLSTM's own cache (`opttree.own_state`); qk_dim_factor 1: at its default
+    # of 0.5, transformers' xLSTMCache is made with the wrong key width and its own generate fails
+    "xlstm": dict(embedding_dim=64, num_blocks=2, num_heads=4, qk_dim_factor=1.0, chunk_size=8,
+                  autocast_kernel_dtype="float32"),
 }
 
 
 def hybrid(model_type: str, **extra):
-    if model_type in PATTERNED:
+    if model_type in OWN_CONFIG:
         from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
         torch.manual_seed(0)
-        config = CONFIG_MAPPING[model_type](**{**SMALL, **PATTERNED[model_type], **extra})
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        config = CONFIG_MAPPING[model_type](**{**SMALL, **OWN_CONFIG[model_type], **extra})
+        return AutoModelForCausalLM.from_config(config, attn_implementation=None if model_type == "xlstm" else "sdpa"
+                                                ).eval()  # xLSTM has no attention: its own default
     if model_type == "granitemoehybrid":
         extra.setdefault("mamba_chunk_size", 8)  # transformers' torch chunk scan pads every forward to a chunk
     extra = {**SIZED.get(model_type, {}), **extra}
@@ -79,9 +84,9 @@ MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cac
 OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.own_state`)
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(PATTERNED) + MAMBA1 + OWN_STATE)
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(OWN_CONFIG) + MAMBA1 + OWN_STATE)
 def test_state_models_are_identical_to_generate(model_type):
-    hybrid_model = model_type in HYBRIDS or model_type in PATTERNED
+    hybrid_model = model_type in HYBRIDS or model_type in OWN_CONFIG
     target = hybrid(model_type) if hybrid_model else tiny(model_type, "eager")
     assert has_state(target) and probe_chains(target) is None
     reference = hf_greedy(target, PROMPT, 30, eos_token_id=[])
@@ -109,7 +114,7 @@ def test_a_chain_continues_the_cached_mamba1_state(model_type):
     """transformers' Mamba-1 mixers restart the scan from zero on a forward of several tokens; through
     `forward_chains` the scan continues the cached state (on Jamba's tiny random layer the restart moves the
     logits by only ~2e-4, which a tolerance-based probe let through; Zamba runs one scan per head)."""
-    model = hybrid(model_type) if model_type in PATTERNED else tiny(model_type, "eager")
+    model = hybrid(model_type) if model_type in OWN_CONFIG else tiny(model_type, "eager")
     tokens = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         full = model(input_ids=tokens).logits[0, 6:]  # (8, V)

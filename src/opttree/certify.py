@@ -93,16 +93,17 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
 
 # ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
 
-# recurrent models whose state opttree cannot hold (transformers' state layers, and RWKV's and MiniMax's
-# states, `opttree.own_state`, run as chains, checked by `opttree.chains.probe_chains`)
-RECURRENT_TYPES = ("xlstm", "reformer")
+# models whose cache is no key per position and no state a chain continues (transformers' state layers, and
+# the states of `opttree.own_state`, run as chains, checked by `opttree.chains.probe_chains`)
+BUCKETED_TYPES = ("reformer",)
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
 
 
-def recurrent(model, config, max_len: int, tree_rows: int) -> str | None:
-    if config.model_type in RECURRENT_TYPES:
-        return "it keeps a recurrent / state-space state, which cannot be rolled back to the accepted branch"
+def bucketed(model, config, max_len: int, tree_rows: int) -> str | None:
+    if config.model_type in BUCKETED_TYPES:
+        return ("its LSH and chunked local attention cache hash buckets and chunks of past hidden states, not a key "
+                "per position that a tree mask or a chain could address")
     return None
 
 
@@ -182,7 +183,7 @@ def _quantization(config) -> dict:
 
 
 KNOWN_REASONS: tuple[Callable[..., str | None], ...] = (
-    recurrent, bidirectional, key_index_buffer, length_switched_rope, activation_quantization,
+    bucketed, bidirectional, key_index_buffer, length_switched_rope, activation_quantization,
     no_kv_cache,  # last: the classes above are its most common cases, named by their real cause
 )
 

@@ -5,14 +5,16 @@
   layer reads and writes in place.
 - MiniMax's forward takes only its own `MiniMaxCache`, whose lightning-attention layers keep their state
   (K^T V per head) in a list beside the cache's layers, which hold the softmax-attention layers' keys.
+- xLSTM's forward takes its own `xLSTMCache`: each layer's mLSTM state (C, n, m), written in place.
 - RecurrentGemma keeps its recurrent blocks' states (the short convolution's last inputs, the RG-LRU
   state) on the blocks themselves, one set per model, and restarts the convolution from zeros on any
   forward of several tokens.
 
-RWKV and MiniMax continue their state as decoding does on a forward of several new tokens (their
-recurrences run token by token once a state is cached). RecurrentGemma's state is held per sequence by
-`RecurrentGemmaState` and put on the blocks for the forwards that pass it (hooks on the model, set once); a
-forward of several tokens after the prefill runs its recurrent blocks token by token, as decoding does.
+RWKV, MiniMax and xLSTM continue their state as decoding does on a forward of several new tokens (RWKV's
+and MiniMax's recurrences run token by token once a state is cached, xLSTM's chunked kernel starts from
+it). RecurrentGemma's state is held per sequence by `RecurrentGemmaState` and put on the blocks for the
+forwards that pass it (hooks on the model, set once); a forward of several tokens after the prefill runs
+its recurrent blocks token by token, as decoding does.
 These states carry the calls chain verification makes of a cache: replicate a row (`reorder_cache`, as new
 tensors), `save` and `restore`.
 """
@@ -94,6 +96,30 @@ def _minimax_state_class() -> type:
                 put_back(layer, attributes)
 
     return MiniMaxState
+
+
+@lru_cache(maxsize=None)
+def _xlstm_state_class() -> type:
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache  # imported only for an xLSTM model
+
+    class XLSTMState(xLSTMCache, OwnState):
+        """xLSTM's cache: each layer's mLSTM state (C (B, heads, dqk, dv), n (B, heads, dqk), m (B, heads, 1)),
+        written in place by every forward, and the count of tokens seen (a tensor, added to in place)."""
+
+        def __init__(self, model: PreTrainedModel):
+            super().__init__(model.config, 1, dtype=model.get_input_embeddings().weight.dtype, device=model.device)
+
+        def reorder_cache(self, rows: torch.Tensor) -> None:
+            self.rnn_state = {layer: tuple(t.index_select(0, rows) for t in state)
+                              for layer, state in self.rnn_state.items()}
+
+        def save(self) -> tuple[dict, torch.Tensor]:
+            return dict(self.rnn_state), self.seqlen_offset.clone()
+
+        def restore(self, saved: tuple[dict, torch.Tensor]) -> None:
+            self.rnn_state, self.seqlen_offset = saved
+
+    return XLSTMState
 
 
 # whether the recurrent blocks of the forward now running continue a state (token by token) or start one
@@ -184,7 +210,8 @@ def _token_by_token(forward):
 
 # model_type -> the state it keeps outside transformers' cache layers, made for one sequence
 OWN_STATE = {"rwkv": RwkvState, "minimax": lambda model: _minimax_state_class()(),
-             "recurrent_gemma": lambda model: _recurrent_gemma_state_class()(model)}
+             "recurrent_gemma": lambda model: _recurrent_gemma_state_class()(model),
+             "xlstm": lambda model: _xlstm_state_class()(model)}
 # model_type -> the keyword its forward takes that state by, where it is not transformers' cache argument
 STATE_ARGUMENTS = {"rwkv": "state"}
 
