@@ -7,12 +7,13 @@
    train-free sources can predict it, from its own repetitions). Tiny and untrained: its figures say
    what the chain verification costs, not what a real LFM2 gains.
 3. Attention on key indices, verified as chains too: a tiny random BLOOM (ALiBi) and a tiny random
-   GPT-Neo (global + local layers, a 64-token window), the same way; and a tiny random Mamba (recurrent
-   state only: its chains' scan continues the cached state).
+   GPT-Neo (global + local layers, a 64-token window), the same way; and tiny random recurrent models: Mamba
+   (its chains' scan continues the cached state), Zamba (Mamba-1 heads and a shared attention block),
+   RecurrentGemma (its blocks' state held per sequence, run token by token in a chain) and xLSTM.
 4. What chains cost against a tree forward on the same model: the shipped pair, its target verified as
    one tree (as opttree runs it) and, forced, as chains (`chains`).
 
-    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128] [--models mistral,lfm2,bloom,gpt-neo,mamba,chains]
+    python scripts/new_models_speed.py [--prompts 10] [--new-tokens 128] [--models mistral,lfm2,bloom,gpt-neo,mamba,zamba,recurrent-gemma,xlstm,chains]
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ TINY_CHAIN_MODELS = {  # --models name -> (model_type, what it is, config fields
                 dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, window_size=64,
                      max_position_embeddings=1024, attention_types=[[["global", "local"], 2]])),
     "mamba": ("mamba", "recurrent state, no attention", dict(hidden_size=256, num_hidden_layers=4, state_size=16)),
+    "zamba": ("zamba", "Mamba-1 heads + a shared attention block",
+              dict(hidden_size=256, attention_hidden_size=512, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=4, attention_head_dim=128, n_mamba_heads=2, mamba_d_state=16,
+                   mamba_dt_rank=16, num_hidden_layers=4,
+                   layers_block_type=["hybrid", "linear_attention", "hybrid", "linear_attention"])),
+    "recurrent-gemma": ("recurrent_gemma", "RG-LRU blocks + local attention, state on the blocks",
+                        dict(hidden_size=256, lru_width=256, intermediate_size=512, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=64, num_hidden_layers=4, attention_window_size=64,
+                             block_types=["recurrent", "recurrent", "attention"])),
+    "xlstm": ("xlstm", "mLSTM blocks, xLSTM's own cache",
+              dict(hidden_size=256, embedding_dim=256, num_hidden_layers=4, num_blocks=4, num_heads=4,
+                   qk_dim_factor=1.0, chunk_size=16, autocast_kernel_dtype="float32")),
 }
 
 
