@@ -21,8 +21,8 @@ import torch
 
 import opttree
 from opttree.counters import count_steps
-from opttree.drafters.estimates import forget
-from opttree.policies.opt import OptTree
+from opttree.step.drafters.estimates import forget
+from opttree.step.policies.opt import OptTree
 
 DEFAULT = ["ar", "opt:model@16", "opt:model@64", "opt:head@16", "eagle2:model@16", "dyspec:model@16",
            "opt:recycling+lookup@16", "opt:model+lookup@16"]

@@ -23,7 +23,7 @@ choose_openmp_wait_policy()  # as the CLI does, before torch loads OpenMP
 import torch  # noqa: E402
 
 import opttree
-from opttree.cache import static_capacity
+from opttree.step.cache import static_capacity
 from opttree.device import compile_model
 
 parser = argparse.ArgumentParser()

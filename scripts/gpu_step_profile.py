@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
-from opttree.policies.opt import OptTree
+from opttree.step.policies.opt import OptTree
 
 PROMPT = 'def binary_search(items, target):\n    """Return the index of target in items, or -1."""\n'
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opttree.cache import cache_argument, truncate
+from opttree.step.cache import cache_argument, truncate
 from opttree.demo import demo_paths
-from opttree.drafters.head import DraftLMHead, load_head
+from opttree.step.drafters.head import DraftLMHead, load_head
 from opttree.train.distill import load_target
 from opttree.train.head import held_out_acceptance
 from opttree.train.lm import eval_windows, n_params
@@ -96,7 +96,7 @@ def early_exit_figures(target, folder: Path, windows: torch.Tensor, ids: torch.T
     of their 200-token cache, the exit layer on its own 200-token cache, the LM head."""
     from transformers import DynamicCache
 
-    from opttree.drafters.early_exit import load_early_exit
+    from opttree.step.drafters.early_exit import load_early_exit
     from opttree.train.early_exit import held_out_acceptance as exit_acceptance
 
     exit_layer = load_early_exit(folder, target).float()

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import opttree
 from opttree.calibration.measure import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
-from opttree.policies.batch import BatchBudget
+from opttree.step.policies.batch import BatchBudget
 from opttree.server.app import GracefulServer, Server, create_app
 
 

@@ -5,9 +5,9 @@ import torch
 from helpers import tiny_model
 
 from opttree.alignment import draft_cross_entropy, fit_draft_temperature, paired_logits
-from opttree.config import SpecConfig
-from opttree.drafters import ModelDrafter
-from opttree.policies import make_policy
+from opttree.settings.config import SpecConfig
+from opttree.step.drafters import ModelDrafter
+from opttree.step.policies import make_policy
 
 
 def synthetic_pairs(scale: float, noise: float = 0.0, positions: int = 3000, vocab: int = 12, seed: int = 0):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from opttree.tree import DraftTree, allocate
+from opttree.step.tree import DraftTree, allocate
 
 
 def random_tree(g: torch.Generator, size: int, first_id: int) -> DraftTree:
@@ -86,7 +86,7 @@ def best_split_sum(trees: list[DraftTree], n: int) -> float:
 def test_the_batch_budget_maximises_the_batchs_tokens_per_second_under_the_curve(seed):
     """BatchBudget's N: the argmax over N of (rows + best sum of p-hat with N nodes) / T(rows + N), by brute
     force over every split, for curves flat, rising, and past their measured end."""
-    from opttree.policies.batch import BatchBudget
+    from opttree.step.policies.batch import BatchBudget
 
     g = torch.Generator().manual_seed(100 + seed)
     sizes = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(int(torch.randint(2, 4, (1,), generator=g)))]
@@ -105,7 +105,7 @@ def test_the_batch_budget_maximises_the_batchs_tokens_per_second_under_the_curve
 def test_the_batch_budget_shrinks_toward_plain_decoding_when_tokens_cost_in_proportion():
     """A flat curve (tokens cost nothing: a GPU far from its bend) verifies every candidate; a curve where
     time grows in proportion to the tokens (a machine past its bend) verifies none: plain decoding."""
-    from opttree.policies.batch import BatchBudget
+    from opttree.step.policies.batch import BatchBudget
 
     g = torch.Generator().manual_seed(7)
     trees = [random_tree(g, 5, 5 * r) for r in range(4)]

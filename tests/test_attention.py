@@ -9,8 +9,8 @@ from transformers import AutoConfig
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
 import opttree
-from opttree.attention import CHUNKED, FULL, SLIDING, Window, key_positions, layer_masks, mask_layout
-from opttree.tree import position_ids, tree_attention_mask
+from opttree.step.attention import CHUNKED, FULL, SLIDING, Window, key_positions, layer_masks, mask_layout
+from opttree.step.tree import position_ids, tree_attention_mask
 
 # root, then: a chain of 5 (nodes 0-4), a sibling branch (5 under the root, 6 under 5), a child of node 1 (7)
 PARENTS = torch.tensor([-1, 0, 1, 2, 3, -1, 5, 1])

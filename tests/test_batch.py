@@ -231,7 +231,7 @@ def test_one_node_budget_for_the_batch_keeps_every_row_exact(models):
 def test_rows_with_a_draft_model_draft_together(monkeypatch):
     """The rows' draft forwards of a step run as one batched forward per round (`drafters.together`), and
     each row's tree and output are those it has alone; an error in that forward reaches the caller."""
-    from opttree.drafters import together
+    from opttree.step.drafters import together
 
     target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
     batch = prompts([7, 3, 25, 12], seed=6)
@@ -257,11 +257,11 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
     """The rows' prompts, right-padded to the longest, go through one forward: each row's drafter is seeded
     with its own prompt's logits (recycling) or hidden states (the head), and its last hidden state (the
     predictor's feature) is its own, as its prompt alone gives them; and every row stays exact."""
-    from opttree.cache import new_cache
-    from opttree.drafters.head import FeatureHead, HeadDrafter, head_config
-    from opttree.drafters.recycling import RecyclingDrafter
+    from opttree.step.cache import new_cache
+    from opttree.step.drafters.head import FeatureHead, HeadDrafter, head_config
+    from opttree.step.drafters.recycling import RecyclingDrafter
     from opttree.engine import prefill
-    from opttree.length import LengthPredictor
+    from opttree.step.length import LengthPredictor
 
     for cls, hook in ((RecyclingDrafter, "seed"), (HeadDrafter, "seed_hidden")):
         original = getattr(cls, hook)

@@ -21,7 +21,7 @@ from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per
 from opttree.bench.prompts import Prompt, encode, load_prompts
 from opttree.bench.runner import first_difference, prepare, run_bench
 from opttree.cli import main
-from opttree.drafter_spec import DrafterSpec
+from opttree.settings.drafter_spec import DrafterSpec
 
 VOCAB = 96
 
@@ -528,7 +528,7 @@ def test_bench_errors_are_clear(model_dirs, tmp_path, monkeypatch, capsys):
 
 
 def test_list_of_methods_includes_every_policy():
-    from opttree.policies import available
+    from opttree.step.policies import available
 
     names = list(bench_methods.method_table())
     assert set(available()) <= set(names)

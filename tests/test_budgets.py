@@ -7,8 +7,8 @@ import torch
 from helpers import hf_greedy, tiny_model
 
 import opttree
-from opttree.drafters.early_exit import ExitLayer
-from opttree.drafters.head import FeatureHead, head_config
+from opttree.step.drafters.early_exit import ExitLayer
+from opttree.step.drafters.head import FeatureHead, head_config
 
 BUDGETS = (1, 16, 64, 256)
 NEW_TOKENS = 40

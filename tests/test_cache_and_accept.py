@@ -5,10 +5,10 @@ import torch
 from helpers import tiny_model
 from test_tree import depths_of, random_parents
 
-from opttree.cache import cache_argument, compact, new_cache
-from opttree.drafters import ModelDrafter
-from opttree.tree import DraftTree, leaf_paths
-from opttree.verify import Verification, matching_path, verify_tree
+from opttree.step.cache import cache_argument, compact, new_cache
+from opttree.step.drafters import ModelDrafter
+from opttree.step.tree import DraftTree, leaf_paths
+from opttree.step.verify import Verification, matching_path, verify_tree
 
 
 def brute_force_accept(tree, choice):

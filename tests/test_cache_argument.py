@@ -1,6 +1,6 @@
 """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name deprecated with a
 FutureWarning, the outputs' field too): opttree passes each model's cache by the name its forward takes
-(`opttree.cache.cache_argument`), on either side of the rename, and never uses the deprecated name."""
+(`opttree.step.cache.cache_argument`), on either side of the rename, and never uses the deprecated name."""
 
 import inspect
 import warnings
@@ -15,9 +15,9 @@ import opttree
 import opttree.certify
 from opttree.calibration.measure import latency_curves, probe_ms
 from opttree.bench.methods import count_forwards
-from opttree.cache import cache_argument
-from opttree.drafters.early_exit import ExitLayer
-from opttree.drafters.head import FeatureHead, head_config
+from opttree.step.cache import cache_argument
+from opttree.step.drafters.early_exit import ExitLayer
+from opttree.step.drafters.head import FeatureHead, head_config
 from opttree.hardware import forward_ms
 from opttree.train.cli import one_token_latency_ms
 

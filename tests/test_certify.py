@@ -34,7 +34,7 @@ def test_phi3_longrope_is_exact_below_and_across_the_original_length():  # sympt
     assert exact(model, max_new_tokens=26)  # 6 + 26 = 32: never crosses
 
 
-def test_gpt_neo_local_window_is_exact_past_the_window():  # symptom 3: run as chains (`opttree.chains`)
+def test_gpt_neo_local_window_is_exact_past_the_window():  # symptom 3: run as chains (`opttree.step.chains`)
     model = tiny_any_attention("gpt_neo", window_size=32)  # layers: global, local
     assert exact(model, max_new_tokens=30)  # 6 + 30 + budget 4 + 1 rows > 32
     assert exact(model, max_new_tokens=20)

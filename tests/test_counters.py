@@ -55,7 +55,7 @@ CEILINGS = {("opt", "model", 16, 0.0, "host"): 4.0, ("opt", "recycling+lookup", 
 
 
 def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_device, children="top"):
-    from opttree.policies.opt import OptTree
+    from opttree.step.policies.opt import OptTree
 
     monkeypatch.setattr(OptTree, "stop_on_device", stop_on_device)
     target, draft, ids = shipped

@@ -8,8 +8,8 @@ from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, ti
 
 import opttree
 import opttree.engine
-from opttree.depth import PredictorDepth, ThompsonDepth
-from opttree.length import LengthPredictor
+from opttree.step.depth import PredictorDepth, ThompsonDepth
+from opttree.step.length import LengthPredictor
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 
@@ -51,7 +51,7 @@ def test_sampled_tokens_follow_the_target_distribution(control, tmp_path):
 
 def layers_drafted(monkeypatch, *args, **kwargs) -> list[int]:
     """Draft layers run per step (root + expand calls of the draft model)."""
-    from opttree.drafters.model import ModelDrafter
+    from opttree.step.drafters.model import ModelDrafter
 
     layers = []
     root, expand = ModelDrafter.root, ModelDrafter.expand
@@ -124,7 +124,7 @@ def test_a_predictor_without_its_control_or_for_another_target_is_refused(pair, 
 def test_the_predictor_drafts_the_depth_that_maximises_tokens_per_cost(pair, predictor):
     """limit() = argmax_d (1 + sum_k<=d P(A >= k)) / (1 + d c), with P(A >= k) summed by hand from the
     network's distribution over 0..D for this root and feature."""
-    from opttree.length import load_length_predictor
+    from opttree.step.length import load_length_predictor
 
     target = pair[0]
     network = load_length_predictor(predictor, target)

@@ -7,7 +7,7 @@ from helpers import chi_square_pvalue, exact_joint, sample_counts, tiny_model
 
 import opttree
 import opttree.engine
-from opttree.sampling import target_probs
+from opttree.step.sampling import target_probs
 
 VOCAB, STEPS, RUNS = 5, 3, 1500
 FOLLOW_RUNS = 1000  # a check that sampling is exact; the check that must catch a bias keeps RUNS

@@ -7,7 +7,7 @@ import torch
 from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
-from opttree.drafters.early_exit import EarlyExitDrafter, ExitLayer, load_early_exit
+from opttree.step.drafters.early_exit import EarlyExitDrafter, ExitLayer, load_early_exit
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 
@@ -62,8 +62,8 @@ def test_the_draft_is_the_targets_first_layers_and_its_cache_stays_untouched(set
     with torch.no_grad():
         states = target(sequence[None], output_hidden_states=True).hidden_states  # the prefill's, and the truth
         expected = torch.log_softmax(target.lm_head(exit_layer(states[1], torch.arange(6)[None]))[0, -1] / 0.7, -1)
-        cache = opttree.cache.new_cache()
-        target(sequence[None, :-1], **{opttree.cache.cache_argument(target): cache}, use_cache=True)
+        cache = opttree.step.cache.new_cache()
+        target(sequence[None, :-1], **{opttree.step.cache.cache_argument(target): cache}, use_cache=True)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         drafter = EarlyExitDrafter(exit_layer, target, 96)
         drafter.start(sequence)
@@ -113,7 +113,7 @@ def test_training_raises_held_out_acceptance(tmp_path):
 
 def test_the_exit_layer_is_loaded_once_per_target_and_folder(setup, monkeypatch, tmp_path):
     """Repeated generations (a server's requests) reuse the loaded part; a changed folder is read again."""
-    import opttree.drafters.early_exit as early_exit
+    import opttree.step.drafters.early_exit as early_exit
 
     target = setup[0]
     loads = []

@@ -9,7 +9,7 @@ from transformers.generation import logits_process as lp
 
 import opttree
 from opttree.genconfig import shape_logits
-from opttree.tree import DraftTree
+from opttree.step.tree import DraftTree
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 NEW = 30

@@ -7,7 +7,7 @@ import torch
 from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
-from opttree.drafters.head import FeatureHead, HeadDrafter, head_config, load_head
+from opttree.step.drafters.head import FeatureHead, HeadDrafter, head_config, load_head
 
 
 def random_head(target, folder, seed: int = 0):
@@ -135,7 +135,7 @@ def test_training_time_test_matches_drafting(setup, tmp_path, layers):
 def test_a_draft_vocabulary_keeps_output_exact(setup, tmp_path):
     """EAGLE-3's draft vocabulary: only the kept ids are drafted (the others get probability 0), their
     log-probabilities renormalised over the kept rows; greedy and sampled output stay the target's."""
-    from opttree.drafters.head import DraftLMHead
+    from opttree.step.drafters.head import DraftLMHead
 
     target = setup[0]
     torch.manual_seed(2)

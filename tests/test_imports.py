@@ -88,10 +88,10 @@ def test_the_graph_sees_lazy_and_relative_imports():
     assert "opttree.flags" in graph["opttree.bench.cli"]  # `from ..flags import ...` inside a function
     assert "opttree.bench.cli" in graph["opttree.cli"]  # registered by name: `__import__(module)`
     assert "opttree.bench" in graph["opttree.cli"]  # ... which runs opttree/bench/__init__.py first
-    assert "opttree.policies.sequoia" in graph["opttree.profiles"]  # `from .policies import sequoia`
-    assert "opttree.policies" in graph["opttree.profiles"]  # the package's __init__ runs first
+    assert "opttree.step.policies.sequoia" in graph["opttree.profiles"]  # `from .step.policies import sequoia`
+    assert "opttree.step.policies" in graph["opttree.profiles"]  # the package's __init__ runs first
     assert "opttree.bench" not in graph["opttree.bench.cli"]  # `from . import report`: only the submodule
-    assert "opttree.policies.registry" in graph["opttree.policies.static"]
+    assert "opttree.step.policies.registry" in graph["opttree.step.policies.static"]
 
 
 def test_find_cycle_reports_the_cycle():
@@ -119,12 +119,29 @@ def test_cli_help_imports_no_torch():
 
 
 def test_the_torch_free_name_lists_match_the_registries():
-    from opttree.drafters.sources import available_sources
-    from opttree.drafter_spec import KINDS
-    from opttree.names import BUILTIN_POLICIES, BUILTIN_SOURCE_KINDS, BUILTIN_SOURCES, QUANTIZATIONS
-    from opttree.policies import available
+    from opttree.step.drafters.sources import available_sources
+    from opttree.settings.drafter_spec import KINDS
+    from opttree.settings.names import BUILTIN_POLICIES, BUILTIN_SOURCE_KINDS, BUILTIN_SOURCES, QUANTIZATIONS
+    from opttree.step.policies import available
     from opttree.quantize import SCHEMES
 
     assert list(BUILTIN_POLICIES) == available() and list(BUILTIN_SOURCES) == available_sources()
     assert {name: KINDS[name] for name in BUILTIN_SOURCES} == BUILTIN_SOURCE_KINDS  # registered as declared
     assert sorted(QUANTIZATIONS) == sorted(SCHEMES)
+
+
+def test_the_layers_point_down():
+    """settings <- the step's stages <- the engine and everything above: the settings import no stage and
+    nothing above; the stages import the settings and the model plumbing below them (where a model lives,
+    trained parts' files, tensor parallelism), never the engine, a front end or calibration."""
+    plumbing = {"opttree.device", "opttree.parts", "opttree.parallel"}
+    graph = import_graph()
+    for module, imported in graph.items():
+        imported = imported - {"opttree"}  # the package itself runs first for every module
+        if module.startswith("opttree.settings"):
+            assert all(name.startswith("opttree.settings") for name in imported), (module, imported)
+        if module.startswith("opttree.step"):
+            above = {name for name in imported if not name.startswith(("opttree.step", "opttree.settings"))}
+            assert above <= plumbing, (module, above - plumbing)
+        if module in plumbing:
+            assert not any(name.startswith("opttree.step") for name in imported), module

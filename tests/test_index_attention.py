@@ -1,6 +1,6 @@
 """Models whose attention reads a key's index in the cache where a tree needs its position (ALiBi: BLOOM,
 MPT, Falcon `alibi=True`; GPT-Neo's local layers; positions from the cache length: BART's decoder family)
-run as chains (`opttree.chains`): as targets identical to `generate`, sampled exactly; as drafts through
+run as chains (`opttree.step.chains`): as targets identical to `generate`, sampled exactly; as drafts through
 `ChainDrafter`, whose log-probabilities are those of plain forwards of each node's path."""
 
 import pytest
@@ -10,8 +10,8 @@ from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_join
 from test_state_models import hybrid
 
 import opttree
-from opttree.chains import index_attention, probe_chains, verified_as_chains
-from opttree.drafters import ChainDrafter, ModelDrafter, model_drafter
+from opttree.step.chains import index_attention, probe_chains, verified_as_chains
+from opttree.step.drafters import ChainDrafter, ModelDrafter, model_drafter
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 NEW_TOKENS = 40  # 6 + 40 tokens: past GPT-Neo's window of 16 below

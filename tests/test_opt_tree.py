@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import ScriptedDrafter, path_of
 
-from opttree.config import SpecConfig
-from opttree.policies import make_policy
+from opttree.settings.config import SpecConfig
+from opttree.step.policies import make_policy
 
 
 def best_subtree_value(drafter: ScriptedDrafter, n: int, max_depth: int) -> float:
@@ -104,7 +104,7 @@ def test_the_delta_stop_decided_on_the_device_gives_the_same_tree(monkeypatch):
     """Drafting every layer and masking those past the stop (nothing read back) builds the tree the
     host-side stop builds, layer by layer, at every delta; and the mask matters (without it, deeper
     nodes would get in)."""
-    from opttree.policies.opt import OptTree
+    from opttree.step.policies.opt import OptTree
 
     mattered = 0
     for seed, delta, n, max_depth in itertools.product(range(25), (0.02, 0.1, 0.3), (5, 12), (1, 3, 6)):

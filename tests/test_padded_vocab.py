@@ -6,7 +6,7 @@ import torch
 from helpers import hf_greedy, tiny_model
 
 import opttree
-from opttree.drafters import ModelDrafter
+from opttree.step.drafters import ModelDrafter
 
 
 @pytest.fixture(scope="module")

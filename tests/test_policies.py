@@ -11,14 +11,14 @@ from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, 
 
 import opttree
 from opttree.alignment import paired_logits
-from opttree.config import SpecConfig
-from opttree.policies import make_policy, sequoia
-from opttree.policies.eagle2 import top_k as eagle2_top_k
-from opttree.policies.shapes import ChildPicker, Shape, kary_paths, ranked_paths
-from opttree.policies.static import DEFAULT_RANK_WEIGHTS, register_static_tree
-from opttree.sampling import sample_without_replacement
-from opttree.tree import ancestor_mask
-from opttree.verify import accept_rejection_sampling
+from opttree.settings.config import SpecConfig
+from opttree.step.policies import make_policy, sequoia
+from opttree.step.policies.eagle2 import top_k as eagle2_top_k
+from opttree.step.policies.shapes import ChildPicker, Shape, kary_paths, ranked_paths
+from opttree.step.policies.static import DEFAULT_RANK_WEIGHTS, register_static_tree
+from opttree.step.sampling import sample_without_replacement
+from opttree.step.tree import ancestor_mask
+from opttree.step.verify import accept_rejection_sampling
 
 POLICIES = ["static", "static-k2", "sequoia", "eagle2", "dyspec"]
 
@@ -126,7 +126,7 @@ def test_distribution_cases_draw_branching_trees_verified_the_intended_way(small
 
 
 def _drafter(draft, prompt):
-    from opttree.drafters import ModelDrafter
+    from opttree.step.drafters import ModelDrafter
 
     drafter = ModelDrafter(draft)
     drafter.start(prompt[0])
@@ -203,10 +203,10 @@ def test_rejection_sampling_emits_the_target_distribution(vocab, width, p_suppor
 
 def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(monkeypatch):
     """Test of the test: not removing a rejected token from q (drawing siblings as if with replacement)."""
-    import opttree.verify
+    import opttree.step.verify
 
-    rejected = opttree.verify._rejected
-    monkeypatch.setattr(opttree.verify, "_rejected", lambda p, q, x: (rejected(p, q, x)[0], q))
+    rejected = opttree.step.verify._rejected
+    monkeypatch.setattr(opttree.step.verify, "_rejected", lambda p, q, x: (rejected(p, q, x)[0], q))
     assert rejection_sampling_pvalue(4, 3, 4, 4) < 1e-3
 
 
@@ -277,7 +277,7 @@ def test_ranked_and_kary_paths():
 
 
 def test_custom_static_tree(pair, monkeypatch):
-    registry = opttree.policies.registry
+    registry = opttree.step.policies.registry
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # forget them afterwards
     target, draft = pair
     register_static_tree("test-custom", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]])

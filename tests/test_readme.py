@@ -154,9 +154,9 @@ ITEMS = [(kind, text) for _, kind, text in PAGE_ITEMS]
 
 @pytest.fixture(scope="module")
 def values(tmp_path_factory):
-    from opttree.drafters.early_exit import ExitLayer
-    from opttree.drafters.head import FeatureHead, head_config
-    from opttree.length import LengthPredictor
+    from opttree.step.drafters.early_exit import ExitLayer
+    from opttree.step.drafters.head import FeatureHead, head_config
+    from opttree.step.length import LengthPredictor
     from opttree.train.distill import load_target
 
     target, draft = demo_paths()

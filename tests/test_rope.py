@@ -8,7 +8,7 @@ from arch_configs import tiny
 from helpers import hf_greedy, tiny_model
 
 import opttree
-from opttree.rope import longrope_threshold, rope_switch
+from opttree.step.rope import longrope_threshold, rope_switch
 
 SWITCH = 16
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from helpers import chi_square_pvalue
 
-from opttree.config import SpecConfig
-from opttree.declared import Declared
-from opttree.policies import make_policy
-from opttree.drafters.sources import MergedPolicy, Sources
-from opttree.tree import DraftTree, node_paths
-from opttree.verify import accept_path
+from opttree.settings.config import SpecConfig
+from opttree.settings.declared import Declared
+from opttree.step.policies import make_policy
+from opttree.step.drafters.sources import MergedPolicy, Sources
+from opttree.step.tree import DraftTree, node_paths
+from opttree.step.verify import accept_path
 
 VOCAB = 4
 BIAS = 0.015

@@ -10,9 +10,9 @@ import torch
 from helpers import chi_square_pvalue, tiny_model
 
 import opttree
-from opttree.sampling import PositionNoise, race
-from opttree.tree import DraftTree
-from opttree.verify import accept_sampled
+from opttree.step.sampling import PositionNoise, race
+from opttree.step.tree import DraftTree
+from opttree.step.verify import accept_sampled
 
 BIAS = 0.015  # probability mass a planted bug moves to token 0
 

@@ -105,7 +105,7 @@ def test_demo_cuts_runaway_completions():
 def test_shipped_pair_defaults_come_from_its_calibration_profile(reference_hardware):
     """No profile of this machine (conftest empties the cache): the reference machine's shipped profile
     sets budget, delta and draft temperature; flags given win; float32 has no profile (defaults)."""
-    from opttree import config
+    from opttree.settings import config
     from opttree.profiles import SHIPPED_PROFILES, find_profile
     from opttree.cli import build_parser
     from opttree.flags import tree_options

@@ -8,13 +8,13 @@ import torch
 from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
-from opttree.drafters.estimates import forget, per_model
-from opttree.drafters.lookup import NgramIndex, continuation_trie
-from opttree.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
-from opttree.config import SpecConfig
-from opttree.drafter_spec import DrafterSpec
-from opttree.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens
-from opttree.tree import DraftTree, locate, merge, node_paths, top_nodes
+from opttree.step.drafters.estimates import forget, per_model
+from opttree.step.drafters.lookup import NgramIndex, continuation_trie
+from opttree.step.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
+from opttree.settings.config import SpecConfig
+from opttree.settings.drafter_spec import DrafterSpec
+from opttree.step.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens
+from opttree.step.tree import DraftTree, locate, merge, node_paths, top_nodes
 
 
 def random_trie(rng: random.Random, vocab: int = 4, nodes: int = 12, slot_base: int | None = 0) -> DraftTree:
@@ -271,8 +271,8 @@ def test_a_drafter_spec_puts_distribution_sources_first_and_reads_declared_capab
 
 
 def test_recycling_template_is_the_papers_80_nodes():
-    from opttree.policies import make_policy
-    from opttree.config import SpecConfig
+    from opttree.step.policies import make_policy
+    from opttree.settings.config import SpecConfig
 
     policy = make_policy(SpecConfig(tree="recycling-template", budget=80))
     depths = policy.shape.depths.tolist()
@@ -297,7 +297,7 @@ def test_lookup_rates_learn_from_verification(looping_pair):
 @pytest.fixture(scope="module")
 def shipped_store(tmp_path_factory):
     """A datastore from two files: one holds the shipped target's own greedy continuation of PROMPT."""
-    from opttree.drafters.datastore import build_datastore
+    from opttree.step.drafters.datastore import build_datastore
 
     target, _, tok = opttree.demo_models(dtype=torch.float32)
     ids = tok(STORE_PROMPT, return_tensors="pt").input_ids
@@ -313,7 +313,7 @@ STORE_PROMPT = "def is_palindrome(text):\n"
 
 
 def test_datastore_matches_agree_with_a_scan(shipped_store):
-    from opttree.drafters.datastore import open_datastore
+    from opttree.step.drafters.datastore import open_datastore
 
     *_, folder, meta = shipped_store
     store = open_datastore(folder)

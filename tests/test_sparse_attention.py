@@ -60,7 +60,7 @@ def test_the_static_path_is_refused_with_its_reason_and_not_chosen_for_the_user(
 def test_early_exit_drafts_on_a_sparse_attention_target(tmp_path):
     """The early-exit drafter runs the target's own first layers over the target's cache: with indexed
     layers, their indexer keys too."""
-    from opttree.drafters.early_exit import ExitLayer
+    from opttree.step.drafters.early_exit import ExitLayer
 
     target = sparse("deepseek_v32")
     folder = ExitLayer(target, 1).save(tmp_path, target)

@@ -1,4 +1,4 @@
-"""Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.chains`):
+"""Models with recurrent or convolution state layers, verified as a batch of chains (`opttree.step.chains`):
 hybrids, pure recurrent models (Mamba-1, RWKV, RecurrentGemma) and DeepSeek-V4's compressed attention
 identical to `generate`, and sampled exactly; a Mamba-1 chain's scan continues the cached state, and
 RecurrentGemma's blocks continue theirs token by token."""
@@ -12,7 +12,7 @@ from arch_configs import tiny
 from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
-from opttree.chains import forward_chains, has_state, probe_chains, state_cache
+from opttree.step.chains import forward_chains, has_state, probe_chains, state_cache
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
 HYBRIDS = {"lfm2": ["conv", "full_attention"],  # short convolution + attention (LFM2)
@@ -51,12 +51,12 @@ OWN_CONFIG = {
     "zamba": dict(attention_hidden_size=128, attention_head_dim=32, num_key_value_heads=4, n_mamba_heads=2,
                   mamba_d_state=8, mamba_dt_rank=8, num_hidden_layers=3, initializer_range=0.3,
                   layers_block_type=["hybrid", "linear_attention", "hybrid"]),
-    # RG-LRU recurrent blocks (their state kept on the blocks: `opttree.own_state`) around local attention over
+    # RG-LRU recurrent blocks (their state kept on the blocks: `opttree.step.own_state`) around local attention over
     # 16 positions; untied embeddings at init 0.5: tied ones, or smaller, give a greedy output of one token
     "recurrent_gemma": dict(lru_width=64, head_dim=16, attention_window_size=16, num_hidden_layers=3,
                             block_types=["recurrent", "attention", "recurrent"], initializer_range=0.5,
                             tie_word_embeddings=False),
-    # mLSTM blocks only, their state in xLSTM's own cache (`opttree.own_state`); qk_dim_factor 1: at its default
+    # mLSTM blocks only, their state in xLSTM's own cache (`opttree.step.own_state`); qk_dim_factor 1: at its default
     # of 0.5, transformers' xLSTMCache is made with the wrong key width and its own generate fails
     "xlstm": dict(embedding_dim=64, num_blocks=2, num_heads=4, qk_dim_factor=1.0, chunk_size=8,
                   autocast_kernel_dtype="float32"),
@@ -80,8 +80,8 @@ def hybrid(model_type: str, **extra):
         return tiny(model_type, "eager", layer_types=HYBRIDS[model_type], **extra)
 
 
-MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.scan`)
-OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.own_state`)
+MAMBA1 = ["mamba", "falcon_mamba"]  # pure Mamba-1 models: the scan from the cached state (`opttree.step.scan`)
+OWN_STATE = ["rwkv", "minimax"]  # a state outside transformers' cache layers (`opttree.step.own_state`)
 
 
 @pytest.mark.parametrize("model_type", sorted(HYBRIDS) + sorted(OWN_CONFIG) + MAMBA1 + OWN_STATE)
@@ -125,15 +125,15 @@ def test_a_chain_continues_the_cached_mamba1_state(model_type):
             return float((forward_chains(model, cache, tokens[:, 6:], 6)[0] - full).abs().max())
 
         assert continued() < 1e-5
-        with mock.patch("opttree.chains.continued_scans", lambda model: contextlib.nullcontext()):
+        with mock.patch("opttree.step.chains.continued_scans", lambda model: contextlib.nullcontext()):
             assert continued() > 1e-5  # transformers' own forward: restarted from zero
 
 
 def test_recurrent_gemma_blocks_continue_their_state_token_by_token():
     """RecurrentGemma's recurrent blocks restart their convolution from zeros on a forward of several tokens;
-    `opttree.own_state` runs such a forward token by token once a state is cached (else the chains differ)."""
+    `opttree.step.own_state` runs such a forward token by token once a state is cached (else the chains differ)."""
     assert probe_chains(hybrid("recurrent_gemma")) is None
-    with mock.patch("opttree.own_state._token_by_token", lambda forward: forward):
+    with mock.patch("opttree.step.own_state._token_by_token", lambda forward: forward):
         assert "several new tokens" in probe_chains(hybrid("recurrent_gemma"))  # a new model: bound unpatched
 
 
@@ -141,7 +141,7 @@ def test_what_state_models_do_not_combine_with(tmp_path):
     target = hybrid("lfm2")
     with pytest.raises(ValueError, match="static=True does not combine"):
         opttree.generate(target, PROMPT, max_new_tokens=8, static=True)
-    from opttree.drafters.head import FeatureHead, head_config
+    from opttree.step.drafters.head import FeatureHead, head_config
 
     folder = FeatureHead(head_config(target)).save(tmp_path, target)
     with pytest.raises(ValueError, match="hidden states"):  # the feature head reads the target's hidden states

@@ -6,11 +6,11 @@ from helpers import hf_greedy, tiny_model
 from transformers import DynamicCache
 
 import opttree
-from opttree.cache import cache_argument, capacity, compact, static_cache
-from opttree.drafters import ModelDrafter, StaticModelDrafter
+from opttree.step.cache import cache_argument, capacity, compact, static_cache
+from opttree.step.drafters import ModelDrafter, StaticModelDrafter
 from opttree.speculator import use_static
-from opttree.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
-from opttree.verify import Verification, verify_tree
+from opttree.step.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
+from opttree.step.verify import Verification, verify_tree
 
 ARCHS = ["llama", "qwen2", "gpt_neox", "phi3"]
 
@@ -182,7 +182,7 @@ def test_bad_static_values_and_the_early_exit_source_are_refused(tmp_path):
     prompt = prompts(1, seed=0)[0]
     with pytest.raises(ValueError, match="static must be True, False or None"):
         opttree.generate(target, prompt, drafter="lookup", static="yes")
-    from opttree.drafters.early_exit import ExitLayer
+    from opttree.step.drafters.early_exit import ExitLayer
 
     ExitLayer(target, 1).save(tmp_path, target)
     with pytest.raises(ValueError, match="static=True does not combine with drafter='early-exit'"):
@@ -201,7 +201,7 @@ def test_compiling_allows_more_than_dynamos_eight_versions_per_code_object():
 
 
 def test_capacity_buckets_stay_inside_the_context_window():
-    from opttree.cache import static_capacity
+    from opttree.step.cache import static_capacity
 
     assert [static_capacity(n) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
     assert static_capacity(100, limit=128) == 128  # a bucket past the window is cut to it

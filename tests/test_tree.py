@@ -4,10 +4,10 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from opttree.cache import cache_argument, new_cache
-from opttree.tree import ancestor_mask, leaf_paths, position_ids, tree_attention_mask
-from opttree.verify import verify_tree
-from opttree.tree import DraftTree
+from opttree.step.cache import cache_argument, new_cache
+from opttree.step.tree import ancestor_mask, leaf_paths, position_ids, tree_attention_mask
+from opttree.step.verify import verify_tree
+from opttree.step.tree import DraftTree
 
 
 def random_parents(n: int, seed: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "SpecConfig": "config",
+    "SpecConfig": "settings.config",
     "demo_models": "demo",
     "compile_model": ("device", "compile_model"),
     "Generation": "engine",
@@ -18,11 +18,11 @@ _EXPORTS = {
     "stream": "speculator",
     "Speculator": "speculator",
     "Request": "speculator",
-    "available_policies": ("policies", "available"),
-    "register_policy": "policies",
+    "available_policies": ("step.policies", "available"),
+    "register_policy": "step.policies",
     "GenerationStats": "stats",
     "TextStream": "text",
-    "DraftTree": "tree",
+    "DraftTree": "step.tree",
     "profile_options": ("profiles", "calibrated_options"),
     "custom_generate": ("hf_generate", "custom_generate"),
     "shipped_path": "shipped",

@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .drafters.model import on_target_vocab
-from .sampling import target_probs
+from .step.drafters.model import on_target_vocab
+from .step.sampling import target_probs
 
 TEMPERATURE_RANGE = (0.05, 20.0)  # where fit_draft_temperature searches
 RELIABILITY_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)

@@ -5,7 +5,7 @@ Two layers, both run by `certify(model, role, max_len, tree_rows)`:
    real cause (recurrent state without transformers' state layers, bidirectional attention, rope
    scaling that switches with the sequence length, a key-index causal buffer, ...). A model whose
    attention reads key indices (ALiBi, GPT-Neo's local layers, positions from the cache length) or
-   that has state layers runs as chains instead (`opttree.chains`), target or draft, with its own probe.
+   that has state layers runs as chains instead (`opttree.step.chains`), target or draft, with its own probe.
 2. A numerical probe, cached per configuration: prefill, one tree forward (4D mask, explicit
    position_ids, extending the cache), compaction to one branch and one more step, each compared with
    a plain causal forward of that branch. Anything the named reasons miss is caught here, and a model
@@ -21,12 +21,12 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel
 
-from .attention import mask_layout
-from .cache import cache_argument, compact, new_cache, static_cache
-from .chains import probe_chains, verified_as_chains
-from .rope import rope_kinds, rope_switch
-from .tree import DraftTree
-from .verify import verify_tree
+from .step.attention import mask_layout
+from .step.cache import cache_argument, compact, new_cache, static_cache
+from .step.chains import probe_chains, verified_as_chains
+from .step.rope import rope_kinds, rope_switch
+from .step.tree import DraftTree
+from .step.verify import verify_tree
 
 PROBE_MAX_LEN = 64  # the probe's sequence reaches min(max_len, this) positions (its bucket)
 # The probe's tree: root, then two branches of two nodes (r -> a -> b, r -> c -> d).
@@ -51,7 +51,7 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         if reason:
             raise NotImplementedError(f"{name}: {reason}; opttree cannot verify a draft tree on it exactly "
                                       f"({INSTEAD})")
-    if verified_as_chains(model):  # run as a batch of chains (`opttree.chains`), as a target or a draft: its own check
+    if verified_as_chains(model):  # run as a batch of chains (`opttree.step.chains`), as a target or a draft: its own check
         reason = _cached(model, ("chains",), lambda: probe_chains(model))
         if reason:
             raise NotImplementedError(f"{name} failed opttree's exactness check for chain verification: {reason} "
@@ -66,7 +66,7 @@ def certify(model: PreTrainedModel, role: str, max_len: int, tree_rows: int, sta
         raise NotImplementedError(f"{name} failed opttree's exactness check: {reason} ({INSTEAD})")
 
 
-WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")  # what `opttree.attention.mask_layout` reads
+WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")  # what `opttree.step.attention.mask_layout` reads
 PROBE_WINDOW = 3
 
 
@@ -74,7 +74,7 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
     """A model whose generation reaches past a window of its layers, probed with its windows set to
     PROBE_WINDOW positions (the config is read at every forward, by the model's masks and by opttree's):
     the probe's tree then crosses them, so the model's own windowed masks are checked against
-    `opttree.attention`'s on positions (a config whose `sliding_window` the model's sdpa path does not
+    `opttree.step.attention`'s on positions (a config whose `sliding_window` the model's sdpa path does not
     apply is refused, not trusted). Within its windows, every layer is plain causal attention."""
     config = model.config.get_text_config()
     windows = [w.size for w in mask_layout(config).windows.values() if w is not None]
@@ -94,7 +94,7 @@ def window_probe(model: PreTrainedModel, max_len: int) -> str | None:
 # ---- named reasons: (model, text config, max_len, tree_rows) -> reason or None -------------------------
 
 # models whose cache is no key per position and no state a chain continues (transformers' state layers, and
-# the states of `opttree.own_state`, run as chains, checked by `opttree.chains.probe_chains`)
+# the states of `opttree.step.own_state`, run as chains, checked by `opttree.step.chains.probe_chains`)
 BUCKETED_TYPES = ("reformer",)
 LENGTH_SWITCHED_ROPE = ("longrope", "dynamic")
 OWN_CACHE_TYPES = ("xlm",)  # a forward argument named `cache` that is not a positioned KV cache
@@ -128,7 +128,7 @@ def key_index_buffer(model, config, max_len: int, tree_rows: int) -> str | None:
 def length_switched_rope(model, config, max_len: int, tree_rows: int) -> str | None:
     """Dynamic NTK picks new rope factors for every longer forward (from its largest position): plain
     decoding gives each token past the threshold factors of its own, which one tree forward cannot. LongRoPE
-    switches once; the engine follows the models whose generate recomputes the cache there (`opttree.rope`)."""
+    switches once; the engine follows the models whose generate recomputes the cache there (`opttree.step.rope`)."""
     for rope_type, threshold in rope_kinds(config):
         if rope_type not in LENGTH_SWITCHED_ROPE or (rope_type == "longrope" and rope_switch(config) is not None):
             continue

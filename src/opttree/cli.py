@@ -13,7 +13,7 @@ from . import threads
 threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 from .errors import RanksDiverged  # noqa: E402
-from .names import TRAINED_SOURCES  # noqa: E402
+from .settings.names import TRAINED_SOURCES  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
     add_decoding_args, add_tp_arg, add_tree_args, check_model_dir, load_pair, resolved_tree_options, tree_options,
     used_draft,
@@ -225,7 +225,7 @@ def cmd_datastore_build(args) -> int:
     from transformers import AutoTokenizer
 
     from .demo import demo_paths
-    from .drafters.datastore import build_datastore
+    from .step.drafters.datastore import build_datastore
 
     target_path = args.target or demo_paths()[0]
     check_model_dir(target_path, "--target")

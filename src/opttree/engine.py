@@ -11,22 +11,22 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .cache import (cache_argument, context_window, last_logits_only, new_cache, select_rows, stack_rows, static_cache,
+from .step.cache import (cache_argument, context_window, last_logits_only, new_cache, select_rows, stack_rows, static_cache,
                     static_capacity, truncate)
-from .chains import ChainVerifier, state_cache, verified_as_chains
-from .config import SpecConfig
-from .depth import DepthControl
+from .step.chains import ChainVerifier, state_cache, verified_as_chains
+from .settings.config import SpecConfig
+from .step.depth import DepthControl
 from .device import PhaseClock, model_device, seeded_generator, synchronize
-from .drafters import Drafter
-from .drafters.together import Round
+from .step.drafters import Drafter
+from .step.drafters.together import Round
 from .genconfig import shape_logits
 from .parallel import lockstep_for
-from .policies import TreePolicy
-from .rope import rope_switch
-from .sampling import PositionNoise
+from .step.policies import TreePolicy
+from .step.rope import rope_switch
+from .step.sampling import PositionNoise
 from .stats import GenerationStats
-from .tree import DraftTree
-from .verify import StepReadout, TreeVerifier, Verification, accept_path
+from .step.tree import DraftTree
+from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
 
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
@@ -210,7 +210,7 @@ class Generation:
         if chains and self.wants_hidden:
             raise ValueError(f"a drafter or depth control that reads the target's hidden states (head, early-exit, "
                              f"predictor) does not combine with {CHAINED}; use a draft model or the train-free sources")
-        self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.rope`), or None
+        self.rope_switch = rope_switch(target.config.get_text_config())  # LongRoPE's O (`opttree.step.rope`), or None
         self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
         self.lockstep = lockstep_for(target)  # a target sharded over ranks: they compare every step (`opttree.parallel`)
         if len(rows) > 1:
@@ -388,7 +388,7 @@ class Generation:
         return state_cache(self.target) if isinstance(self.verifier, ChainVerifier) else new_cache(self.target)
 
     def _follow_rope_switch(self, cache: Cache, row: Row) -> int | None:
-        """LongRoPE as its generate runs it (`opttree.rope`): below the switch O, no node reaches O; when the
+        """LongRoPE as its generate runs it (`opttree.step.rope`): below the switch O, no node reaches O; when the
         root reaches it, the cache is recomputed once with the long factors (one forward over the committed
         tokens, root included, so that its largest position is past O). Returns the step's depth cap."""
         root = row.prefix_len  # the root's position

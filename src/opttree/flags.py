@@ -16,10 +16,10 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING, Callable
 
-from . import config as defaults
-from .config import CHILDREN, DEPTH_CONTROL_NAMES, budget_arg
-from .drafter_spec import DrafterSpec
-from .names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, QUANTIZATIONS, TRAINED_HELP, TRAINED_SOURCES
+from .settings import config as defaults
+from .settings.config import CHILDREN, DEPTH_CONTROL_NAMES, budget_arg
+from .settings.drafter_spec import DrafterSpec
+from .settings.names import BUILTIN_POLICIES, BUILTIN_SOURCES, DTYPE_NAMES, QUANTIZATIONS, TRAINED_HELP, TRAINED_SOURCES
 
 if TYPE_CHECKING:
     import torch

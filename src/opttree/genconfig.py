@@ -19,8 +19,8 @@ import transformers
 from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .arguments import eos_list
-from .tree import DraftTree, node_paths
+from .settings.arguments import eos_list
+from .step.tree import DraftTree, node_paths
 
 # Processors that are pure functions of (context ids, scores): exact when each row gets its own context.
 PER_NODE = (

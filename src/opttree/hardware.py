@@ -60,7 +60,7 @@ def describe(key: dict) -> str:
 
 def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     """Median ms of one forward over k new tokens after `context` cached ones (causal, no tree)."""
-    from .cache import cache_argument, new_cache, truncate
+    from .step.cache import cache_argument, new_cache, truncate
 
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -17,9 +17,9 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from .drafter_spec import DrafterSpec
+from .settings.drafter_spec import DrafterSpec
 from .hardware import describe, hardware_key
-from .policies import sequoia
+from .step.policies import sequoia
 from .quantize import weight_kinds
 from .shipped import MODELS_DIR, cache_root, shipped_location
 

@@ -12,21 +12,21 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .arguments import eos_list, prompt_and_mask, spec_options
-from .cache import check_model, context_window, has_indexed_attention
+from .settings.arguments import eos_list, prompt_and_mask, spec_options
+from .step.cache import check_model, context_window, has_indexed_attention
 from .certify import certify
-from .chains import verified_as_chains
-from .config import SpecConfig
-from .declared import Declared, declared_by
-from .depth import DepthControl, make_depth_control
+from .step.chains import verified_as_chains
+from .settings.config import SpecConfig
+from .settings.declared import Declared, declared_by
+from .step.depth import DepthControl, make_depth_control
 from .device import has_static_step, model_device
-from .drafters import CheckedDrafter, Drafter, model_drafter
-from .drafter_spec import default_drafter
-from .drafters.sources import SourceContext, default_children, default_max_depth, make_sources
+from .step.drafters import CheckedDrafter, Drafter, model_drafter
+from .settings.drafter_spec import default_drafter
+from .step.drafters.sources import SourceContext, default_children, default_max_depth, make_sources
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
-from .policies import TreePolicy, make_policy
-from .policies.batch import BatchBudget
+from .step.policies import TreePolicy, make_policy
+from .step.policies.batch import BatchBudget
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def stream(
     draft_temperature, acceptance, datastore); draft_temperature applies when `draft` is a model;
     max_depth defaults to 8 with a draft model, else to the budget (see `default_max_depth`).
     Without a draft, the train-free sources draft (`drafter="recycling+lookup"`; see
-    `opttree.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
+    `opttree.step.drafters.sources`). transformers' spellings `do_sample`, `max_length` and an all-ones
     `attention_mask` are understood; `input_ids` may be a BatchEncoding.
 
     A batch: a list of prompts (each a 1-D sequence of ids, of any lengths), or a (B, T) tensor with
@@ -286,7 +286,7 @@ def use_static(static: bool | None, target: PreTrainedModel) -> bool:
 
 def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int, check: Callable):
     """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked (`check`: the
-    speculator's, which runs each check once) and wrapped, the sources combined (`opttree.drafters.sources`)."""
+    speculator's, which runs each check once) and wrapped, the sources combined (`opttree.step.drafters.sources`)."""
     vocab = _vocab_size(target)
     if isinstance(draft, PreTrainedModel):
         check(_check_vocab, target, draft)

@@ -8,9 +8,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, budget_arg
-from ..drafter_spec import DrafterSpec
-from ..names import TRAINED_HELP, TRAINED_SOURCES
+from ..settings.config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, budget_arg
+from ..settings.drafter_spec import DrafterSpec
+from ..settings.names import TRAINED_HELP, TRAINED_SOURCES
 
 BENCH_METHODS = "all"
 BENCH_BUDGETS = "4,8,16"

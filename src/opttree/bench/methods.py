@@ -1,6 +1,6 @@
 """Benchmark methods: a registry of small factories, each returning `run(prompt_ids) -> Run`.
 
-- `ar` and every tree policy of `opttree.policies.available()` run through `opttree.generate`;
+- `ar` and every tree policy of `opttree.step.policies.available()` run through `opttree.generate`;
   `POLICY:DRAFTER` runs a policy over named draft sources (`opt:recycling+lookup`, `opt:model+lookup`).
 - Peers run through transformers' own `generate`: `hf-assisted` (assisted generation with the same
   draft, the assistant's default schedule), `hf-assisted-heuristic` (schedule 'heuristic'),
@@ -21,13 +21,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..cache import cache_argument
+from ..step.cache import cache_argument
 from ..device import seconds_since
-from ..config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
-from ..drafter_spec import DrafterSpec
-from ..names import TRAINED_SOURCES
+from ..settings.config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
+from ..settings.drafter_spec import DrafterSpec
+from ..settings.names import TRAINED_SOURCES
 from ..speculator import Request, Speculator
-from ..policies import available, make_policy
+from ..step.policies import available, make_policy
 
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of hf-lookup
 
@@ -198,7 +198,7 @@ def compiled_kwargs(target, length: int) -> dict:
     path does), compiled on any device (transformers compiles by itself only on accelerators)."""
     from transformers import CompileConfig
 
-    from ..cache import context_window, static_capacity
+    from ..step.cache import context_window, static_capacity
 
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' switch for compiling off CUDA / XPU

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import context_window, static_capacity
+from ..step.cache import context_window, static_capacity
 from ..counters import StepCounter
 from ..parallel import sharded
 from .methods import MethodSpec, Run, RunFn, Settings, find_method

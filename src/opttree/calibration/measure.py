@@ -11,15 +11,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
-from ..cache import cache_argument, new_cache, truncate
-from ..declared import Declared
+from ..step.cache import cache_argument, new_cache, truncate
+from ..settings.declared import Declared
 from ..device import seconds_since
-from ..drafters import model_drafter
-from ..policies import sequoia
+from ..step.drafters import model_drafter
+from ..step.policies import sequoia
 from ..profiles import DRAFT_TEMPERATURE_FIELD
 from ..speculator import _vocab_size, generate
-from ..tree import position_ids, tree_attention_mask
-from ..verify import masked_forward
+from ..step.tree import position_ids, tree_attention_mask
+from ..step.verify import masked_forward
 
 ALIGNMENT_WIDTH = 8  # ranks in Sequoia's acceptance vector
 RELIABILITY_FIELD = "draft_reliability"  # {"raw": rows, "calibrated": rows} of alignment.reliability

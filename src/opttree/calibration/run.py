@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..cache import context_window
+from ..step.cache import context_window
 from ..device import dtype_name
 from ..hardware import hardware_key, machine_info, now
 from ..profiles import (PROFILE_VERSION, SAMPLED_FIELD, find_profile, measured_sources, profile_dir,

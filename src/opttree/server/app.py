@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..flags import used_draft
-from ..policies.batch import BatchBudget
+from ..step.policies.batch import BatchBudget
 from ..speculator import Request as GenerationRequest
 from ..speculator import Speculator
 from ..text import TextStream

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..engine import Generation, Row
-from ..policies.batch import BatchBudget
+from ..step.policies.batch import BatchBudget
 
 _END = object()  # a job's queue: no more chunks
 

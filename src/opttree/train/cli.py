@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # python -m opttree.train.cli ...: before torch is imported
 
 from ..flags import add_trained_part_args  # noqa: E402 (no torch import)
-from ..names import TRAINED_SOURCES  # noqa: E402
+from ..settings.names import TRAINED_SOURCES  # noqa: E402
 
 DEFAULT_INSTALL_DIR = Path(__file__).resolve().parents[1] / "models"
 
@@ -250,7 +250,7 @@ def one_token_latency_ms(model, dtype, prefix: int = 200, repeats: int = 30) -> 
     import torch
     from transformers import DynamicCache
 
-    from ..cache import cache_argument
+    from ..step.cache import cache_argument
 
     m = copy.deepcopy(model).to(dtype).eval()
     ids = torch.randint(0, m.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(0))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..alignment import fit_draft_temperature
-from ..drafters.early_exit import ExitLayer
+from ..step.drafters.early_exit import ExitLayer
 from .lm import TrainConfig, eval_windows, n_params, train_loop
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..alignment import fit_draft_temperature
-from ..drafters.head import DraftLMHead, FeatureHead, fused_layers, head_config
+from ..step.drafters.head import DraftLMHead, FeatureHead, fused_layers, head_config
 from .lm import TrainConfig, eval_windows, n_params, train_loop
 
 

@@ -3,7 +3,7 @@
 1. Log: real speculative runs at a fixed depth D (`depth_control="fixed"`: no delta stop) over
    prompts taken from a corpus; each step records the target's last hidden state, the root token and
    how many drafted tokens the target accepted (steps whose depth max_new_tokens capped are left out).
-2. Fit: a small MLP (`opttree.length.LengthPredictor`), cross-entropy over the accepted length 0..D;
+2. Fit: a small MLP (`opttree.step.length.LengthPredictor`), cross-entropy over the accepted length 0..D;
    the runs of a sixth of the training prompts are kept aside to pick the epoch (early stopping).
 3. Held-out: the same logging on prompts from the held-out split; accuracy, within-one accuracy and the
    mean absolute error of the expected length, beside a constant predictor (the training mean / mode).
@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..declared import Declared
-from ..length import LengthPredictor
+from ..settings.declared import Declared
+from ..step.length import LengthPredictor
 
 
 class StepLog(Declared):

@@ -1,0 +1,106 @@
+"""The one configuration object of a generation call, validated once, up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .drafter_spec import DrafterSpec
+
+# CPU defaults (2-core machine, the shipped pair): see docs/METHODS.md, "Choosing budget, delta, depth
+# and draft temperature".
+DEFAULT_BUDGET = 16
+DEFAULT_DELTA = 0.1
+DEFAULT_MAX_DEPTH = 8
+# Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
+MIN_TEMPERATURE = 1e-4
+DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson", "predictor")  # opttree.step.depth.DEPTH_CONTROLS
+# How a tree's children are chosen when sampling (temperature > 0): the draft's top-ranked tokens, verified
+# by matching, or draws without replacement from the draft, verified by recursive rejection sampling.
+# "auto": each policy's own choice (`opttree.step.policies.shapes.ChildPicker`). At temperature 0: top-ranked.
+CHILDREN = ("auto", "top", "sampled")
+
+
+def check_acceptance(acc) -> tuple[float, ...]:
+    """A positional acceptance vector: acc[k] = P(the (k+1)-th child is the accepted one)."""
+    acc = tuple(float(a) for a in acc)
+    if not acc or any(not 0 <= a <= 1 for a in acc) or sum(acc) > 1 + 1e-6:
+        raise ValueError(f"an acceptance vector needs entries in [0, 1] summing to at most 1, got {list(acc)}")
+    return acc
+
+
+def check_budget(budget) -> int:
+    """The one check of a node budget (SpecConfig's, --budget's, --budgets' entries)."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1 (draft nodes per step), got {budget!r}")
+    return budget
+
+
+def budget_arg(text: str) -> "int | str":
+    """--budget / a --budgets entry: 'auto' (the calibrated budget) or a budget, checked as it is read."""
+    if text == "auto":
+        return text
+    try:
+        return check_budget(int(text))
+    except ValueError:
+        raise ValueError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    tree: str = "opt"  # tree policy name (see opttree.step.policies.available())
+    # draft sources, "model+lookup" parsed into a DrafterSpec (None: "model" with a draft, else "recycling+lookup")
+    drafter: DrafterSpec | None = None
+    datastore: str | None = None  # folder of `opttree datastore build`, for the `datastore` source
+    head: str | None = None  # folder of `opttree train head`, for the `head` source
+    early_exit: str | None = None  # folder of `opttree train early-exit`, for the `early-exit` source
+    budget: int = DEFAULT_BUDGET  # draft nodes per step, root excluded
+    delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
+    max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
+    draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
+    children: str = "auto"  # at temperature > 0: "top" | "sampled" | "auto" (CHILDREN)
+    depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.step.depth)
+    length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
+    # The static path: the target's tree forwards have one shape (the tree padded to the budget, keys over a
+    # preallocated cache compacted in place), what torch.compile and CUDA graphs need (`opttree.compile_model`).
+    # None = on for a target compiled by `compile_model`, else off (`opttree.speculator.use_static`)
+    static: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        if not 0 <= self.delta < 1:
+            raise ValueError(f"delta must be in [0, 1) (expected tokens), got {self.delta!r}")
+        if not isinstance(self.max_depth, int) or self.max_depth < 1:
+            raise ValueError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):  # also rejects NaN
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature!r}")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
+            raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
+        if self.drafter is not None:  # parsed here, once: a DrafterSpec from here on
+            object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
+        if self.children not in CHILDREN:
+            raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
+        if self.depth_control not in DEPTH_CONTROL_NAMES:
+            raise ValueError(f"depth_control must be one of {', '.join(DEPTH_CONTROL_NAMES)}, got {self.depth_control!r}")
+        if self.static is not None and not isinstance(self.static, bool):
+            raise ValueError(f"static must be True, False or None (automatic), got {self.static!r}")
+        if self.acceptance is not None:
+            object.__setattr__(self, "acceptance", check_acceptance(self.acceptance))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

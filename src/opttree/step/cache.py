@@ -1,0 +1,266 @@
+"""KV caches: creation, the supported-model check, and compaction to the accepted path.
+
+Two kinds, both touched only here: transformers' `DynamicCache` (per layer `.keys` / `.values` of
+shape (batch, heads, seq, head_dim), grown by concatenation), and the static path's cache of
+preallocated buffers (`static_cache`: every layer a (batch, heads, capacity, head_dim) buffer written
+in place, so a step's shapes never change; what torch.compile and CUDA graphs need).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from functools import lru_cache
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLayer
+
+from .attention import DRIVEN_LAYER_TYPES, INDEXED, POSITIONWISE_LAYER_TYPES, STATE_LAYER_TYPES
+from .own_state import STATE_ARGUMENTS
+
+MASKABLE_ATTENTION = ("sdpa", "eager")
+# What a layer type that cannot be driven by tree attention really is (for the refusal's message).
+LAYER_KINDS = {
+    "linear_attention": "linear attention (a recurrent state)",
+    "mamba": "state-space (Mamba) layers", "conv": "convolution state", "recurrent": "recurrent layers",
+}
+
+
+def has_indexed_attention(model: PreTrainedModel) -> bool:
+    """Whether the model declares indexed sparse attention layers (their cache keeps the indexer's keys)."""
+    return INDEXED in (getattr(model.config.get_text_config(), "layer_types", None) or [])
+
+
+def new_cache(model: PreTrainedModel | None = None, layer_types: list[str] | None = None) -> DynamicCache:
+    """A cache of plain full-attention layers. Sliding and chunked layers keep every key too: their
+    windows are applied by the masks (`opttree.step.attention`), so the cache rolls back like any other.
+    A model with indexed sparse attention gets, for those layers, transformers' layer that also keeps
+    the indexer's keys (one per position, compacted with the rest: `sequence_tensors`). `layer_types`:
+    those of a part of a model (e.g. an early-exit layer's copy of one target layer) instead of a model's."""
+    cache = DynamicCache()
+    if layer_types is None and model is not None and has_indexed_attention(model):
+        layer_types = model.config.get_text_config().layer_types
+    if layer_types and INDEXED in layer_types:
+        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else DynamicLayer() for kind in layer_types]
+    return cache
+
+
+def sequence_tensors(layer) -> list[tuple[str, int]]:
+    """A dynamic layer's tensors that hold one entry per position, with their sequence axis: keys and
+    values (B, H, S, Dh), and an indexed layer's indexer keys (B, S, Di)."""
+    parts = [("keys", 2), ("values", 2)]
+    if isinstance(layer, DynamicIndexedLayer) and layer.is_indexer_initialized and layer.indexer_keys.numel():
+        parts.append(("indexer_keys", 1))
+    return parts
+
+
+class RollbackLayer(StaticLayer):
+    """transformers' static layer (preallocated buffers written in place at a length kept as a device
+    tensor), plus what speculation needs and transformers' `StaticCache` lacks: compaction to the
+    accepted path and rollback, both in place (no new buffer, no host sync)."""
+
+    def keep(self, rows: torch.Tensor, dest: torch.Tensor, end: int) -> None:
+        """Rows `rows` (K,) move to `dest` (K,); the layer then ends at `end`."""
+        if not self.is_initialized:
+            return
+        self.keys.index_copy_(2, dest, self.keys.index_select(2, rows))  # (B, H, K, Dh), gathered first
+        self.values.index_copy_(2, dest, self.values.index_select(2, rows))
+        self.cumulative_length.fill_(end)
+
+    def truncate(self, length: int) -> None:
+        if self.is_initialized:
+            self.cumulative_length.fill_(length)
+
+
+MIN_STATIC_CAPACITY = 256
+
+
+def static_capacity(positions: int, limit: int | None = None) -> int:
+    """The capacity a static cache gets for a generation that needs `positions`: the next power of two
+    (at least 256), so that generations of different lengths share the compiled step's shapes (a
+    compilation per bucket, not per prompt), at the price of attention over up to 2x masked keys;
+    never past `limit` (the model's context window: some models index buffers of that many keys)
+    when the positions fit in it."""
+    bucket = max(MIN_STATIC_CAPACITY, 1 << (positions - 1).bit_length())
+    return limit if limit is not None and positions <= limit < bucket else bucket
+
+
+def static_cache(model: PreTrainedModel, capacity: int) -> Cache:
+    """A cache of `capacity` preallocated positions per layer (allocated at the first forward)."""
+    layers = model.config.get_text_config().num_hidden_layers
+    return Cache(layers=[RollbackLayer(max_cache_len=capacity) for _ in range(layers)])
+
+
+def grow(cache: Cache, capacity: int) -> None:
+    """A static cache's layers moved to buffers of `capacity` positions, their rows and lengths kept (a new
+    capacity bucket: a compiled step compiles once more for it). In place."""
+    for i, layer in enumerate(cache.layers):
+        wider = RollbackLayer(max_cache_len=capacity)
+        if layer.is_initialized:
+            wider.lazy_initialization(layer.keys, layer.values)
+            wider.keys[:, :, : layer.max_cache_len] = layer.keys
+            wider.values[:, :, : layer.max_cache_len] = layer.values
+            wider.cumulative_length.copy_(layer.cumulative_length)
+        cache.layers[i] = wider
+
+
+def is_static(cache: Cache) -> bool:
+    return bool(cache.layers) and isinstance(cache.layers[0], RollbackLayer)
+
+
+def capacity(cache: Cache) -> int:
+    """How many positions a static cache holds (the key length of every forward over it)."""
+    return cache.layers[0].max_cache_len
+
+
+def last_logits_only(model: PreTrainedModel, rows: int = 1) -> dict:
+    """Forward kwargs that compute logits for the last `rows` positions only, where the model supports
+    it (a prompt's prefill needs few rows of the vocabulary projection, not one per token)."""
+    return {"logits_to_keep": rows} if _takes_logits_to_keep(type(model)) else {}
+
+
+@lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: "cache" (transformers >= 5.24, which
+    deprecates the old name with a FutureWarning) or "past_key_values" (before); "state" for a model that
+    keeps its state outside transformers' cache by that name (`opttree.step.own_state`: RWKV). Decided per class.
+    Pass a cache as `model(..., **{cache_argument(model): cache})`."""
+    return _cache_argument(type(model))
+
+
+@lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    if getattr(model_class.config_class, "model_type", None) in STATE_ARGUMENTS:
+        return STATE_ARGUMENTS[model_class.config_class.model_type]
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_len(cache: Cache) -> int:
+    return int(cache.get_seq_length())  # a static layer keeps its length as a tensor
+
+
+def compact(cache: Cache, start: int, keep: torch.Tensor) -> None:
+    """Keep positions [0, start) and the rows `start + keep` (moved to start, start + 1, ...); drop the rest.
+
+    keep: (K,) long offsets relative to `start`, increasing. In place; the cache ends at start + K.
+    """
+    compact_rows(cache, [start], start, [keep])
+
+
+def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch.Tensor]) -> None:
+    """Per row b of the batch: keep positions [0, starts[b]) and the rows `source + keeps[b]`, moved to
+    starts[b], starts[b] + 1, ...; drop the rest. The cache then ends at the longest row's end; a
+    shorter row's positions past its own end are padding that its masks never attend to.
+
+    source: where the step's rows begin (the longest row's prefix; = starts[0] for one sequence).
+    keeps: per row, (K_b,) long offsets relative to `source`, increasing. In place.
+    """
+    end = max(start + keep.shape[0] for start, keep in zip(starts, keeps))
+    if is_static(cache):  # one sequence, rows at its prefix; the indices made once for every layer
+        assert len(starts) == 1 and source == starts[0], "a static cache holds one sequence"
+        rows = source + keeps[0]  # (K,)
+        dest = torch.arange(source, end, device=rows.device)  # (K,)
+        for layer in cache.layers:
+            layer.keep(rows, dest, end)
+        return
+    moves = [(row, start, source + keep) for row, (start, keep) in enumerate(zip(starts, keeps))]  # made once
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        for name, axis in sequence_tensors(layer):
+            data = getattr(layer, name)  # (B, H, S, Dh) keys / values, (B, S, Di) indexer keys
+            for row, start, rows in moves:
+                part = data if len(moves) == 1 else data[row:row + 1]  # one row
+                part.narrow(axis, start, rows.shape[0]).copy_(part.index_select(axis, rows))  # the gather copies first
+            setattr(layer, name, data.narrow(axis, 0, end))
+
+
+def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
+    """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
+    length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
+    to the longest; the padding is never attended to (the tree masks)."""
+    longest = max(length for _, lengths in parts for length in lengths)
+    filled = [cache for cache, lengths in parts if max(lengths)]
+    if not filled:
+        return new_cache()
+    layers = []
+    for i, layer in enumerate(filled[0].layers):
+        stacked = copy.copy(layer)  # the same kind of layer; a layer that shares another's keys stays empty
+        if layer.keys is not None and layer.keys.numel():
+            for name, axis in sequence_tensors(layer):
+                like = getattr(layer, name)  # (b, H, T, Dh) keys / values, (b, T, Di) indexer keys
+                blocks = []
+                for cache, lengths in parts:
+                    states = getattr(cache.layers[i], name) if max(lengths) else like.new_zeros(
+                        (len(lengths), *like.shape[1:axis], 0, *like.shape[axis + 1:]))
+                    pad = list(states.shape)
+                    pad[axis] = longest - states.shape[axis]
+                    blocks.append(torch.cat([states, states.new_zeros(pad)], dim=axis))  # padded to the longest
+                setattr(stacked, name, torch.cat(blocks))  # (B, ..., longest, ...)
+        layers.append(stacked)
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
+def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
+    """Keep the batch rows `rows` (their positions: `lengths`), in that order; the cache then ends at the
+    longest of them. In place."""
+    end = max(lengths)
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = torch.tensor(rows, device=layer.keys.device)
+        for name, axis in sequence_tensors(layer):
+            setattr(layer, name, getattr(layer, name).index_select(0, index).narrow(axis, 0, end))
+
+
+def truncate(cache: Cache, length: int) -> None:
+    """Drop everything at and after `length`."""
+    if is_static(cache):
+        for layer in cache.layers:
+            layer.truncate(length)
+        return
+    extra = cache_len(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def context_window(model: PreTrainedModel) -> int | None:
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_model(model: PreTrainedModel, role: str, max_len: int) -> None:
+    """Refuse, with a clear message, models whose attention or cache the engine cannot drive exactly.
+
+    max_len: the longest sequence this generation can reach (prompt + new tokens).
+    """
+    if model.device.type == "meta":
+        raise ValueError(f"{role} model is on the meta device (its weights are not loaded): load or move it first")
+    config = model.config.get_text_config()
+    attn = model.config._attn_implementation
+    if attn not in MASKABLE_ATTENTION:
+        raise ValueError(
+            f"{role} model uses attn_implementation={attn!r}, which cannot take the 4D tree attention mask; "
+            f"load it with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation('sdpa')"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    # state layers run as chains (`opttree.step.chains`, checked by `certify`)
+    odd = sorted(set(layer_types) - set(DRIVEN_LAYER_TYPES) - set(STATE_LAYER_TYPES) - set(POSITIONWISE_LAYER_TYPES))
+    if odd:
+        kinds = ", ".join(f"{t!r}: {LAYER_KINDS.get(t, 'not plain causal attention')}" for t in odd)
+        raise NotImplementedError(
+            f"{role} model ({type(model).__name__}) has layers of type {kinds}: tree attention cannot drive them "
+            "exactly (or their state cannot be rolled back to the accepted branch), so tree speculation is not "
+            "supported for it"
+        )

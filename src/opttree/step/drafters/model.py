@@ -1,0 +1,300 @@
+"""Any Hugging Face causal LM as the draft, with its own KV cache.
+
+One forward per tree layer: the nodes of a layer attend to the committed prefix, to their own
+ancestors and to themselves (an ancestor-only mask, never a stale sibling).
+
+`temperature` divides the draft's logits before they become log-probabilities: a calibration of
+p-hat (`opttree.alignment.fit_draft_temperature`). A small distilled draft is often under-confident
+on the text its target writes, which makes every p-hat-driven tree too wide and too shallow. Any
+value is lossless: trees of top-ranked tokens are verified by the target alone, and sampled trees
+carry the distribution they were actually drawn from.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel
+
+from ..attention import key_positions
+from ..cache import (capacity, compact, context_window, grow, last_logits_only, new_cache, static_cache, static_capacity,
+                     truncate)
+from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
+from ...settings.declared import Declared
+from ...device import model_device, static_step
+from ..verify import Verification, masked_forward
+from .together import current_round
+
+
+def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(..., Vd) draft logits -> (..., vocab) over the target's ids: a padded draft's extra columns are
+    dropped, the ids a shorter draft lacks get -inf."""
+    missing = vocab - logits.shape[-1]
+    return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
+
+
+class SlotTree:
+    """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.depths = torch.empty(0, dtype=torch.long, device=device)  # (S,)
+        self.ancestors = torch.empty(0, 0, dtype=torch.bool, device=device)  # (S, S): [i, j] slot j is i or its ancestor
+
+    def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K new slots with these parents (-1 = the root) -> (their depths (K,), the slots each one may
+        attend to among the S + K (K, S+K): its ancestors and itself)."""
+        k, s = parent_slots.shape[0], self.depths.shape[0]
+        has_parent = parent_slots >= 0
+        depths = torch.where(has_parent, self.depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(parent_slots)
+        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
+        if s:
+            ancestors[:, :s] = self.ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
+        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
+        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
+        grown[:s, :s] = self.ancestors
+        grown[s:] = ancestors
+        self.ancestors, self.depths = grown, torch.cat([self.depths, depths])
+        return depths, ancestors
+
+
+class ModelDrafter(Declared):
+    forwards_together = True  # in a batch, its forwards run with the other rows' (`drafters.together`)
+
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
+        """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
+        same tokenizer; log-probabilities cover exactly these ids (default: the draft's own)."""
+        if not (0 < temperature < float("inf")):
+            raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
+        self.model = model
+        self.device = model_device(model)  # inputs go here; log-probabilities come back from here
+        self.temperature = temperature
+        self.vocab = vocab
+        self.rows = model.get_input_embeddings().weight.shape[0]  # ids the draft can embed
+        self.cache = new_cache(self.model)
+        self.committed_len = 0  # tokens of the committed sequence held in the cache
+        self.base = 0  # committed length when the current tree was opened
+        self._open_tree()
+
+    def _open_tree(self) -> None:
+        self.slots = SlotTree(self.device)
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = new_cache(self.model)
+        self.committed_len = 0
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        truncate(self.cache, self.committed_len)  # drop the slots of the previous tree
+        return self._take(committed)
+
+    def _take(self, committed: torch.Tensor) -> torch.Tensor:
+        """The committed tokens the cache lacks through the draft; the root's log-probabilities (V,)."""
+        # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
+        # goes in as the last row: only the draft's guesses depend on it, never the output
+        new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
+        assert new.numel() > 0, "the root must be new to the drafter"
+        logits = self._root_forward(new, committed.shape[0])  # (V,)
+        self.committed_len = self.base = committed.shape[0]
+        self._open_tree()
+        return self._log_probs(logits)
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
+        allowed = torch.cat([torch.ones(tokens.shape[0], self.base, dtype=torch.bool, device=self.device), ancestors],
+                            dim=1)  # (K, base+S+K)
+        keys = partial(key_positions, self.base, self.base - 1 + self.slots.depths, allowed.shape[1])
+        positions = self.base - 1 + depths  # (K,)
+        logits = self._tree_forward(tokens, positions, allowed, keys)  # (K, V)
+        return self._log_probs(logits)
+
+    def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
+        """(R,) new committed tokens at positions committed_len .. end - 1 -> the last one's logits (V,)."""
+        together = current_round() if self.forwards_together else None
+        if together is not None:  # one forward with the other rows' (`drafters.together`)
+            positions = torch.arange(self.committed_len, end, device=self.device)
+            return together.submit(self.model, self.cache, new, positions, None)[-1]
+        return forward_chains(self.model, self.cache, new[None], self.committed_len,
+                              **last_logits_only(self.model))[0, -1]
+
+    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys) -> torch.Tensor:
+        """(K,) slots at (K,) positions under (K, base+S+K) `allowed`, after the cache -> logits (K, V)."""
+        together = current_round() if self.forwards_together else None
+        if together is not None:  # one forward with the other rows' (`drafters.together`)
+            return together.submit(self.model, self.cache, tokens, positions, allowed, keys)
+        return masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
+        over the target's V ids: a padded draft's extra columns are dropped (the rest renormalised), the
+        ids a shorter draft lacks get -inf."""
+        logits = logits.float() if self.vocab is None else on_target_vocab(logits.float(), self.vocab)
+        return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
+
+    def observe(self, result: Verification) -> None:
+        slots = result.accepted_slots.to(self.device)
+        drafted = next((i for i, slot in enumerate(result.readout.slots) if slot < 0), len(result.readout.slots))
+        kept = slots[:drafted]  # the drafted nodes of an accepted path form a prefix of it
+        compact(self.cache, self.base, kept)
+        self.committed_len = self.base + kept.shape[0]
+
+
+class StaticModelDrafter(ModelDrafter):
+    """The draft model over a preallocated cache (`opttree.step.cache.static_cache`), for a static-path
+    generation. After the prompt, every forward is padded to a fixed number of rows over the cache's
+    whole capacity, so a draft compiled for fixed shapes (`compile_model(draft)`) replays one graph per
+    row count and capacity bucket (CUDA graphs on a GPU), whatever the prompt's length: a tree layer of
+    K slots runs as the next power of two >= K rows, the new committed tokens of a step's root as
+    `root_rows` (the longest accepted path and its root). The cache is sized for `positions` (the
+    generation's length and a step's slots) and grows a bucket if that was short.
+
+    A tree's attention pattern is kept in preallocated buffers, by slot: `keys_of[s]` (C,) the keys
+    slot s attends to (the committed prefix, its ancestors and itself), `depth_of[s]`. A layer's slots
+    copy their parents' rows and add themselves, and the forward takes the layer's rows as they are:
+    a few ops a layer, none of them sized by the tree (what a GPU step pays for in launches). A padding
+    row takes whatever its buffer row holds: every row attends to key 0 at least, and its output and
+    keys are dropped."""
+
+    forwards_together = False  # one preallocated sequence
+
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None, positions: int = 0,
+                 root_rows: int = 1):
+        super().__init__(model, temperature, vocab)
+        self.positions, self.root_rows, self.window = positions, root_rows, context_window(model)
+        self.keys_of = torch.ones(0, 0, dtype=torch.bool, device=self.device)  # (S_max, C) by slot
+        self.depth_of = torch.zeros(0, dtype=torch.long, device=self.device)  # (S_max,)
+        self.prefix = torch.zeros(0, dtype=torch.bool, device=self.device)  # (C,) the committed keys
+
+    def _open_tree(self) -> None:
+        self.filled = 0  # slots of the current tree
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = static_cache(self.model, static_capacity(max(self.positions, input_ids.shape[0]), self.window))
+        self.committed_len = 0
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        log_probs = super().root(committed)
+        self._committed_keys()
+        return log_probs
+
+    def _committed_keys(self) -> None:
+        self.prefix = torch.arange(capacity(self.cache), device=self.device) < self.base  # (C,)
+
+    def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
+        if not self.cache.is_initialized:  # the prompt: one eager forward under the causal mask allocates the cache
+            self._make_room(end)
+            return super()._root_forward(new, end)
+        start, count = self.committed_len, new.shape[0]
+        width = max(self.root_rows, 1 << (count - 1).bit_length())  # W
+        self._make_room(start + width)
+        keys_total = capacity(self.cache)  # C
+        pad = torch.arange(count, width, device=self.device)  # (W-R,) padding rows, after the real ones
+        allowed = torch.ones(width, keys_total, dtype=torch.bool, device=self.device).tril(start)  # (W, C) causal
+        allowed[pad, : start + count] = False  # a padding row sees itself only
+        positions = torch.arange(start, end, device=self.device)  # (R,)
+        logits = self._padded_forward(new, positions, allowed, partial(key_positions, start, positions, keys_total), end)
+        return logits[count - 1]
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        count, first = tokens.shape[0], self.filled  # K new slots: first .. first + K - 1
+        width = 1 << (count - 1).bit_length()  # W
+        self._make_room(self.base + first + width)
+        self._slot_room(first + width)
+        slots = torch.arange(first, first + count, device=self.device)  # (K,)
+        has_parent, parent = parent_slots >= 0, parent_slots.clamp(min=0)  # (K,), (K,)
+        keys_of = torch.where(has_parent[:, None], self.keys_of[parent], self.prefix)  # (K, C) the ancestors' keys
+        keys_of[torch.arange(count, device=self.device), self.base + slots] = True  # and its own
+        self.keys_of[slots] = keys_of
+        depths = torch.where(has_parent, self.depth_of[parent] + 1, 1)  # (K,)
+        self.depth_of[slots] = depths
+        self.filled += count
+        keys_total = capacity(self.cache)
+
+        def every_key() -> torch.Tensor:  # (C,) the prefix, the slots at their depths, unused rows as their index
+            return key_positions(self.base, self.base - 1 + self.depth_of[: self.filled], keys_total)
+
+        logits = self._padded_forward(tokens, self.base - 1 + depths, self.keys_of[first : first + width], every_key,
+                                      self.base + self.filled)
+        return self._log_probs(logits[:count])
+
+    def _padded_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys,
+                        end: int) -> torch.Tensor:
+        """(Q,) tokens at (Q,) positions, padded to the W rows of `allowed` (W, C), through the fixed-shape
+        step; the cache then ends at `end` (the padding rows' keys go). Returns logits (W, V)."""
+        pad = (0, allowed.shape[0] - tokens.shape[0])
+        logits = masked_forward(self.model, self.cache, torch.nn.functional.pad(tokens, pad),
+                                torch.nn.functional.pad(positions, pad), allowed, forward=static_step(self.model),
+                                keys=keys)
+        truncate(self.cache, end)
+        return logits
+
+    def _make_room(self, needed: int) -> None:
+        """Cache rows up to `needed`."""
+        if needed > capacity(self.cache):
+            grow(self.cache, static_capacity(needed, self.window))
+
+    def _slot_room(self, slots: int) -> None:
+        """Tree buffers for `slots` slots, over the cache's capacity."""
+        rows, keys_total = self.keys_of.shape
+        if slots <= rows and keys_total == capacity(self.cache):
+            return
+        wider = torch.zeros(max(slots, 2 * rows), capacity(self.cache), dtype=torch.bool, device=self.device)
+        wider[:, 0] = True  # no row attends to nothing (a padding row's output is dropped, never NaN)
+        wider[:rows, :keys_total] = self.keys_of
+        self.keys_of = wider  # (S_max, C)
+        self.depth_of = torch.cat([self.depth_of, self.depth_of.new_zeros(wider.shape[0] - rows)])
+        self._committed_keys()
+
+
+class ChainDrafter(ModelDrafter):
+    """A draft model that a tree mask cannot drive exactly (`opttree.step.chains.verified_as_chains`: state
+    layers, attention on key indices): each expansion runs its K new nodes as a batch of chains [the path
+    from the root to the node] over K copies of the committed cache, which is put back after. The cache
+    only ever holds committed tokens; the accepted ones go in with the next root. Costs K x depth tokens
+    and a copy of the cache per node where a tree forward costs K tokens."""
+
+    forwards_together = False  # its chains replicate its own cache: one row at a time
+
+    def _open_tree(self) -> None:
+        super()._open_tree()
+        self.slot_tokens = torch.empty(0, dtype=torch.long, device=self.device)  # (S,) each slot's token
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.cache = state_cache(self.model)
+        self.committed_len = 0
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        return self._take(committed)  # the cache holds exactly the committed tokens it has seen
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
+        self.slot_tokens = torch.cat([self.slot_tokens, tokens])  # (S+K,)
+        width = int(depths.max())  # one host read: the longest chain
+        columns = (self.slots.depths - 1).clamp(max=width - 1).expand_as(ancestors)  # (K, S+K) a slot's column
+        chains = torch.zeros(tokens.shape[0], width, dtype=torch.long, device=self.device).scatter_add_(
+            1, columns, torch.where(ancestors, self.slot_tokens, 0))  # (K, width): one ancestor per depth
+        saved = save_layers(self.cache)
+        self.cache.reorder_cache(torch.zeros(tokens.shape[0], dtype=torch.long, device=self.device))  # K copies
+        logits = forward_chains(self.model, self.cache, chains, self.base)  # (K, width, V)
+        restore_layers(self.cache, saved)
+        return self._log_probs(logits[torch.arange(tokens.shape[0], device=self.device), depths - 1])  # (K, V)
+
+    def observe(self, result: Verification) -> None:
+        pass  # the accepted tokens enter the cache with the next root
+
+
+def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None,
+                  static_positions: int = 0, max_depth: int = 1) -> ModelDrafter:
+    """A draft model's drafter: its trees under a tree mask, or as chains where a mask cannot drive it.
+    `static_positions` > 0: a static-path generation's, over a preallocated cache of that many positions,
+    its roots padded for accepted paths up to `max_depth` (`StaticModelDrafter`; chains keep
+    transformers' own cache)."""
+    if verified_as_chains(model):
+        return ChainDrafter(model, temperature, vocab=vocab)
+    if static_positions:
+        root_rows = 1 << max_depth.bit_length()  # the next power of two > max_depth: a path and its root
+        return StaticModelDrafter(model, temperature, vocab=vocab, positions=static_positions, root_rows=root_rows)
+    return ModelDrafter(model, temperature, vocab=vocab)

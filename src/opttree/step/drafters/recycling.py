@@ -1,0 +1,97 @@
+"""Token Recycling (Luo et al. 2024; docs/METHODS.md, "Draft sources"): the target's own top-k guesses, recycled.
+
+`RecyclingMatrix` M (V, k): M[t] holds the target's k most likely next tokens the last time it read
+token t, rewritten from every verified position of every step (accepted or not; last write wins),
+seeded from the prompt's prefill and kept across generations with the same target (hot start).
+Drafting needs no forward pass: `RecyclingDrafter` answers a tree policy's distribution queries
+from M, giving rank r of a row the online estimate of how often rank r was the target's choice at
+that depth (so OPT-Tree can weigh recycled candidates like a draft model's); the rest of the mass is
+spread evenly. The authors' own tree is the `recycling-template` policy (80 nodes, 6 levels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...settings.declared import Declared
+from .estimates import HitRates, per_model
+
+WIDTH = 8  # k: successors kept per token, as in the paper
+DEPTHS = 8  # hit rates are kept per depth up to this one (deeper nodes share the last)
+MAX_LISTED_MASS = 0.95  # a row never claims more than this for its k listed tokens
+PROMPT_ROWS = 256  # the prompt's last positions whose logits seed the matrix (cold start)
+
+
+class RecyclingMatrix:
+    def __init__(self, vocab: int, device: torch.device | str = "cpu", width: int = WIDTH):
+        self.vocab, self.width = vocab, min(width, vocab)
+        self.next = torch.zeros(vocab, self.width, dtype=torch.int32, device=device)  # (V, k) M
+        self.filled = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,) rows written at least once
+        prior = 0.5 * 0.5 ** torch.arange(self.width, dtype=torch.float32)  # rank r: 0.5, 0.25, ...
+        self.rates = HitRates((DEPTHS, self.width), prior, device=device)  # P(the target's choice = M[t, r]) by depth
+
+    def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
+        self.next[tokens] = logits.topk(self.width, dim=-1).indices.int()
+        self.filled[tokens] = True
+
+    def observe_hits(self, tokens: torch.Tensor, depths: torch.Tensor, choice: torch.Tensor) -> None:
+        """Score M before it is rewritten: at positions reading `tokens` (P,) at `depths` (P,), which rank
+        of M[token] (if any) was the target's `choice` (P,)."""
+        seen = self.filled[tokens][:, None].expand(-1, self.width)  # (P, k) rows written before: scored
+        hit = self.next[tokens].long() == choice[:, None]  # (P, k)
+        depth = depths.clamp(max=DEPTHS - 1)[:, None].expand_as(hit)
+        rank = torch.arange(self.width, device=hit.device).expand_as(hit)
+        self.rates.update((depth.flatten(), rank.flatten()), hit.flatten(), seen.flatten())
+
+    def log_dist(self, tokens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """(R,) tokens at (R,) depths -> (R, V) log-probabilities of the next token: M[t]'s ranks get
+        their hit rates (at most MAX_LISTED_MASS together), the rest is uniform; uniform if M[t] is unset."""
+        rates = self.rates.mean[depths.to(self.next.device).clamp(max=DEPTHS - 1)]  # (R, k)
+        rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
+        rates = rates * self.filled[tokens, None]  # an unset row lists nothing
+        spread = (1 - rates.sum(dim=1, keepdim=True)) / self.vocab  # (R, 1) each token's share of the rest
+        log_probs = spread.log().expand(-1, self.vocab).clone()  # (R, V)
+        return log_probs.scatter_(1, self.next[tokens].long(), (rates + spread).log())  # a row's k tokens differ
+
+    def nbytes(self) -> int:
+        return self.next.numel() * self.next.element_size()
+
+
+class RecyclingDrafter(Declared):
+    """The matrix as a `Drafter`: any tree policy can grow its tree from recycled tokens, no forward pass."""
+
+    prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`
+
+    def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
+        self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))
+        self.device = self.matrix.next.device
+        self.slot_depths = torch.empty(0, dtype=torch.long, device=self.device)  # (S,) depth of each slot
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.slot_depths = self.slot_depths[:0]
+
+    def seed(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """The target's logits (P, V) at the prompt's positions reading `tokens` (P,) (cold start)."""
+        self.matrix.record(tokens, logits)
+
+    def root(self, committed: torch.Tensor) -> torch.Tensor:
+        self.slot_depths = self.slot_depths[:0]
+        root = committed[-1:].to(self.device)
+        return self.matrix.log_dist(root, torch.zeros(1, dtype=torch.long, device=self.device))[0]
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        parent_slots = parent_slots.to(self.device)
+        if self.slot_depths.numel():
+            depths = torch.where(parent_slots >= 0, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1)  # (K,)
+        else:
+            depths = torch.ones_like(parent_slots)
+        self.slot_depths = torch.cat([self.slot_depths, depths])
+        return self.matrix.log_dist(tokens.to(self.device), depths)
+
+    def observe(self, result) -> None:
+        tokens = result.tokens  # (N + 1,) [root] + nodes
+        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), result.tree.depths])
+        self.matrix.observe_hits(tokens, depths, result.choice)
+        self.matrix.record(tokens, result.logits)
+

@@ -1,0 +1,45 @@
+"""Classic speculative decoding: a chain of the draft's greedy tokens, `budget` long."""
+
+from __future__ import annotations
+
+import torch
+
+from ...settings.config import SpecConfig
+from ..drafters import Drafter
+from ..tree import DraftTree
+from .registry import register_policy
+
+
+@register_policy("chain")
+class Chain:
+    needs_drafter = True
+    sampled_keys = False
+
+    def __init__(self, config: SpecConfig):
+        self.length = config.budget
+
+    def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
+        length = min(self.length, depth_limit)
+        logq = drafter.root(committed)  # (V,)
+        device = logq.device
+        tokens, scores, slots = [], [], []
+        score = torch.zeros((), device=device)
+        for depth in range(1, length + 1):
+            token = logq.argmax()
+            score = score + logq[token]
+            tokens.append(token)
+            scores.append(score)
+            if depth < length:
+                parent_slot = torch.tensor([depth - 2 if depth > 1 else -1], device=device)
+                logq = drafter.expand(token.view(1), parent_slot)[0]
+                slots.append(depth - 1)
+            else:
+                slots.append(-1)
+        n = len(tokens)
+        return DraftTree(
+            tokens=torch.stack(tokens),
+            parents=torch.arange(n, device=device) - 1,
+            depths=torch.arange(1, n + 1, device=device),
+            scores=torch.stack(scores),
+            draft_slots=torch.tensor(slots, dtype=torch.long, device=device),
+        )

@@ -1,0 +1,249 @@
+"""Building draft trees: the helpers the tree policies share.
+
+A shape is a list of paths of child ranks: (0, 2) is "the 3rd-ranked child of the 1st-ranked child
+of the root". `Shape` holds one as flat tensors, `ChildPicker` decides how a node's children come
+from its draft distribution (top-ranked, or drawn without replacement), and `grow` fills a shape
+with tokens, one drafter forward per layer. `ranked_paths` and `kary_paths` make path lists.
+`layered_paths` too.
+Used by `static` (fixed shapes), `sequoia` (its optimal shapes are static too) and `dyspec`
+(`ChildPicker`).
+
+`select_best` keeps the best-scored candidates of a grown tree, for `opt` and `eagle2`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ...settings.config import SpecConfig
+from ..drafters import Drafter
+from ..sampling import perturbed_children, policy_generator, sample_without_replacement, warp_logits
+from ..tree import DraftTree
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A tree shape as flat tensors, parents before children and siblings in rank order."""
+
+    parents: torch.Tensor  # (N,) long: shape index of the parent, -1 for children of the root
+    ranks: torch.Tensor  # (N,) long: 0 = the parent's first-ranked (or first-drawn) child
+    depths: torch.Tensor  # (N,) long: 1 for children of the root
+
+    @staticmethod
+    def from_paths(paths: Sequence[Sequence[int]]) -> "Shape":
+        nodes = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(nodes)}
+        for p in nodes:
+            if not p or min(p) < 0:
+                raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)}")
+            if len(p) > 1 and p[:-1] not in index:
+                raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
+        return Shape(
+            parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in nodes], dtype=torch.long),
+            ranks=torch.tensor([p[-1] for p in nodes], dtype=torch.long),
+            depths=torch.tensor([len(p) for p in nodes], dtype=torch.long),
+        )
+
+    def __len__(self) -> int:
+        return self.parents.shape[0]
+
+    def to(self, device: torch.device) -> "Shape":
+        return Shape(self.parents.to(device), self.ranks.to(device), self.depths.to(device))
+
+    def cut(self, max_depth: int) -> "Shape":
+        """The nodes at most `max_depth` deep (a prefix, as nodes are sorted by depth)."""
+        n = int((self.depths <= max_depth).sum())
+        return Shape(self.parents[:n], self.ranks[:n], self.depths[:n])
+
+
+class ChildPicker:
+    """How a node's children are taken from its draft distribution.
+
+    Deterministic (temperature 0, or children="top"): the draft's top-ranked tokens, in rank order.
+    Sampled (temperature > 0 and children="sampled", or "auto" for a policy that samples by default):
+    successive draws without replacement from q = the draft's distribution warped like the target's
+    (same temperature / top-k / top-p); the tree then carries q for recursive rejection sampling, which
+    needs exactly the distribution the children were drawn from.
+    """
+
+    def __init__(self, config: SpecConfig, sampled: bool):
+        chosen = {"auto": sampled, "top": False, "sampled": True}[config.children]
+        self.sampled = chosen and config.temperature > 0
+        self.warp = (config.temperature, config.top_k, config.top_p)
+        self.seed = config.seed
+        self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
+
+    def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
+        """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
+        return warp_logits(logq, *self.warp).log_softmax(dim=-1) if self.sampled else logq
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = policy_generator(self.seed, device)
+        return self.generator
+
+    def pick(self, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, V) -> children tokens (R, k') in rank / draw order and valid (R, k'), k' = min(k, V)."""
+        if self.sampled:
+            return sample_without_replacement(log_dist, k, self._generator(log_dist.device))
+        tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
+
+    def ranked(self, keys: torch.Tensor, scores: torch.Tensor, log_dist: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's k best children for a policy that keeps the best-keyed nodes (opt, eagle2).
+
+        keys, scores: (R,) the parents' ranking keys and log p-hat; log_dist: (R, V) from `log_dist`.
+        Returns children (tokens, keys, log p-hat), each (R, k'), in rank / draw order. Deterministic:
+        the top-ranked tokens, keyed by log p-hat. Sampled: draws without replacement, keyed by their
+        perturbed path score (stochastic beam search, `perturbed_children`): the n best keys of a tree
+        are then a tree whose children are samples of the draft, so rejection sampling verifies it."""
+        if not self.sampled:
+            child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
+            child_scores = scores[:, None] + child_scores
+            return tokens, child_scores, child_scores
+        tokens, child_keys = perturbed_children(keys, log_dist, k, self._generator(log_dist.device))
+        return tokens, child_keys, scores[:, None] + log_dist.gather(1, tokens)
+
+
+def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
+    """Fill `shape` with tokens, one drafter forward per layer over the nodes that have children.
+
+    A node whose rank the draft cannot fill (fewer tokens in q's support) is dropped with its subtree.
+    """
+    n = len(shape)
+    if n == 0:
+        return DraftTree.empty(committed.device)
+    dists = picker.log_dist(drafter.root(committed)[None])  # (R, V) distributions of the last run layer
+    device = dists.device
+    shape = shape.to(device)
+    has_child = torch.zeros(n, dtype=torch.bool, device=device)
+    has_child[shape.parents[shape.parents >= 0]] = True
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    scores = torch.zeros(n, device=device)
+    valid = torch.zeros(n, dtype=torch.bool, device=device)
+    slots = torch.full((n,), -1, dtype=torch.long, device=device)
+    dist_row = torch.full((n + 1,), -1, dtype=torch.long, device=device)  # [i + 1] = row of node i in `dists` (0 = root)
+    dist_row[0] = 0
+    run_probs = [dists.exp()]  # for draft_probs
+    run_nodes = [torch.full((1,), -1, dtype=torch.long, device=device)]
+    next_slot = 0
+    for depth in range(1, int(shape.depths.max()) + 1):
+        layer = (shape.depths == depth).nonzero().squeeze(1)  # (L,) contiguous node indices
+        parents = shape.parents[layer]
+        parent_ok = torch.where(parents >= 0, valid[parents.clamp(min=0)], True)
+        rows = dist_row[parents + 1]  # (L,)
+        chosen, ok = picker.pick(dists, int(shape.ranks[layer].max()) + 1)  # (R, k)
+        in_range = shape.ranks[layer] < chosen.shape[1]
+        rank = shape.ranks[layer].clamp(max=chosen.shape[1] - 1)
+        tokens[layer] = chosen[rows, rank]
+        valid[layer] = parent_ok & in_range & ok[rows, rank]
+        parent_score = torch.where(parents >= 0, scores[parents.clamp(min=0)], 0.0)
+        scores[layer] = parent_score + dists[rows, tokens[layer]]
+        run = layer[valid[layer] & has_child[layer]]  # (K,) nodes whose children come next
+        if run.numel() == 0:
+            break
+        parent_slots = torch.where(shape.parents[run] >= 0, slots[shape.parents[run].clamp(min=0)], -1)
+        dists = picker.log_dist(drafter.expand(tokens[run], parent_slots))  # (K, V)
+        slots[run] = torch.arange(next_slot, next_slot + run.numel(), device=device)
+        next_slot += run.numel()
+        dist_row[run + 1] = torch.arange(run.numel(), device=device)
+        run_probs.append(dists.exp())
+        run_nodes.append(run)
+    keep = valid.nonzero().squeeze(1)  # (M,) a connected subtree: a kept node's parent is valid
+    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=device)
+    new_index[keep + 1] = torch.arange(keep.numel(), device=device)
+    draft_probs = None
+    if picker.sampled:
+        probs = torch.cat(run_probs)  # (runs + 1, V)
+        draft_probs = torch.zeros(keep.numel() + 1, probs.shape[1], device=device)  # (M + 1, V), zero rows for leaves
+        draft_probs[new_index[torch.cat(run_nodes) + 1] + 1] = probs
+    return DraftTree(
+        tokens=tokens[keep],
+        parents=new_index[shape.parents[keep] + 1],
+        depths=shape.depths[keep],
+        scores=scores[keep],
+        draft_slots=slots[keep],
+        draft_probs=draft_probs,
+    )
+
+
+def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
+    """The n paths with the largest product of `weights[rank]` along them (at most max_depth deep),
+    best first, ties to the shallower path. `weights` must be non-increasing and below 1, so a
+    path always comes after its parent and after its lower-ranked sibling."""
+    weights = [float(w) for w in weights]
+    assert all(0 < w < 1 for w in weights) and weights == sorted(weights, reverse=True)
+    heap = [(-weights[0], 1, (0,))]  # (-value, depth, path): candidates whose parent is taken
+    paths: list[Path] = []
+    while heap and len(paths) < n:
+        neg_value, depth, path = heapq.heappop(heap)
+        paths.append(path)
+        if path[-1] + 1 < len(weights):  # the next sibling
+            sibling = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(heap, (neg_value / weights[path[-1]] * weights[path[-1] + 1], depth, sibling))
+        if depth < max_depth:  # the first child
+            heapq.heappush(heap, (neg_value * weights[0], depth + 1, path + (0,)))
+    return paths
+
+
+def layered_paths(widths: Sequence[int], weights: Sequence[float]) -> list[Path]:
+    """A tree with `widths[d]` nodes at depth d + 1: each layer takes the best children of the layer
+    above, a path valued by the product of `weights[rank]` along it. Returned best first (so every
+    prefix of the list is a tree), ties to the shallower path."""
+    values: dict[Path, float] = {(): 1.0}
+    layer: list[Path] = [()]
+    for width in widths:
+        children = [(values[p] * w, p + (r,)) for p in layer for r, w in enumerate(weights)]
+        children.sort(key=lambda c: (-c[0], c[1]))
+        layer = [p for _, p in children[:width]]
+        values.update({p: v for v, p in children[:width]})
+    del values[()]
+    return sorted(values, key=lambda p: (-values[p], len(p), p))
+
+
+def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
+    """The first n paths of the complete k-ary tree of depth max_depth, breadth first."""
+    paths: list[Path] = []
+    layer: list[Path] = [()]
+    for _ in range(max_depth):
+        layer = [p + (r,) for p in layer for r in range(k)]
+        paths += layer[: n - len(paths)]
+        if len(paths) >= n:
+            break
+    return paths
+
+
+def select_best(
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
+    keys: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+) -> DraftTree:
+    """The n candidates with the largest key (default: the score, log p-hat), ties to the earlier
+    (shallower) one.
+
+    Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
+    child never has a larger key than its parent, the chosen set is a connected tree containing the root.
+    Sampled children (`ChildPicker.ranked`): `keys` are their perturbed path scores, and candidates keyed
+    -inf (past a distribution's support) are never chosen; `probs` (C + 1, V) are the draft distributions
+    at [root] + candidates (zero rows where none was drawn from), kept as the tree's `draft_probs`.
+    """
+    ranking = scores if keys is None else keys
+    order = torch.sort(ranking, descending=True, stable=True).indices[:n]
+    if keys is not None:
+        order = order[ranking[order] > float("-inf")]  # a shape sync: sampled trees only
+    chosen = order.sort().values  # (n,) back in candidate (= depth) order
+    new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
+    new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
+    tree_parents = new_index[parents[chosen] + 1]
+    torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
+    draft_probs = None
+    if probs is not None:
+        draft_probs = probs[torch.cat([chosen.new_zeros(1), chosen + 1])]  # (n + 1, V)
+    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs,
+                     None if probs is None else keys[chosen])

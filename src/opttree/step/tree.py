@@ -1,0 +1,308 @@
+"""The draft tree as flat tensors, and pure functions that derive masks, positions and paths.
+
+Nodes are stored parents-before-children (sorted by depth). The root (the last committed token,
+not yet in the target's cache) is implicit: it is not one of the N nodes, and `parents == -1` means
+"child of the root". Everything the verifier needs is derived from `parents` and `depths`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # (N,) long: drafted token ids
+    parents: torch.Tensor  # (N,) long: index of the parent node, -1 for children of the root
+    depths: torch.Tensor  # (N,) long: 1 for children of the root
+    scores: torch.Tensor  # (N,) float: log p-hat, the draft's path log-probability
+    draft_slots: torch.Tensor  # (N,) long: the drafter's KV slot of the node this step, -1 if never run
+    # Draft distributions the candidates were *sampled* from, for recursive rejection sampling:
+    # (N + 1, V), row 0 = root, row i + 1 = node i. None for deterministic (top-k) candidate sets.
+    draft_probs: torch.Tensor | None = None
+    # With draft_probs: (N,) the perturbed path scores that ranked the sampled nodes (-inf for a node that is
+    # not a draw of its parent's distribution), and (N,) bool, the deterministic candidates among the nodes
+    # (a node may be both). None: every node is a draw (keys not kept) / none is deterministic.
+    keys: torch.Tensor | None = None
+    proposed: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """(N, N) bool `ancestor_mask` of this tree, computed once (the verify mask and acceptance share it)."""
+        return ancestor_mask(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+    def to(self, device: torch.device) -> "DraftTree":
+        """The same tree on `device` (a no-op when it is there already)."""
+        if self.tokens.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return DraftTree(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> "DraftTree":
+        long = torch.empty(0, dtype=torch.long, device=device)
+        return DraftTree(long, long, long, torch.empty(0, device=device), long)
+
+
+SQUARING_MAX_NODES = 128  # measured on a CPU: squaring is 3x faster at 16-64 nodes, 2x slower at 256
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(N,) parents -> (N, N) bool, [i, j] True iff node j is node i or one of its ancestors.
+
+    After round k every row holds the ancestors within 2^k levels, so ceil(log2 N) rounds suffice for
+    any tree: a fixed number of rounds, known from the shape, so nothing is read back. Up to
+    SQUARING_MAX_NODES nodes, by squaring the reach matrix M = I + A (A[i, j] = 1 iff j is i's parent):
+    two ops a round, a matmul and a clamp that keeps M 0/1 (exact in any float format: a positive sum of
+    0/1 products stays positive). Past that the N^3 matmuls cost more than pointer jumping's ~13 ops of
+    N^2 a round.
+    """
+    n = parents.shape[0]
+    if n == 0:
+        return torch.zeros(0, 0, dtype=torch.bool, device=parents.device)
+    rounds = max(n - 1, 1).bit_length()
+    cols = torch.arange(n, device=parents.device)
+    if n <= SQUARING_MAX_NODES:
+        reach = (parents[:, None] == cols).float() + torch.eye(n, device=parents.device)  # (N, N) I + A
+        for _ in range(rounds):
+            reach = (reach @ reach).clamp_(max=1)
+        return reach > 0
+    mask = torch.zeros(n, n + 1, dtype=torch.bool, device=parents.device)  # (N, N+1), column N = "past the root"
+    mask[cols, cols] = True
+    jump = torch.where(parents >= 0, parents, n)  # (N,) the ancestor 2^k levels up, n once past the root
+    mask[cols, jump] = True
+    for _ in range(rounds):
+        mask[:, :n] |= mask[jump.clamp(max=n - 1), :n] & (jump < n)[:, None]  # add the ancestors of the one 2^k up
+        jump = torch.where(jump < n, torch.cat([jump, jump.new_full((1,), n)])[jump], n)
+    return mask[:, :n]
+
+
+def tree_attention_mask(parents: torch.Tensor, prefix_len: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask for one forward over [root] + nodes: (N + 1, prefix_len + N + 1) bool, True = attend.
+
+    Every query sees the committed prefix (already cached) and the root; a node also sees its
+    ancestors and itself. Row 0 is the root. `ancestors`: `ancestor_mask(parents)` if already known.
+    """
+    n = parents.shape[0]
+    device = parents.device
+    tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)  # (N+1, N+1) over [root] + nodes
+    tree[:, 0] = True
+    tree[1:, 1:] = ancestor_mask(parents) if ancestors is None else ancestors
+    prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=device)  # (N+1, P)
+    return torch.cat([prefix, tree], dim=1)  # (N+1, P+N+1)
+
+
+def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int,
+                     ancestors: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+    """The fixed-shape version of `tree_attention_mask`: [root] + N nodes padded to `width` nodes, over
+    `capacity` keys where the W + 1 rows land at `start` (default prefix_len). (W + 1, capacity) bool:
+    the real rows see the prefix [0, prefix_len) and their tree, nothing else (keys in [prefix_len,
+    start) are another sequence's longer prefix in a batch, keys past the tree a preallocated cache's
+    unused rows); a padding row attends to itself only (its output is never read, and no row is all-masked)."""
+    n = parents.shape[0]
+    start = prefix_len if start is None else start
+    assert n <= width and prefix_len <= start and start + width + 1 <= capacity, (n, width, prefix_len, start, capacity)
+    allowed = torch.zeros(width + 1, capacity, dtype=torch.bool, device=parents.device)  # (W+1, C)
+    allowed[: n + 1, :prefix_len] = True
+    tree = tree_attention_mask(parents, 0, ancestors)  # (N+1, N+1) over [root] + nodes
+    allowed[: n + 1, start : start + n + 1] = tree
+    pad = torch.arange(n + 1, width + 1, device=parents.device)  # (W-N,)
+    allowed[pad, start + pad] = True
+    return allowed
+
+
+def pad_nodes(values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """(N + 1,) values at [root] + nodes -> (W + 1,), padded with `fill`."""
+    return torch.cat([values, values.new_full((width + 1 - values.shape[0],), fill)])
+
+
+def position_ids(depths: torch.Tensor, root_position: int) -> torch.Tensor:
+    """(N,) depths -> (N + 1,) positions of [root] + nodes: the root sits at `root_position`."""
+    zero = torch.zeros(1, dtype=torch.long, device=depths.device)
+    return root_position + torch.cat([zero, depths])
+
+
+def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """Root-to-leaf paths: (leaves, max_depth) node indices ordered by depth, padded with -1."""
+    n = parents.shape[0]
+    if n == 0:
+        return torch.empty(0, 0, dtype=torch.long, device=parents.device)
+    has_child = torch.zeros(n, dtype=torch.bool, device=parents.device)
+    has_child[parents[parents >= 0]] = True
+    leaves = (~has_child).nonzero().squeeze(1)  # (L,)
+    on_path = ancestor_mask(parents)[leaves]  # (L, N): node j lies on the path to leaf l
+    leaf_idx, node_idx = on_path.nonzero(as_tuple=True)
+    paths = torch.full((leaves.shape[0], int(depths.max())), -1, dtype=torch.long, device=parents.device)
+    paths[leaf_idx, depths[node_idx] - 1] = node_idx
+    return paths  # (L, D)
+
+
+# --- tries: trees from several sources (opttree.step.drafters.sources) ---
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """The token path from the root to each node (the node's own token last), in node order."""
+    tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()  # one read
+    return paths_of(tokens, parents)
+
+
+def paths_of(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """`node_paths` of a tree already read to the host."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def host_rows(tree: DraftTree) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+    """(tokens, parents, depths, scores, draft slots) as lists, in one read from the device (through
+    float64, exact for ids and indices below 2**53)."""
+    fields = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.draft_slots)
+    tokens, parents, depths, scores, slots = torch.stack([f.double() for f in fields]).tolist()
+    as_ints = lambda values: [int(v) for v in values]  # noqa: E731
+    return as_ints(tokens), as_ints(parents), as_ints(depths), scores, as_ints(slots)
+
+
+def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
+    """The index in `tree` of the node at each token path, -1 where the tree has none."""
+    index = {path: i for i, path in enumerate(node_paths(tree))}
+    return [index.get(tuple(path), -1) for path in paths]
+
+
+def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
+    """The union of two tries: a node of `extra` whose token path `base` already has becomes that node
+    (its score the larger of the two, its drafter slot base's); the others hang under their path's
+    deepest node, with slot -1. No node gets two children with one token. Sorted by depth again."""
+    if base.draft_probs is not None or extra.draft_probs is not None:
+        raise ValueError("sampled candidates (with draft_probs) cannot be merged with another source's: their "
+                         "verification needs exactly the distribution they were drawn from")
+    tokens, parents, depths, scores, slots = host_rows(base)  # one read of each tree
+    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
+    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(extra)
+    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
+        if path in index:
+            scores[index[path]] = max(scores[index[path]], score)
+            continue
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]] if len(path) > 1 else -1)  # extra is parents-first: the parent is in
+        depths.append(len(path))
+        scores.append(score)
+        slots.append(-1)
+    device = base.tokens.device
+    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
+                       torch.tensor(scores, dtype=torch.float32, device=device),
+                       torch.tensor(slots, dtype=torch.long, device=device))
+    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+
+
+def merge_sampled(sampled: DraftTree, proposed: DraftTree) -> DraftTree:
+    """The union of a tree of sampled children (with draft_probs) and a trie of deterministic candidates
+    (`merge`'s union by token path). A node on both keeps the sampled node's slot, key and score and is
+    marked proposed too; a proposed-only node gets key -inf (it is no draw) and no draft distribution
+    (no sampled child hangs under it). Sorted by depth again, siblings' draw order kept."""
+    assert sampled.draft_probs is not None and proposed.draft_probs is None
+    tokens, parents, depths, scores, slots = host_rows(sampled)
+    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
+    n = len(tokens)
+    is_proposed = [False] * n
+    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(proposed)
+    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
+        if path not in index:
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+            depths.append(len(path))
+            scores.append(score)
+            slots.append(-1)
+            is_proposed.append(False)
+        is_proposed[index[path]] = True
+    device, added = sampled.tokens.device, len(tokens) - n
+    keys = sampled.keys if sampled.keys is not None else torch.zeros(n, device=device)
+    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
+                       torch.tensor(scores, dtype=torch.float32, device=device),
+                       torch.tensor(slots, dtype=torch.long, device=device),
+                       torch.cat([sampled.draft_probs, sampled.draft_probs.new_zeros(added, sampled.draft_probs.shape[1])]),
+                       torch.cat([keys, keys.new_full((added,), float("-inf"))]),
+                       torch.tensor(is_proposed, dtype=torch.bool, device=device))
+    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+
+
+def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """The nodes `keep` (K,) (in this order, parents before children, every kept node's parent kept),
+    re-indexed. Draft distributions are kept for the root and the kept nodes."""
+    n = len(tree)
+    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=tree.tokens.device)  # [i + 1] = new index of i
+    new_index[keep + 1] = torch.arange(keep.shape[0], device=keep.device)
+    parents = new_index[tree.parents[keep] + 1]
+    torch._assert_async((parents >= 0).eq(tree.parents[keep] >= 0).all(), "the kept nodes are not a tree")  # no sync
+    probs = None
+    if tree.draft_probs is not None:
+        probs = tree.draft_probs[torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), keep + 1])]
+    pick = lambda t: None if t is None else t[keep]  # noqa: E731
+    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep], tree.draft_slots[keep], probs,
+                     pick(tree.keys), pick(tree.proposed))
+
+
+def top_nodes(tree: DraftTree, n: int, by: torch.Tensor | None = None) -> DraftTree:
+    """The best tree of at most n nodes by score (or by `by` (N,)), where a node counts at the lowest score
+    on its path (so a kept node's parent is kept; ties go to the earlier node). Nodes scored -inf are dropped."""
+    if len(tree) == 0:
+        return tree
+    path_min = path_min_scores(tree, by)  # (N,)
+    order = torch.sort(path_min, descending=True, stable=True).indices
+    order = order[path_min[order] > float("-inf")][:n]
+    return subtree(tree, order.sort().values)
+
+
+def path_min_scores(tree: DraftTree, by: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) each node's lowest score (or `by` (N,)) on its path from the root: a node never outranks its parent."""
+    scores = tree.scores if by is None else by
+    return torch.where(tree.ancestors, scores[None, :], float("inf")).amin(dim=1)
+
+
+def allocate(trees: list[DraftTree], n: int, scores: torch.Tensor | None = None) -> list[DraftTree]:
+    """Batch-level OPT-Tree: one budget of n nodes for several rows' candidate trees, given to the n nodes
+    with the largest path score across all of them (a node counts at the lowest score on its path, ties
+    go to the earlier row, then the earlier node). With scores that fall along a path (log p-hat: path
+    probabilities), this maximises the sum of the rows' expected accepted lengths over every way of
+    splitting n nodes among them, and each row keeps a tree (a kept node's parent is kept). Trees with
+    sampled nodes (draft_probs) are not split: their nodes were drawn for their own budget.
+    `scores`: `candidate_scores(trees)`, when the caller has it already."""
+    split = splittable(trees)
+    if not split:
+        return trees
+    scores = candidate_scores(trees) if scores is None else scores  # (M,)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    kept[order[: max(n, 0)]] = True
+    kept &= scores > float("-inf")
+    out, start = list(trees), 0
+    for i in split:
+        size = len(trees[i])
+        out[i] = subtree(trees[i], kept[start : start + size].nonzero().flatten())
+        start += size
+    return out
+
+
+def splittable(trees: list[DraftTree]) -> list[int]:
+    """The trees a batch budget may cut: non-empty, of deterministic candidates."""
+    return [i for i, tree in enumerate(trees) if tree.draft_probs is None and len(tree)]
+
+
+def candidate_scores(trees: list[DraftTree]) -> torch.Tensor:
+    """(M,) the path scores of every node of the `splittable` trees, in order."""
+    split = splittable(trees)
+    if not split:
+        return torch.empty(0)
+    return torch.cat([path_min_scores(trees[i]) for i in split])

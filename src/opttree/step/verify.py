@@ -1,0 +1,396 @@
+"""Verification: one target forward over [root] + tree, and acceptance as pure functions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import Cache, PreTrainedModel
+
+from .attention import key_positions, layer_masks, mask_layout
+from .cache import cache_argument, capacity, compact_rows, is_static
+from ..settings.config import SpecConfig
+from ..device import static_step
+from .sampling import PositionNoise, race, target_probs, warp_logits
+from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
+
+
+@dataclass(frozen=True)
+class StepReadout:
+    """What the host learns of a step, in the step's one read from the device (`read`)."""
+
+    accepted: int  # draft nodes accepted
+    emitted: list[int]  # the accepted tokens and the bonus
+    slots: list[int]  # the drafter's slots of the accepted nodes (-1 = never run by the drafter)
+    depth: int  # the tree's depth (0 for an empty tree)
+
+    @staticmethod
+    def read(tree: DraftTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> "StepReadout":
+        """One `.tolist()` of (length, depth, bonus, tokens and slots along the path). path: (N,) from
+        `accept_path`, its first `length` entries the accepted nodes."""
+        return StepReadout.read_rows([(tree, path, length, bonus)])[0]
+
+    @staticmethod
+    def read_rows(rows: list[tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list["StepReadout"]:
+        """`read` for every row of a batch, in one `.tolist()`: (tree, path, length, bonus) per row."""
+        parts = []
+        for tree, path, length, bonus in rows:
+            depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
+            parts += [length.view(1), depth, bonus.view(1), tree.tokens[path], tree.draft_slots[path]]
+        values, out, at = torch.cat(parts).tolist(), [], 0
+        for tree, *_ in rows:
+            n, (a, depth, bonus) = len(tree), values[at : at + 3]
+            row = values[at + 3 : at + 3 + 2 * n]
+            out.append(StepReadout(a, row[:a] + [bonus], row[n : n + a], depth))
+            at += 3 + 2 * n
+        return out
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One step's verification, as the drafter sees it (`Drafter.observe`): what was verified, what the
+    target computed there, and what it accepted. Handed over after both caches are compacted."""
+
+    root: torch.Tensor  # () long: the last committed token before the step
+    tree: DraftTree  # the N verified nodes (tokens, parents, depths, scores, draft slots)
+    logits: torch.Tensor  # (N + 1, V) the target's logits at [root] + nodes
+    accepted: torch.Tensor  # (A,) accepted node indices, root to leaf
+    bonus: torch.Tensor  # () the target's token after the accepted path
+    # The target's hidden states at [root] + nodes, one (N + 1, H) tensor per layer as transformers
+    # numbers them (0 = the embeddings, -1 = the last layer's output), for a drafter or a depth control
+    # that reads the target (`wants_hidden = True`; None otherwise).
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    readout: StepReadout | None = None  # the same, as the host read it (read here if not given)
+
+    def __post_init__(self):
+        if self.readout is None:
+            path, length, bonus = _as_path(len(self.tree), self.accepted, self.bonus)
+            object.__setattr__(self, "readout", StepReadout.read(self.tree, path, length, bonus))
+
+    def accepted_hidden(self, layer: int = -1) -> torch.Tensor:
+        """(A + 1, H) the target's hidden states of `layer` at the root and the accepted nodes: the
+        features of the tokens this step committed (the bonus has none yet: the next verification
+        computes it)."""
+        assert self.hidden_states is not None, "nothing asked for hidden states (wants_hidden = True)"
+        hidden = self.hidden_states[layer]
+        rows = torch.cat([torch.zeros(1, dtype=torch.long, device=self.accepted.device), self.accepted + 1])
+        return hidden[rows.to(hidden.device)]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(N + 1,) the verified tokens: [root] + nodes."""
+        return torch.cat([self.root.view(1), self.tree.tokens])
+
+    @cached_property
+    def choice(self) -> torch.Tensor:
+        """(N + 1,) the target's most likely next token at [root] + nodes (float32 argmax)."""
+        return self.logits.float().argmax(dim=-1)
+
+    @property
+    def accepted_slots(self) -> torch.Tensor:
+        """(A,) the drafter's slots of the accepted nodes (-1 = never run by the drafter)."""
+        return self.tree.draft_slots[self.accepted]
+
+
+def masked_forward(
+    model: PreTrainedModel,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    allowed: torch.Tensor | None,
+    hidden: bool = False,
+    forward=None,
+    keys: Callable[[], torch.Tensor] | None = None,
+):
+    """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
+
+    input_ids: (Q,), positions: (Q,), allowed: (Q, K) bool, True = attend, K = cache_len + Q (or a
+    static cache's capacity); None = causal (the model's own mask). `forward`: what runs the model
+    (default: the model itself). `keys`: returns the (K,) positions of the keys, for layers with a
+    window (`opttree.step.attention`); default: the cache holds positions 0..K-Q-1 and the new rows follow.
+    A batch: input_ids and positions (B, Q), allowed (B, Q, K), `keys` returns (B, K).
+    Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)); a batch
+    keeps its batch axis: (B, Q, V), ((B, Q, H), ...).
+    """
+    batched = input_ids.dim() == 2
+    ids, where = (input_ids, positions) if batched else (input_ids[None], positions[None])  # (B, Q)
+    bias = None
+    if allowed is not None:
+        rows = allowed if batched else allowed[None]  # (B, Q, K)
+        count = rows.shape[0]
+        if batched and keys is not None:
+            every = functools.cache(keys)  # (B, K), built at most once, where a layer type has a window
+            row_keys = [lambda b=b: every()[b] for b in range(count)]
+        else:
+            row_keys = [keys] * count
+        bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
+    with masked_attention_kernels(ids.device):
+        out = (forward or model)(
+            input_ids=ids,
+            position_ids=where,
+            attention_mask=bias,
+            **{cache_argument(model): cache},
+            use_cache=True,
+            output_hidden_states=hidden,
+        )
+    if batched:
+        return (out.logits, out.hidden_states) if hidden else out.logits  # (B, Q, V), ((B, Q, H),)
+    return (out.logits[0], tuple(h[0] for h in out.hidden_states)) if hidden else out.logits[0]  # (Q, V), ((Q, H),)
+
+
+def _stack(masks: list) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Per-row 4D masks (1, 1, Q, K) (or dicts of them, by layer type) -> one (B, 1, Q, K) (or a dict)."""
+    if len(masks) == 1:
+        return masks[0]
+    if isinstance(masks[0], dict):
+        return {kind: torch.cat([mask[kind] for mask in masks]) for kind in masks[0]}
+    return torch.cat(masks)
+
+
+def attention_bias(model, allowed: torch.Tensor, positions: torch.Tensor,
+                   keys: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """(Q, K) bool, True = attend -> the 4D mask `model` takes, or one per layer type: each layer type's
+    window applied on positions (`opttree.step.attention`; positions: (Q,) of the queries, `keys` as
+    `masked_forward`'s); sdpa takes the bool mask as is, eager an additive float mask in the model's dtype."""
+    def default_keys() -> torch.Tensor:
+        return key_positions(allowed.shape[1] - positions.shape[-1], positions.reshape(-1), allowed.shape[1])
+
+    masks = layer_masks(mask_layout(model.config.get_text_config()), allowed, positions.reshape(-1),
+                        keys or default_keys)
+    if isinstance(masks, dict):
+        return {kind: _bias(model, mask) for kind, mask in masks.items()}
+    return _bias(model, masks)
+
+
+def _bias(model, allowed: torch.Tensor) -> torch.Tensor:
+    mask = allowed[None, None]  # (1, 1, Q, K)
+    if model.config._attn_implementation == "eager":
+        dtype = model.dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def masked_attention_kernels(device: torch.device):
+    """sdpa backends for tree forwards. On CUDA, cuDNN's attention builds an execution plan for every
+    new (query, key) shape, 1-60 ms of host time each, and a tree step's shapes are new almost every
+    time (measured on an H100, torch 2.11: plain decoding 10 tokens/s with it, 110 without): leave it out."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def verify_tree(
+    target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int, hidden: bool = False,
+    width: int = 0, compiled: bool = True,
+):
+    """One target forward over [root] + tree nodes. The cache holds `prefix_len` tokens before the
+    call and `prefix_len + N + 1` after it (a static cache: `prefix_len + W + 1`, compaction drops the
+    padding). Returns logits (N + 1, V): row 0 = root; with `hidden`, (logits, every layer's hidden
+    states ((N + 1, H), ...)). One sequence of `verify_trees`."""
+    return verify_trees(target, cache, [root], [tree], [prefix_len], hidden, width, compiled)[0]
+
+
+def verify_trees(
+    target: PreTrainedModel, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int],
+    hidden: bool = False, width: int = 0, compiled: bool = True,
+) -> list:
+    """One target forward over a batch of [root] + tree, one row per sequence: row b's cache holds its
+    `prefix_lens[b]` committed tokens (the cache itself is as long as the longest). Every tree is padded
+    to the widest (padding rows attend to themselves only and are never read) and lands after the
+    longest prefix; a row attends to its own prefix and its own tree's ancestors, nothing else, at
+    positions prefix_len + depth. Returns per row the logits (N_b + 1, V), row 0 = root; with `hidden`,
+    (logits, every layer's hidden states ((N_b + 1, H), ...)).
+
+    Over a static cache (`opttree.step.cache.static_cache`, one sequence) the forward has one shape per
+    `width`: the tree is padded to `width` nodes and the keys span the cache's whole capacity; it runs
+    the model's compiled step if it has one (`static_step`) and `compiled`."""
+    static, start = is_static(cache), max(prefix_lens)  # the step's rows land at the longest prefix
+    assert not static or len(trees) == 1, "a static cache holds one sequence"
+    sizes = [len(tree) for tree in trees]
+    width = max(width, *sizes) if static else max(sizes)  # a tree past the static width gets a shape of its own
+    keys = capacity(cache) if static else start + width + 1
+    tokens = torch.stack([pad_nodes(torch.cat([root.view(1), tree.tokens]), width, 0)
+                          for root, tree in zip(roots, trees)])  # (B, W+1)
+    positions = torch.stack([pad_nodes(position_ids(tree.depths, p), width, p)
+                             for tree, p in zip(trees, prefix_lens)])  # (B, W+1)
+    if not static and width == 0 and all(p == start for p in prefix_lens):
+        allowed = None  # the roots alone, one token after each cache: the model's own causal mask
+    else:
+        allowed = torch.stack([padded_tree_mask(tree.parents, p, width, keys, tree.ancestors, start)
+                               for tree, p in zip(trees, prefix_lens)])  # (B, W+1, K)
+    forward = static_step(target) if static and compiled and cache.is_initialized else None  # a first forward allocates
+    out = masked_forward(target, cache, tokens, positions, allowed, hidden, forward,
+                         keys=lambda: torch.stack([key_positions(start, row, keys) for row in positions]))
+    logits, states = out if hidden else (out, None)  # (B, W+1, V), ((B, W+1, H),)
+    if not hidden:
+        return [logits[b, : n + 1] for b, n in enumerate(sizes)]
+    return [(logits[b, : n + 1], tuple(h[b, : n + 1] for h in states)) for b, n in enumerate(sizes)]
+
+
+class TreeVerifier:
+    """A KV model's verification step: `logits` runs one forward over each row's [root] + tree under its
+    tree mask (`verify_trees`); `commit` compacts each row's cache to its root and accepted path. The
+    other kind is `opttree.step.chains.ChainVerifier` (state layers, attention on key indices); both take the same calls."""
+
+    rows = None  # how many sequences it verifies at once (None: any)
+
+    def __init__(self, target: PreTrainedModel, hidden: bool = False, width: int = 0):
+        self.target, self.hidden, self.width = target, hidden, width
+
+    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]) -> list:
+        """Per row, (N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states)."""
+        return verify_trees(self.target, cache, roots, trees, prefix_lens, self.hidden, self.width)
+
+    def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
+               prefix_lens: list[int]) -> None:
+        """Per row, keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree."""
+        keeps = [torch.cat([path.new_zeros(1), path + 1]) for path in accepted]  # (A + 1,) offsets after the prefix
+        compact_rows(cache, prefix_lens, max(prefix_lens), keeps)
+
+
+def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Follow, from the root, the children whose token equals the target's choice at their parent; on
+    the device, nothing read back.
+
+    choice: (N + 1,) the target's token at [root] + nodes (argmax for greedy, one sample per node for
+    stochastic verification of deterministic candidates). A node is reached when it and every ancestor
+    match; siblings carry distinct tokens, so the reached nodes form one path, and its deepest node is
+    the accepted leaf. Returns (path (N,): accepted node indices root->leaf in the first `length`
+    entries, the rest 0; length () long; bonus token ()).
+    """
+    n = len(tree)
+    if n == 0:
+        return tree.parents, torch.zeros((), dtype=torch.long, device=choice.device), choice[0]
+    match = tree.tokens == choice[tree.parents + 1]  # (N,) the token the target chose at the parent
+    ancestors = tree.ancestors  # (N, N), shared with the verify mask
+    reached = ~(ancestors & ~match[None, :]).any(dim=1)  # (N,) every node on the root->node path matches
+    length, leaf = torch.where(reached, tree.depths, 0).max(dim=0)  # (), (): the deepest reached node
+    on_path = ancestors[leaf] & (length > 0)  # (N,)
+    slots = torch.where(on_path, tree.depths - 1, n)  # (N,) position on the path; n = off it
+    path = torch.zeros(n + 1, dtype=torch.long, device=choice.device).scatter_(
+        0, slots, torch.arange(n, device=choice.device))[:n]  # (N,)
+    bonus = choice[torch.where(length > 0, leaf + 1, 0)]
+    return path, length, bonus
+
+
+def accept_sampled(
+    tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastic verification of deterministic (top-k) candidates: at every node, one sample y of the
+    target's warped distribution (the exponential race with the noise of the position y would take),
+    then the walk from the root that descends to the child whose token is its parent's y
+    (`matching_path`); the bonus is the y of the deepest node reached.
+
+    Exact: the walk visits one node per depth and so uses each position's noise once; every emitted
+    token is a fresh sample of the target at its prefix, as plain sampling draws it. logits: (N + 1, V);
+    noise: (N + 1, V) log Exp(1) noise of the position each row's sample would take (`PositionNoise`).
+    Returns (path (N,), length (), bonus ()) as `matching_path`, on the device.
+    """
+    if top_k or top_p < 1:
+        choice = race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
+    else:  # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
+        choice = torch.sub(logits, noise, alpha=temperature).max(dim=-1).indices  # (N+1,) as `race` does
+    return matching_path(tree, choice)
+
+
+def accept_path(
+    tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None,
+    noise: PositionNoise | None = None, root_position: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier that is exact for the way the tree's candidates were chosen (docs/METHODS.md, "Tree policies").
+    logits: (N + 1, V) at [root] + nodes; the root sits at `root_position`; `noise` serves sampled
+    verification of deterministic candidates (made from `generator` if not given). Returns (path (N,):
+    the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
+    Verification of deterministic candidates reads nothing back."""
+    if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
+        target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
+        return _as_path(len(tree), *accept_rejection_sampling(tree, target_p, generator))
+    if config.greedy:
+        choice = logits.float().argmax(dim=-1)  # (N+1,) fp32, like transformers' greedy search
+        return matching_path(tree, choice)
+    noise = noise or PositionNoise(generator, logits.device)
+    depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
+    rows = noise.rows(root_position + 1, depths, len(tree) + 1, logits.shape[-1])  # (N+1, V)
+    return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, rows)
+
+
+def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A,) accepted nodes -> (path (N,) padded with 0, length (), bonus ())."""
+    path = torch.cat([accepted, accepted.new_zeros(n - accepted.shape[0])])
+    return path, torch.tensor(accepted.shape[0], device=accepted.device), bonus
+
+
+def accept_rejection_sampling(
+    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling for children *sampled* from the draft without replacement, with
+    deterministic candidates (`tree.proposed`) under the same nodes tried first.
+
+    target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
+    tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
+    At each node: first the deterministic children, by matching: one draw y ~ p, and the child whose
+    token is y is accepted; if none is, p <- norm(p without those tokens). Then the sampled children in
+    draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
+    q <- norm(q). If no child is accepted, the bonus is sampled from p. (Why this is exact:
+    docs/METHODS.md, "OPT-Tree with sampled children".)
+    Sampled siblings must be stored in the order they were drawn; whether a node got another child may
+    depend on its earlier children but never on the token drawn for it.
+    Returns (accepted node indices (A,), bonus token ()).
+    """
+    assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
+    proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+    drawn = torch.isfinite(tree.keys) if tree.keys is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
+    tokens, parents, proposed, drawn = torch.stack([tree.tokens, tree.parents, proposed, drawn]).tolist()  # one read
+    children_of = _children_lists(parents)
+    accepted: list[int] = []
+    node = -1  # -1 = root
+    while True:
+        p, q = target_p[node + 1], tree.draft_probs[node + 1]  # (V,), (V,)
+        children = children_of[node + 1]
+        fixed = [child for child in children if proposed[child]]
+        if fixed:  # deterministic candidates: the target's own sample decides
+            y = int(torch.multinomial(p, 1, generator=generator))
+            hit = [child for child in fixed if tokens[child] == y]
+            if hit:
+                accepted.append(hit[0])
+                node = hit[0]
+                continue
+            p = p.index_fill(0, torch.tensor([tokens[c] for c in fixed], device=p.device), 0.0)
+            p = p / p.sum()
+        draws = [child for child in children if drawn[child]]
+        coins = torch.rand(len(draws), generator=generator, device=p.device).tolist()
+        for child, coin in zip(draws, coins):
+            x = tokens[child]
+            q_x, p_x = torch.stack([q[x], p[x]]).tolist()  # one read
+            if coin * q_x < p_x:  # accepted with probability min(1, p(x) / q(x))
+                accepted.append(child)
+                node = child
+                break
+            p, q = _rejected(p, q, x)
+        else:  # every child rejected (or none): the bonus comes from what is left of p
+            bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
+            return torch.tensor(accepted, dtype=torch.long, device=bonus.device), bonus
+
+
+def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """After rejecting draft token x: p <- norm(max(p - q, 0)) (the target mass q did not cover),
+    q <- norm(q without x) (the next child is drawn without replacement). (V,), (V,) -> same."""
+    rest = (p - q).clamp(min=0)
+    total = float(rest.sum())
+    if total > 0:  # total = 0 only if p == q up to rounding, where rejection has probability ~0
+        p = rest / total
+    q = q.index_fill(0, torch.tensor(x, device=q.device), 0.0)
+    return p, q / q.sum().clamp(min=torch.finfo(q.dtype).tiny)
+
+
+def _children_lists(parents: list[int]) -> list[list[int]]:
+    """children_of[i + 1] = node indices whose parent is i (index 0 = the root), in node order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for child, parent in enumerate(parents):
+        children[parent + 1].append(child)
+    return children
