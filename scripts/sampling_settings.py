@@ -1,6 +1,6 @@
 """Tree settings at temperature > 0, interleaved per prompt: mean accepted length, speedup over plain
 decoding and draft time per step, for settings `opttree bench` cannot vary per method (max depth,
-delta, draft temperature). The shipped pair in float32.
+delta, draft temperature). The shipped pair in float32 (or --dtype bfloat16).
 
     python scripts/sampling_settings.py --first 40 --count 16 --max-new-tokens 64 --temperature 1 \\
         'tree=opt budget=8' 'tree=opt budget=4 max_depth=4' 'tree=opt budget=8 draft_temperature=0.7'
@@ -34,8 +34,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
-    target, draft, tok = opttree.demo_models(torch.float32)
+    target, draft, tok = opttree.demo_models(getattr(torch, args.dtype))
+    for warm in [{"tree": "ar"}] + [setting(s) for s in args.settings]:  # probes and first calls out of the timing
+        opttree.generate(target, tok("def f(x):", return_tensors="pt").input_ids,
+                         None if warm["tree"] == "ar" else draft, max_new_tokens=8, temperature=args.temperature,
+                         **{k: v for k, v in warm.items()})
     lines = open(args.prompts).read().splitlines()[args.first : args.first + args.count]
     runs = [{"tree": "ar"}] + [setting(s) for s in args.settings]
     totals = [[0, 0, 0.0, 0.0] for _ in runs]  # new tokens, steps, seconds, draft seconds
