@@ -11,9 +11,10 @@ import time
 import torch
 
 import opttree
-from opttree.calibration.measure import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
+from opttree.calibration.measure import context_ids, latency_curves
 from opttree.step.policies.batch import BatchBudget
+
 torch.manual_seed(0)
 target, draft, tok = opttree.demo_models(torch.float32)
 prompts = [tok(p.text, return_tensors="pt").input_ids[0] for p in load_prompts("../shared/data/humaneval.jsonl", limit=16)]

@@ -23,8 +23,8 @@ choose_openmp_wait_policy()  # as the CLI does, before torch loads OpenMP
 import torch  # noqa: E402
 
 import opttree
-from opttree.step.cache import static_capacity
 from opttree.device import compile_model
+from opttree.step.cache import static_capacity
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")

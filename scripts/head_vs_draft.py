@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opttree.step.cache import cache_argument, truncate
 from opttree.demo import demo_paths
+from opttree.step.cache import cache_argument, truncate
 from opttree.step.drafters.head import DraftLMHead, load_head
 from opttree.train.distill import load_target
 from opttree.train.head import held_out_acceptance

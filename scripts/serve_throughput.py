@@ -28,10 +28,10 @@ import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
-from opttree.calibration.measure import context_ids, latency_curves
 from opttree.bench.prompts import load_prompts
-from opttree.step.policies.batch import BatchBudget
+from opttree.calibration.measure import context_ids, latency_curves
 from opttree.server.app import GracefulServer, Server, create_app
+from opttree.step.policies.batch import BatchBudget
 
 
 def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:

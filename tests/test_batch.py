@@ -257,10 +257,10 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
     """The rows' prompts, right-padded to the longest, go through one forward: each row's drafter is seeded
     with its own prompt's logits (recycling) or hidden states (the head), and its last hidden state (the
     predictor's feature) is its own, as its prompt alone gives them; and every row stays exact."""
+    from opttree.engine import prefill
     from opttree.step.cache import new_cache
     from opttree.step.drafters.head import FeatureHead, HeadDrafter, head_config
     from opttree.step.drafters.recycling import RecyclingDrafter
-    from opttree.engine import prefill
     from opttree.step.length import LengthPredictor
 
     for cls, hook in ((RecyclingDrafter, "seed"), (HeadDrafter, "seed_hidden")):

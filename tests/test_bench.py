@@ -10,17 +10,17 @@ from helpers import tiny_model
 
 import opttree
 from opttree import profiles
-from opttree.calibration import estimate, measure
-from opttree.calibration import report as cal_report
-from opttree.calibration import run as cal_run
 from opttree.bench import methods as bench_methods
 from opttree.bench import report
-from opttree.hardware import machine_info, now
 from opttree.bench.cli import parse_budgets, profile_defaults
 from opttree.bench.methods import Method, MethodSpec, Run, Settings, emitted_per_step, expand_methods
 from opttree.bench.prompts import Prompt, encode, load_prompts
 from opttree.bench.runner import first_difference, prepare, run_bench
+from opttree.calibration import estimate, measure
+from opttree.calibration import report as cal_report
+from opttree.calibration import run as cal_run
 from opttree.cli import main
+from opttree.hardware import machine_info, now
 from opttree.settings.drafter_spec import DrafterSpec
 
 VOCAB = 96

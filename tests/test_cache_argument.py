@@ -13,12 +13,12 @@ from transformers.utils import generic
 
 import opttree
 import opttree.certify
-from opttree.calibration.measure import latency_curves, probe_ms
 from opttree.bench.methods import count_forwards
+from opttree.calibration.measure import latency_curves, probe_ms
+from opttree.hardware import forward_ms
 from opttree.step.cache import cache_argument
 from opttree.step.drafters.early_exit import ExitLayer
 from opttree.step.drafters.head import FeatureHead, head_config
-from opttree.hardware import forward_ms
 from opttree.train.cli import one_token_latency_ms
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])

@@ -119,11 +119,11 @@ def test_cli_help_imports_no_torch():
 
 
 def test_the_torch_free_name_lists_match_the_registries():
-    from opttree.step.drafters.sources import available_sources
+    from opttree.quantize import SCHEMES
     from opttree.settings.drafter_spec import KINDS
     from opttree.settings.names import BUILTIN_POLICIES, BUILTIN_SOURCE_KINDS, BUILTIN_SOURCES, QUANTIZATIONS
+    from opttree.step.drafters.sources import available_sources
     from opttree.step.policies import available
-    from opttree.quantize import SCHEMES
 
     assert list(BUILTIN_POLICIES) == available() and list(BUILTIN_SOURCES) == available_sources()
     assert {name: KINDS[name] for name in BUILTIN_SOURCES} == BUILTIN_SOURCE_KINDS  # registered as declared

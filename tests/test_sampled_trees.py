@@ -19,8 +19,8 @@ from helpers import chi_square_pvalue
 
 from opttree.settings.config import SpecConfig
 from opttree.settings.declared import Declared
-from opttree.step.policies import make_policy
 from opttree.step.drafters.sources import MergedPolicy, Sources
+from opttree.step.policies import make_policy
 from opttree.step.tree import DraftTree, node_paths
 from opttree.step.verify import accept_path
 

@@ -384,8 +384,8 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     --max-batch rows), join and leave between steps, and each gets exactly what it gets alone: greedy
     ones their greedy output, sampled ones the draws of their seed; with one node budget for the batch
     (batch-level OPT-Tree: fixed, or chosen under a latency curve) too."""
-    from opttree.step.policies.batch import BatchBudget
     from opttree.server.app import CompletionRequest
+    from opttree.step.policies.batch import BatchBudget
 
     target, draft, tok = pair
     allocator = {"off": None, "fixed": BatchBudget(fixed=3),

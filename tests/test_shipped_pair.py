@@ -105,10 +105,10 @@ def test_demo_cuts_runaway_completions():
 def test_shipped_pair_defaults_come_from_its_calibration_profile(reference_hardware):
     """No profile of this machine (conftest empties the cache): the reference machine's shipped profile
     sets budget, delta and draft temperature; flags given win; float32 has no profile (defaults)."""
-    from opttree.settings import config
-    from opttree.profiles import SHIPPED_PROFILES, find_profile
     from opttree.cli import build_parser
     from opttree.flags import tree_options
+    from opttree.profiles import SHIPPED_PROFILES, find_profile
+    from opttree.settings import config
 
     target, draft, _ = opttree.demo_models(dtype=torch.bfloat16)
     assert find_profile(target, draft) == SHIPPED_PROFILES / "bfloat16.json"

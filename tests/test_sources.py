@@ -8,11 +8,11 @@ import torch
 from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
+from opttree.settings.config import SpecConfig
+from opttree.settings.drafter_spec import DrafterSpec
 from opttree.step.drafters.estimates import forget, per_model
 from opttree.step.drafters.lookup import NgramIndex, continuation_trie
 from opttree.step.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
-from opttree.settings.config import SpecConfig
-from opttree.settings.drafter_spec import DrafterSpec
 from opttree.step.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens
 from opttree.step.tree import DraftTree, locate, merge, node_paths, top_nodes
 
@@ -271,8 +271,8 @@ def test_a_drafter_spec_puts_distribution_sources_first_and_reads_declared_capab
 
 
 def test_recycling_template_is_the_papers_80_nodes():
-    from opttree.step.policies import make_policy
     from opttree.settings.config import SpecConfig
+    from opttree.step.policies import make_policy
 
     policy = make_policy(SpecConfig(tree="recycling-template", budget=80))
     depths = policy.shape.depths.tolist()

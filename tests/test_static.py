@@ -6,9 +6,9 @@ from helpers import hf_greedy, tiny_model
 from transformers import DynamicCache
 
 import opttree
+from opttree.speculator import use_static
 from opttree.step.cache import cache_argument, capacity, compact, static_cache
 from opttree.step.drafters import ModelDrafter, StaticModelDrafter
-from opttree.speculator import use_static
 from opttree.step.tree import DraftTree, pad_nodes, padded_tree_mask, tree_attention_mask
 from opttree.step.verify import Verification, verify_tree
 

@@ -5,9 +5,8 @@ import torch
 from helpers import tiny_model
 
 from opttree.step.cache import cache_argument, new_cache
-from opttree.step.tree import ancestor_mask, leaf_paths, position_ids, tree_attention_mask
+from opttree.step.tree import DraftTree, ancestor_mask, leaf_paths, position_ids, tree_attention_mask
 from opttree.step.verify import verify_tree
-from opttree.step.tree import DraftTree
 
 
 def random_parents(n: int, seed: int) -> torch.Tensor:

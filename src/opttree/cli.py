@@ -13,11 +13,17 @@ from . import threads
 threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
 
 from .errors import RanksDiverged  # noqa: E402
-from .settings.names import TRAINED_SOURCES  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)
-    add_decoding_args, add_tp_arg, add_tree_args, check_model_dir, load_pair, resolved_tree_options, tree_options,
+    add_decoding_args,
+    add_tp_arg,
+    add_tree_args,
+    check_model_dir,
+    load_pair,
+    resolved_tree_options,
+    tree_options,
     used_draft,
 )
+from .settings.names import TRAINED_SOURCES  # noqa: E402
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

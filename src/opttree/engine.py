@@ -11,23 +11,31 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .step.cache import (cache_argument, context_window, last_logits_only, new_cache, select_rows, stack_rows, static_cache,
-                    static_capacity, truncate)
-from .step.chains import ChainVerifier, state_cache, verified_as_chains
-from .settings.config import SpecConfig
-from .step.depth import DepthControl
 from .device import PhaseClock, model_device, seeded_generator, synchronize
-from .step.drafters import Drafter
-from .step.drafters.together import Round
 from .genconfig import shape_logits
 from .parallel import lockstep_for
+from .settings.config import SpecConfig
+from .stats import GenerationStats
+from .step.cache import (
+    cache_argument,
+    context_window,
+    last_logits_only,
+    new_cache,
+    select_rows,
+    stack_rows,
+    static_cache,
+    static_capacity,
+    truncate,
+)
+from .step.chains import ChainVerifier, state_cache, verified_as_chains
+from .step.depth import DepthControl
+from .step.drafters import Drafter
+from .step.drafters.together import Round
 from .step.policies import TreePolicy
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
-from .stats import GenerationStats
 from .step.tree import DraftTree
 from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
-
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "

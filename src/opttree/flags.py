@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Callable
 
 from .settings import config as defaults

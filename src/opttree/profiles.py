@@ -17,11 +17,11 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from .settings.drafter_spec import DrafterSpec
 from .hardware import describe, hardware_key
-from .step.policies import sequoia
 from .quantize import weight_kinds
+from .settings.drafter_spec import DrafterSpec
 from .shipped import MODELS_DIR, cache_root, shipped_location
+from .step.policies import sequoia
 
 PROFILE_VERSION = 2  # 2: draft temperature
 SHIPPED_PROFILES = MODELS_DIR / "profiles"  # the shipped pair's profiles from the reference machine, {dtype}.json

@@ -12,19 +12,19 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .settings.arguments import eos_list, prompt_and_mask, spec_options
-from .step.cache import check_model, context_window, has_indexed_attention
 from .certify import certify
-from .step.chains import verified_as_chains
-from .settings.config import SpecConfig
-from .settings.declared import Declared, declared_by
-from .step.depth import DepthControl, make_depth_control
 from .device import has_static_step, model_device
-from .step.drafters import CheckedDrafter, Drafter, model_drafter
-from .settings.drafter_spec import default_drafter
-from .step.drafters.sources import SourceContext, default_children, default_max_depth, make_sources
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
+from .settings.arguments import eos_list, prompt_and_mask, spec_options
+from .settings.config import SpecConfig
+from .settings.declared import Declared, declared_by
+from .settings.drafter_spec import default_drafter
+from .step.cache import check_model, context_window, has_indexed_attention
+from .step.chains import verified_as_chains
+from .step.depth import DepthControl, make_depth_control
+from .step.drafters import CheckedDrafter, Drafter, model_drafter
+from .step.drafters.sources import SourceContext, default_children, default_max_depth, make_sources
 from .step.policies import TreePolicy, make_policy
 from .step.policies.batch import BatchBudget
 

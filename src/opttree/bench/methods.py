@@ -21,12 +21,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..step.cache import cache_argument
 from ..device import seconds_since
 from ..settings.config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
 from ..settings.drafter_spec import DrafterSpec
 from ..settings.names import TRAINED_SOURCES
 from ..speculator import Request, Speculator
+from ..step.cache import cache_argument
 from ..step.policies import available, make_policy
 
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens of hf-lookup

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..step.cache import context_window, static_capacity
 from ..counters import StepCounter
 from ..parallel import sharded
+from ..step.cache import context_window, static_capacity
 from .methods import MethodSpec, Run, RunFn, Settings, find_method
 from .prompts import Prompt
 

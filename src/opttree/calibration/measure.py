@@ -11,13 +11,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
-from ..step.cache import cache_argument, new_cache, truncate
-from ..settings.declared import Declared
 from ..device import seconds_since
+from ..profiles import DRAFT_TEMPERATURE_FIELD
+from ..settings.declared import Declared
+from ..speculator import _vocab_size, generate
+from ..step.cache import cache_argument, new_cache, truncate
 from ..step.drafters import model_drafter
 from ..step.policies import sequoia
-from ..profiles import DRAFT_TEMPERATURE_FIELD
-from ..speculator import _vocab_size, generate
 from ..step.tree import position_ids, tree_attention_mask
 from ..step.verify import masked_forward
 

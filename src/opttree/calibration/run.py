@@ -10,14 +10,31 @@ import sys
 
 import torch
 
-from ..step.cache import context_window
 from ..device import dtype_name
 from ..hardware import hardware_key, machine_info, now
-from ..profiles import (PROFILE_VERSION, SAMPLED_FIELD, find_profile, measured_sources, profile_dir,
-                        profile_draft_temperature, profile_key, save_profile)
+from ..profiles import (
+    PROFILE_VERSION,
+    SAMPLED_FIELD,
+    find_profile,
+    measured_sources,
+    profile_dir,
+    profile_draft_temperature,
+    profile_key,
+    save_profile,
+)
+from ..step.cache import context_window
 from .estimate import fitted_overhead, grid_rows, recommend, recommend_drafter
-from .measure import (alignment_entry, calibration_run, context_ids, drafter_run, drafter_runs, latency_curves,
-                      noise_problem, probe_ms, sampled_runs)
+from .measure import (
+    alignment_entry,
+    calibration_run,
+    context_ids,
+    drafter_run,
+    drafter_runs,
+    latency_curves,
+    noise_problem,
+    probe_ms,
+    sampled_runs,
+)
 from .report import sampled_choice
 
 SAMPLED_TEMPERATURE = 1.0  # step 6 measures sampling at this temperature (OpenAI's and the server's default)

@@ -44,8 +44,8 @@ def batch_budget(choice: str, target, draft):
     """--batch-budget: 'off' -> None (each request its own tree); N -> that many nodes a step for the
     batch; 'auto' -> chosen each step from the pair's measured latency curve (its calibration profile),
     None without one."""
-    from ..step.policies.batch import BatchBudget
     from ..profiles import find_profile, load_profile
+    from ..step.policies.batch import BatchBudget
 
     if choice == "off":
         return None

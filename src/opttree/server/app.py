@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..flags import used_draft
-from ..step.policies.batch import BatchBudget
 from ..speculator import Request as GenerationRequest
 from ..speculator import Speculator
+from ..step.policies.batch import BatchBudget
 from ..text import TextStream
 from .batcher import Batcher, BatchJob
 from .ranks import Call, Leader

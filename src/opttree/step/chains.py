@@ -38,7 +38,6 @@ from .scan import continued_scans
 from .tree import DraftTree, leaf_paths
 
 
-
 def has_state(model: PreTrainedModel) -> bool:
     """Whether the model declares layers that hold a recurrent or convolution state, or keeps a state of
     its own outside transformers' cache layers (`opttree.step.own_state`: RWKV, MiniMax)."""

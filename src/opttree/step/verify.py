@@ -12,10 +12,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, PreTrainedModel
 
+from ..device import static_step
+from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
-from ..settings.config import SpecConfig
-from ..device import static_step
 from .sampling import PositionNoise, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 

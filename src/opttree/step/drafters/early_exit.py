@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..attention import key_positions
-from ..cache import cache_argument, new_cache, truncate
-from ...settings.declared import Declared
 from ...device import model_device
 from ...parts import read_part, save_part
+from ...settings.declared import Declared
+from ..attention import key_positions
+from ..cache import cache_argument, new_cache, truncate
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .head import DraftLMHead
 from .model import SlotTree

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
-from ..cache import cache_argument, new_cache, truncate
-from ...settings.declared import Declared
 from ...device import model_device
 from ...parallel import whole
 from ...parts import read_part, save_part
+from ...settings.declared import Declared
+from ..cache import cache_argument, new_cache, truncate
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .model import SlotTree, on_target_vocab
 

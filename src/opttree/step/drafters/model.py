@@ -17,12 +17,21 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from ..attention import key_positions
-from ..cache import (capacity, compact, context_window, grow, last_logits_only, new_cache, static_cache, static_capacity,
-                     truncate)
-from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
-from ...settings.declared import Declared
 from ...device import model_device, static_step
+from ...settings.declared import Declared
+from ..attention import key_positions
+from ..cache import (
+    capacity,
+    compact,
+    context_window,
+    grow,
+    last_logits_only,
+    new_cache,
+    static_cache,
+    static_capacity,
+    truncate,
+)
+from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
 from ..verify import Verification, masked_forward
 from .together import current_round
 

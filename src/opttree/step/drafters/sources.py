@@ -26,11 +26,11 @@ from typing import Callable, Protocol
 
 import torch
 
+from ...parts import shipped_part
 from ...settings.config import DEFAULT_MAX_DEPTH, SpecConfig
 from ...settings.declared import pass_hooks
 from ...settings.drafter_spec import KINDS, DrafterSpec, declare_source
 from ...settings.names import BUILTIN_SOURCE_KINDS, TRAINED_SOURCES, SourceKind
-from ...parts import shipped_part
 from ..tree import DraftTree, merge, merge_sampled, node_paths, top_nodes
 from ..verify import Verification
 from . import Declared, Drafter
