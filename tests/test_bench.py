@@ -21,6 +21,7 @@ from opttree.calibration import report as cal_report
 from opttree.calibration import run as cal_run
 from opttree.cli import main
 from opttree.hardware import machine_info, now
+from opttree.settings.config import DEFAULT_DELTA
 from opttree.settings.drafter_spec import DrafterSpec
 
 VOCAB = 96
@@ -304,8 +305,13 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert runs == measure.drafter_runs(rec["budget"], 3) and [d for d, _ in runs[:3]] == list(measure.DRAFTERS)
     fastest = max(profile["drafters"], key=lambda r: r["measured_speedup"])
     assert rec["tree"] == "ar" or (rec["drafter"], rec["drafter_budget"]) == (fastest["drafter"], fastest["budget"])
-    if rec["tree"] == "opt":  # the chosen sources come with the budget they were measured at
-        assert profiles.auto_settings(target, draft, rec["drafter"]) == (rec["drafter_budget"], rec["delta"])
+    for row in profile["drafters"]:  # the draft model's sources at its delta, the train-free ones at theirs
+        assert row["delta"] == (rec["delta"] if "model" in row["drafter"] else DEFAULT_DELTA)
+    if rec["tree"] == "opt":  # the chosen sources come with the budget (and delta) they were measured at
+        chosen = DrafterSpec.parse(rec["drafter"])
+        measured = next(r for r in profile["drafters"] if (r["drafter"], r["budget"]) == (rec["drafter"],
+                                                                                          rec["drafter_budget"]))
+        assert profiles.auto_settings(target, draft, chosen) == (rec["drafter_budget"], measured["delta"])
         with_model = "model" in rec["drafter"].split("+")  # else profile_options gives the draft model's settings
         assert profiles.calibrated_options(target, draft)["budget"] == rec["drafter_budget" if with_model else "budget"]
     assert "## Draft sources at the recommended budget" in paths["markdown"].read_text()
@@ -321,7 +327,9 @@ def test_calibrate_profile_is_read_by_auto_settings(pair, cases, tmp_path, monke
     assert profiles.profile_sources(target, draft, 1.0) == {k: sampled[k] for k in ("tree", "drafter", "why")}
     assert profiles.profile_sources(target, draft, 0.0)["tree"] == rec["tree"]
     if sampled["tree"] != "ar":
-        assert profiles.auto_settings(target, draft, sampled["drafter"], 0.7) == (sampled["drafter_budget"], rec["delta"])
+        chosen = DrafterSpec.parse(sampled["drafter"])
+        assert profiles.auto_settings(target, draft, chosen, 0.7) == \
+            (sampled["drafter_budget"], rec["delta"] if chosen.uses_draft_model else DEFAULT_DELTA)
     assert "## Sampling (temperature 1)" in paths["markdown"].read_text()
     fitted = profile[profiles.DRAFT_TEMPERATURE_FIELD]
     assert set(fitted) == {"greedy", "sampled"} and all(0 < t < 100 for t in fitted.values())
@@ -380,11 +388,25 @@ def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monk
     args = argparse.Namespace(budgets=None, delta=None, temperature=0.0)
     names, chosen, budgets, delta = profile_defaults(args, target, draft, ["ar", "opt", "hf-lookup"])
     assert names == ["ar", "opt:recycling+lookup", "hf-lookup"] and chosen == "recycling+lookup"
-    assert parse_budgets(budgets, delta, target, draft, chosen) == [(8, 0.3)]  # its own budget
+    # its own budget; the profile's delta is the draft model's: train-free sources draft at the default
+    assert parse_budgets(budgets, delta, target, draft, chosen) == [(8, DEFAULT_DELTA)]
     assert args == argparse.Namespace(budgets=None, delta=None, temperature=0.0)  # the flags as typed
     given = argparse.Namespace(budgets="4", delta=None, temperature=0.0)  # budgets given: opt means the draft model
     assert profile_defaults(given, target, draft, ["ar", "opt"]) == (["ar", "opt"], None, "4", 0.3)
-    assert profiles.auto_settings(target, draft) == (4, 0.3) and profiles.auto_settings(target, draft, "model") == (4, 0.3)
+    assert profiles.auto_settings(target, draft) == (4, 0.3)
+    assert profiles.auto_settings(target, draft, DrafterSpec.parse("model")) == (4, 0.3)
+    # a delta calibrated with the draft model is the draft model's (and any network's): lookup drafts at the
+    # default (at 0.6 it stopped at depth 2: 2.13x against 2.89x)
+    assert profiles.auto_settings(target, draft, DrafterSpec.parse("lookup")) == (4, DEFAULT_DELTA)
+    assert profiles.auto_settings(target, draft, DrafterSpec.parse("head+lookup")) == (4, 0.3)
+    settings = Settings(max_new_tokens=8, delta=0.3)  # the bench's delta from the profile: each method's as generate has it
+    assert [bench_methods.method_delta(MethodSpec(name, 8), settings) for name in
+            ("opt", "opt:model+lookup", "opt:lookup", "opt:recycling+lookup/fixed", "dyspec")] == \
+        [0.3, 0.3, DEFAULT_DELTA, DEFAULT_DELTA, 0.3]
+    assert bench_methods.method_delta(MethodSpec("opt:lookup", 8, 0.6), settings) == DEFAULT_DELTA  # 'auto'
+    given = Settings(max_new_tokens=8, delta=0.45, delta_given=True)  # --delta: numeric budgets run at it, whatever drafts
+    assert bench_methods.method_delta(MethodSpec("opt:lookup", 8), given) == 0.45
+    assert bench_methods.method_delta(MethodSpec("opt:lookup", 8, 0.3), given) == DEFAULT_DELTA  # 'auto' in a run
     # sampling: the choice measured for sampling, as generate makes it at temperature > 0
     hot = argparse.Namespace(budgets=None, delta=None, temperature=1.0)
     names, chosen, budgets, delta = profile_defaults(hot, target, draft, ["ar", "opt"])

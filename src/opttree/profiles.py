@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .hardware import describe, hardware_key
 from .quantize import weight_kinds
+from .settings.config import drafter_delta
 from .settings.drafter_spec import DrafterSpec
 from .shipped import MODELS_DIR, cache_root, shipped_location
 from .step.policies import sequoia
@@ -152,11 +153,12 @@ def profile_options(target, draft, tree: str, temperature: float) -> dict:
 def auto_settings(target, draft, drafter: DrafterSpec | None = None, temperature: float = 0.0) -> tuple[int, float]:
     """(budget, delta) recommended by `opttree calibrate` for this pair on this machine (`find_profile`) at
     this temperature; for `drafter`, the budget measured with it when that is the draft source the profile
-    chose (for sampling: the budget of the sampled choice)."""
+    chose (for sampling: the budget of the sampled choice), and its delta (`config.drafter_delta`: the
+    calibrated one is the draft model's)."""
     profile = load_profile(target, draft)
     greedy, chosen = profile["recommended"], recommended(profile, temperature)
     budget = chosen.get("drafter_budget") if drafter is not None and drafter == chosen.get("drafter") else None
-    return int(budget or greedy["budget"]), float(chosen.get("delta", greedy["delta"]))
+    return int(budget or greedy["budget"]), drafter_delta(drafter, float(chosen.get("delta", greedy["delta"])))
 
 
 def profile_sources(target, draft, temperature: float = 0.0) -> dict:

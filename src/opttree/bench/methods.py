@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..device import seconds_since
-from ..settings.config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig
+from ..settings.config import CHILDREN, DEFAULT_DELTA, DEPTH_CONTROL_NAMES, SpecConfig, drafter_delta
 from ..settings.drafter_spec import DrafterSpec
 from ..settings.names import TRAINED_SOURCES
 from ..speculator import Request, Speculator
@@ -41,7 +41,8 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own
+    delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own (`method_delta`)
+    delta_given: bool = False  # --delta was given: numeric budgets run at it whatever their drafter
     max_depth: int | None = None  # None: 8 with a draft model, else the budget (engine default)
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
@@ -94,6 +95,15 @@ class Method:
 # ---- opttree -------------------------------------------------------------------------------------
 
 
+def method_delta(spec: MethodSpec, settings: Settings) -> float:
+    """The delta a method drafts at, as `generate` would: --delta when given (numeric budgets), else the
+    calibrated one ('auto' budgets bring theirs) where its drafter runs the draft model or another network,
+    and the default for train-free sources (`config.drafter_delta`)."""
+    if spec.delta is None and settings.delta_given:
+        return settings.delta
+    return drafter_delta(parse_tree_method(spec.name)[1], settings.delta if spec.delta is None else spec.delta)
+
+
 def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     """A tree policy through `opttree.generate`; `POLICY:DRAFTER` names its draft sources (the draft model
     is passed only when they include `model`)."""
@@ -106,7 +116,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         tree=policy, drafter=drafter, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         eos_token_id=settings.eos_token_id,
-        delta=settings.delta if spec.delta is None else spec.delta, depth_control=depth_control,
+        delta=method_delta(spec, settings), depth_control=depth_control,
         children=children, static=settings.static,
     )
     for source, option in TRAINED_SOURCES.items():

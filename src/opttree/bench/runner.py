@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from ..counters import StepCounter
 from ..parallel import sharded
 from ..step.cache import context_window, static_capacity
-from .methods import MethodSpec, Run, RunFn, Settings, find_method
+from .methods import MethodSpec, Run, RunFn, Settings, find_method, method_delta
 from .prompts import Prompt
 
 WARMUP_TOKENS = 16
@@ -180,7 +180,7 @@ def record(case: Case, spec: MethodSpec, settings: Settings, repeat: int, run: R
         "category": case.prompt.category,
         "method": spec.name,
         "budget": spec.budget,
-        "delta": None if spec.budget is None else settings.delta if spec.delta is None else spec.delta,
+        "delta": None if spec.budget is None else method_delta(spec, settings),
         "label": spec.label,
         "repeat": repeat,
         "prompt_tokens": case.ids.shape[1],

@@ -13,7 +13,9 @@ from tqdm.auto import tqdm
 from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..device import seconds_since
 from ..profiles import DRAFT_TEMPERATURE_FIELD
+from ..settings.config import drafter_delta
 from ..settings.declared import Declared
+from ..settings.drafter_spec import DrafterSpec
 from ..speculator import _vocab_size, generate
 from ..step.cache import cache_argument, new_cache, truncate
 from ..step.drafters import model_drafter
@@ -185,10 +187,12 @@ def sampled_runs(budget: int) -> list[tuple[str, int, str]]:
 def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], delta: float,
                 options: dict, progress: bool = True, draft_temperature: float = 1.0) -> list[dict]:
     """Plain decoding and OPT-Tree (or the tree policy a run names third) over each (drafter, budget[, tree])
-    of `runs` at `delta`, interleaved per prompt. Returns one row per run: mean accepted length, measured
-    tokens/s and speedup over plain decoding."""
+    of `runs` at `delta` (the draft model's; train-free sources at theirs, `config.drafter_delta`), interleaved
+    per prompt. Returns one row per run: mean accepted length, measured tokens/s and speedup over plain
+    decoding."""
     keys = [None, *runs]
-    tallies = {key: Tally(None, None) if key is None else Tally(key[1], delta) for key in keys}
+    deltas = {key: drafter_delta(DrafterSpec.parse(key[0]), delta) for key in runs}
+    tallies = {key: Tally(None, None) if key is None else Tally(key[1], deltas[key]) for key in keys}
     bar = tqdm(total=len(prompts) * len(keys), desc="draft sources", unit="run", disable=not progress)
     for i, ids in enumerate(prompts):
         shift = i % len(keys)
@@ -197,7 +201,7 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], d
             if key is None:
                 run = dict(tree="ar")
             else:
-                run = dict(tree=key[2] if len(key) > 2 else "opt", drafter=key[0], budget=key[1], delta=delta,
+                run = dict(tree=key[2] if len(key) > 2 else "opt", drafter=key[0], budget=key[1], delta=deltas[key],
                            draft_temperature=draft_temperature if with_model else 1.0)
             start = time.perf_counter()
             out = generate(target, ids, draft if with_model else None, **run, **options)
@@ -208,7 +212,7 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], d
             bar.update()
     bar.close()
     plain = tallies[None].measured_tps
-    return [{"tree": key[2] if len(key) > 2 else "opt", "drafter": key[0], "budget": key[1],
+    return [{"tree": key[2] if len(key) > 2 else "opt", "drafter": key[0], "budget": key[1], "delta": deltas[key],
              "mean_accepted_length": t.new_tokens / t.steps,
              "measured_tokens_per_second": t.measured_tps, "measured_speedup": t.measured_tps / plain}
             for key, t in tallies.items() if key]
