@@ -4,6 +4,7 @@ identical to `generate`, and sampled exactly; a Mamba-1 chain's scan continues t
 RecurrentGemma's blocks continue theirs token by token."""
 
 import contextlib
+from copy import deepcopy
 from unittest import mock
 
 import pytest
@@ -12,6 +13,7 @@ from arch_configs import tiny
 from helpers import Oracle, assert_each_generates, chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
+from opttree.step import own_state
 from opttree.step.chains import forward_chains, has_state, probe_chains, state_cache
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13]])
@@ -133,8 +135,12 @@ def test_recurrent_gemma_blocks_continue_their_state_token_by_token():
     """RecurrentGemma's recurrent blocks restart their convolution from zeros on a forward of several tokens;
     `opttree.step.own_state` runs such a forward token by token once a state is cached (else the chains differ)."""
     assert probe_chains(hybrid("recurrent_gemma")) is None
-    with mock.patch("opttree.step.own_state._token_by_token", lambda forward: forward):
-        assert "several new tokens" in probe_chains(hybrid("recurrent_gemma"))  # a new model: bound unpatched
+    block = own_state._block_class()
+    with mock.patch.object(block, "forward", block.forward.__wrapped__):  # transformers' own forward
+        assert "several new tokens" in probe_chains(hybrid("recurrent_gemma"))
+    copy = deepcopy(hybrid("recurrent_gemma"))  # a copy keeps its hooks, and is not bound twice
+    reference = hf_greedy(copy, PROMPT, 12, eos_token_id=[])
+    assert torch.equal(opttree.generate(copy, PROMPT, budget=6, max_new_tokens=12, eos_token_id=[]).sequences, reference)
 
 
 def test_what_state_models_do_not_combine_with(tmp_path):

@@ -22,8 +22,8 @@ tensors), `save` and `restore`.
 from __future__ import annotations
 
 import contextvars
+import functools
 import sys
-import weakref
 from functools import lru_cache
 
 import torch
@@ -124,7 +124,7 @@ def _xlstm_state_class() -> type:
 
 # whether the recurrent blocks of the forward now running continue a state (token by token) or start one
 _CONTINUING: contextvars.ContextVar[bool] = contextvars.ContextVar("opttree_continuing", default=False)
-_BOUND: weakref.WeakSet = weakref.WeakSet()  # RecurrentGemma models whose hooks are set
+BOUND = "_opttree_binds_recurrent_gemma_state"  # set on a model whose hooks are registered (copies keep both)
 
 
 @lru_cache(maxsize=None)
@@ -140,7 +140,7 @@ def _recurrent_gemma_state_class() -> type:
             super().__init__(config=model.config)
             self.blocks = _recurrent_blocks(model)
             self.states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-            self.entered: contextvars.Token | None = None
+            self.entered: contextvars.Token | None = None  # set while a forward given this cache runs
             _bind(model)
 
         def reorder_cache(self, rows: torch.Tensor) -> None:
@@ -158,27 +158,50 @@ def _recurrent_gemma_state_class() -> type:
 
         def enter(self) -> None:
             """Before a forward: this sequence's states on the blocks (none yet: the blocks start from zeros)."""
+            if self.entered is not None:
+                return
             for i, block in enumerate(self.blocks):
                 block.conv1d_state, block.rg_lru.recurrent_states = self.states[i] if self.states else (None, None)
             self.entered = _CONTINUING.set(self.states is not None)
 
         def leave(self) -> None:
             """After it (or its error): the blocks' new states back into this cache."""
+            if self.entered is None:
+                return
             _CONTINUING.reset(self.entered)
+            self.entered = None
             self.states = [(block.conv1d_state, block.rg_lru.recurrent_states) for block in self.blocks]
 
     return RecurrentGemmaState
 
 
 def _recurrent_blocks(model: PreTrainedModel) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if isinstance(module, _block_class())]
+
+
+@lru_cache(maxsize=None)
+def _block_class() -> type:
+    """transformers' RecurrentGemma recurrent block, its forward continuing a state token by token (patched
+    once per process: the patch acts only while `_CONTINUING` is set, and follows the class into copies)."""
     block_class = sys.modules["transformers.models.recurrent_gemma.modeling_recurrent_gemma"].RecurrentGemmaRecurrentBlock
-    return [module for module in model.modules() if isinstance(module, block_class)]
+    original = block_class.forward
+
+    @functools.wraps(original)
+    def forward(block, input_states: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        if not _CONTINUING.get() or input_states.shape[1] == 1:
+            return original(block, input_states, position_ids, *args, **kwargs)
+        steps = [original(block, input_states[:, i:i + 1], position_ids[:, i:i + 1], *args, **kwargs)[0]
+                 for i in range(input_states.shape[1])]  # each (B, 1, H): the decoding path
+        return torch.cat(steps, dim=1), None
+
+    block_class.forward = forward
+    return block_class
 
 
 def _bind(model: PreTrainedModel) -> None:
-    """Once per model: a forward given a `RecurrentGemmaState` runs with its states on the blocks, and each
-    recurrent block's forward of several tokens continues a state token by token (the path it decodes by)."""
-    if model in _BOUND:
+    """Once per model: a forward given a `RecurrentGemmaState` runs with its states on the blocks (hooks on
+    the model; a deep copy of the model keeps them, and the mark that says so)."""
+    if getattr(model, BOUND, False):
         return
     state_class = _recurrent_gemma_state_class()
 
@@ -192,20 +215,7 @@ def _bind(model: PreTrainedModel) -> None:
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True, always_call=True)
-    for block in _recurrent_blocks(model):
-        block.forward = _token_by_token(block.forward)
-    _BOUND.add(model)
-
-
-def _token_by_token(forward):
-    def continuing(input_states: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        if not _CONTINUING.get() or input_states.shape[1] == 1:
-            return forward(input_states, position_ids, *args, **kwargs)
-        steps = [forward(input_states[:, i:i + 1], position_ids[:, i:i + 1], *args, **kwargs)[0]
-                 for i in range(input_states.shape[1])]  # each (B, 1, H)
-        return torch.cat(steps, dim=1), None
-
-    return continuing
+    setattr(model, BOUND, True)
 
 
 # model_type -> the state it keeps outside transformers' cache layers, made for one sequence
