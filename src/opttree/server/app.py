@@ -374,6 +374,132 @@ class Job:
             self.discard()
 
 
+SHUT_DOWN = "the server shut down before the request finished"
+
+
+async def serve(server: Server, request: Request, req, chat: bool):
+    """A completion request: refused when shutting down (503) or when the line is full (429), else in line
+    now, in arrival order, answered whole or as server-sent events."""
+    if server.stopping:
+        return _error(503, "the server is shutting down", kind="server_error")
+    if server.pending >= server.max_queue:
+        return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
+                                       "type": "rate_limit_error", "param": None, "code": None}},
+                            status_code=429, headers={"Retry-After": "1"})
+    job, ids = server.start(req)
+    server.pending += 1
+    completion = Completion(server, request, req, chat, job, ids)
+    if not req.stream:
+        return await completion.whole()
+    return StreamingResponse(completion.events(), media_type="text/event-stream")
+
+
+class Completion:
+    """One admitted request: its job and the fields of its answer; `done` records how it ended."""
+
+    def __init__(self, server: Server, request: Request, req, chat: bool, job, ids: list[int]):
+        self.server, self.request, self.req, self.chat, self.job, self.ids = server, request, req, chat, job, ids
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created, self.began = int(time.time()), time.perf_counter()
+
+    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = ({"role": "assistant", "content": text} if text is not None else {}) if delta else \
+            {"role": "assistant", "content": text}
+        return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": finish}
+
+    def usage(self) -> dict:
+        n = self.job.stats.new_tokens
+        return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
+
+    def finish_reason(self) -> str:
+        return "length" if self.job.stats.new_tokens >= self.req.new_tokens else "stop"
+
+    def done(self, status: str) -> None:
+        server, job = self.server, self.job
+        job.close()  # a decoding thread stops at its next step; a queued one leaves the line
+        server.pending -= 1
+        server.metrics.observe(job.stats)
+        server.metrics.latency.observe(time.perf_counter() - self.began)
+        if job.waited_s is not None:
+            server.metrics.queue_time.observe(job.waited_s)
+        server.metrics.requests.labels(self.request.url.path, status).inc()
+
+    async def whole(self):
+        """The answer in one response."""
+        job = self.job
+        try:
+            chunks = await asyncio.get_running_loop().run_in_executor(self.server.threads, lambda: list(job.chunks()))
+        except BaseException:
+            self.done("500")
+            raise
+        if not job.complete:
+            self.done("503")
+            return _error(503, SHUT_DOWN, kind="server_error")
+        text = TextStream(self.server.tokenizer, self.req.stop_list).push([t for c in chunks for t in c], final=True)
+        answer = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.server.model_name,
+                  "choices": [self.choice(text, self.finish_reason(), delta=False)], "usage": self.usage()}
+        self.done("200")
+        return answer
+
+    async def events(self):
+        """The answer as server-sent events, chunk by chunk as the job decodes them."""
+        job, chat = self.job, self.chat
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def produce() -> None:
+            try:
+                for chunk in job.chunks():
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except BaseException as err:  # reported to the client as an error event
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body)}\n\n"
+
+        header = {"id": self.rid, "object": self.kind + (".chunk" if chat else ""), "created": self.created,
+                  "model": self.server.model_name}
+        status = "200"
+        try:
+            if chat:
+                yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None}]})
+            deltas = TextStream(self.server.tokenizer, self.req.stop_list)
+            loop.run_in_executor(self.server.threads, produce)
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    status = "500"
+                    yield event({"error": {"message": str(item), "type": "server_error"}})
+                    break
+                if await self.request.is_disconnected():
+                    status = "499"
+                    break
+                text = deltas.push(item)
+                if text:
+                    yield event({**header, "choices": [self.choice(text, None, delta=True)]})
+            else:
+                if not job.complete:
+                    status = "503"
+                    yield event({"error": {"message": SHUT_DOWN, "type": "server_error"}})
+                    return
+                tail = deltas.push([], final=True)
+                last = {**header, "choices": [self.choice(tail or None if chat else tail, self.finish_reason(),
+                                                          delta=True)]}
+                if self.req.stream_options and self.req.stream_options.get("include_usage"):
+                    last["usage"] = self.usage()
+                yield event(last)
+                yield "data: [DONE]\n\n"
+        except BaseException:  # the client went away (the response is cancelled): 499, as nginx logs it
+            status = "499" if status == "200" else status
+            raise
+        finally:
+            self.done(status)
+
+
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="opttree", description="OpenAI-compatible speculative decoding")
 
@@ -407,111 +533,6 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse(prom.generate_latest(server.metrics.registry).decode(),
                                  media_type=prom.CONTENT_TYPE_LATEST)
 
-    async def serve(request: Request, req, chat: bool):
-        if server.stopping:
-            return _error(503, "the server is shutting down", kind="server_error")
-        if server.pending >= server.max_queue:
-            return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
-                                           "type": "rate_limit_error", "param": None, "code": None}},
-                                status_code=429, headers={"Retry-After": "1"})
-        job, ids = server.start(req)  # in line now, in arrival order
-        server.pending += 1
-        kind = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created, began = int(time.time()), time.perf_counter()
-        max_tokens, stop = req.new_tokens, req.stop_list
-        shut_down = "the server shut down before the request finished"
-
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            body = ({"role": "assistant", "content": text} if text is not None else {}) if delta else \
-                {"role": "assistant", "content": text}
-            return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": finish}
-
-        def usage() -> dict:
-            n = job.stats.new_tokens
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-        def done(status: str) -> None:
-            job.close()  # a decoding thread stops at its next step; a queued one leaves the line
-            server.pending -= 1
-            server.metrics.observe(job.stats)
-            server.metrics.latency.observe(time.perf_counter() - began)
-            if job.waited_s is not None:
-                server.metrics.queue_time.observe(job.waited_s)
-            server.metrics.requests.labels(request.url.path, status).inc()
-
-        if not req.stream:
-            try:
-                chunks = await asyncio.get_running_loop().run_in_executor(server.threads, lambda: list(job.chunks()))
-            except BaseException:
-                done("500")
-                raise
-            if not job.complete:
-                done("503")
-                return _error(503, shut_down, kind="server_error")
-            text = TextStream(server.tokenizer, stop).push([t for c in chunks for t in c], final=True)
-            finish = "length" if job.stats.new_tokens >= max_tokens else "stop"
-            done("200")
-            return {"id": rid, "object": kind, "created": created, "model": server.model_name,
-                    "choices": [choice(text, finish, delta=False)], "usage": usage()}
-
-        async def events():
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-
-            def produce() -> None:
-                try:
-                    for chunk in job.chunks():
-                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
-                except BaseException as err:  # reported to the client as an error event
-                    loop.call_soon_threadsafe(queue.put_nowait, err)
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-            def event(body: dict) -> str:
-                return f"data: {json.dumps(body)}\n\n"
-
-            header = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                      "model": server.model_name}
-            status = "200"
-            try:
-                if chat:
-                    yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                        "finish_reason": None}]})
-                deltas = TextStream(server.tokenizer, stop)
-                loop.run_in_executor(server.threads, produce)
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, BaseException):
-                        status = "500"
-                        yield event({"error": {"message": str(item), "type": "server_error"}})
-                        break
-                    if await request.is_disconnected():
-                        status = "499"
-                        break
-                    text = deltas.push(item)
-                    if text:
-                        yield event({**header, "choices": [choice(text, None, delta=True)]})
-                else:
-                    if not job.complete:
-                        status = "503"
-                        yield event({"error": {"message": shut_down, "type": "server_error"}})
-                        return
-                    tail = deltas.push([], final=True)
-                    finish = "length" if job.stats.new_tokens >= max_tokens else "stop"
-                    last = {**header, "choices": [choice(tail or None if chat else tail, finish, delta=True)]}
-                    if req.stream_options and req.stream_options.get("include_usage"):
-                        last["usage"] = usage()
-                    yield event(last)
-                    yield "data: [DONE]\n\n"
-            except BaseException:  # the client went away (the response is cancelled): 499, as nginx logs it
-                status = "499" if status == "200" else status
-                raise
-            finally:
-                done(status)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
         for name in ("echo", "suffix"):
@@ -519,11 +540,11 @@ def create_app(server: Server) -> FastAPI:
                 raise OpenAIError(400, f"{name} is not supported by opttree serve", name)
         if req.best_of not in (None, 1):
             raise OpenAIError(400, "best_of is not supported (one choice per request)", "best_of")
-        return await serve(request, req, chat=False)
+        return await serve(server, request, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatRequest):
-        return await serve(request, req, chat=True)
+        return await serve(server, request, req, chat=True)
 
     return app
 
