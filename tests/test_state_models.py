@@ -138,7 +138,9 @@ def test_recurrent_gemma_blocks_continue_their_state_token_by_token():
     block = own_state._block_class()
     with mock.patch.object(block, "forward", block.forward.__wrapped__):  # transformers' own forward
         assert "several new tokens" in probe_chains(hybrid("recurrent_gemma"))
-    copy = deepcopy(hybrid("recurrent_gemma"))  # a copy keeps its hooks, and is not bound twice
+    bound = hybrid("recurrent_gemma")
+    opttree.generate(bound, PROMPT, budget=6, max_new_tokens=4, eos_token_id=[])  # its hooks set
+    copy = deepcopy(bound)  # a copy keeps its hooks, and is not bound twice
     reference = hf_greedy(copy, PROMPT, 12, eos_token_id=[])
     assert torch.equal(opttree.generate(copy, PROMPT, budget=6, max_new_tokens=12, eos_token_id=[]).sequences, reference)
 
