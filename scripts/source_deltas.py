@@ -1,5 +1,6 @@
-"""Train-free draft sources at several deltas against plain decoding, interleaved per prompt (settings
-rotated), in the dtype given: mean accepted length, tokens/s and speedup.
+"""Draft sources without the draft model (train-free ones, and the shipped feature head) at several deltas
+against plain decoding, interleaved per prompt (settings rotated), in the dtype given: mean accepted length,
+tokens/s and speedup.
 
     python scripts/source_deltas.py --prompts examples/heldout-code.jsonl --count 23 --dtype bfloat16 \\
         'recycling+lookup:0,0.1,0.3,0.6' 'lookup:0.1,0.6'
@@ -14,6 +15,7 @@ import time
 import torch
 
 import opttree
+from opttree.parts import shipped_part
 
 
 def main() -> None:
@@ -26,13 +28,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
+    head = shipped_part("head", target)  # the shipped target's feature head, for drafters naming `head`
     lines = open(args.prompts).read().splitlines()[: args.count]
     prompts = [tok(json.loads(line)["prompt"], return_tensors="pt").input_ids for line in lines]
     runs = {"ar": dict(tree="ar")}
     for item in args.settings:
         drafter, _, deltas = item.partition(":")
         for delta in deltas.split(","):
-            runs[f"{drafter}@{args.budget} delta {delta}"] = dict(drafter=drafter, budget=args.budget, delta=float(delta))
+            runs[f"{drafter}@{args.budget} delta {delta}"] = dict(drafter=drafter, budget=args.budget, delta=float(delta),
+                                                                   **({"head": head} if "head" in drafter else {}))
     for options in runs.values():  # probes and first calls out of the timing
         opttree.generate(target, prompts[0], max_new_tokens=8, eos_token_id=[], **options)
     totals = {name: [0, 0, 0.0] for name in runs}  # new tokens, steps, seconds
