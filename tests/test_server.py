@@ -378,20 +378,22 @@ def _batching_server(pair, max_batch: int, batch_budget=None) -> tuple[Server, l
     return server, rows
 
 
-@pytest.mark.parametrize("batch_budget", ["off", "fixed", "curve"])
+@pytest.mark.parametrize("batch_budget", ["off", "fixed", "curve", "sized"])
 def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batch_budget):
     """Continuous batching: requests arriving together share each step's target forward (up to
     --max-batch rows), join and leave between steps, and each gets exactly what it gets alone: greedy
     ones their greedy output, sampled ones the draws of their seed; with one node budget for the batch
-    (batch-level OPT-Tree: fixed, or chosen under a latency curve) too."""
+    (batch-level OPT-Tree: fixed, or chosen under a latency curve), or trees sized for the rows, too."""
+    from opttree.batch_sizing import WIDTHS, BatchLatency, SizedBudget
     from opttree.server.app import CompletionRequest
     from opttree.step.policies.batch import BatchBudget
 
     target, draft, tok = pair
+    steep = BatchLatency({1: [1.0] * len(WIDTHS), 4: [float(4 * w) for w in WIDTHS]})  # 4 rows: 1 node each
     allocator = {"off": None, "fixed": BatchBudget(fixed=3),
-                 "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)])}
+                 "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)]), "sized": SizedBudget(steep)}
     server, rows = _batching_server(pair, max_batch=4, batch_budget=allocator[batch_budget])
-    sampled = lambda i: i % 2 and batch_budget != "fixed"  # noqa: E731  (sampled children keep their own budget)
+    sampled = lambda i: i % 2 and batch_budget in ("off", "curve")  # noqa: E731  (sampled trees keep their budget)
     asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
@@ -405,6 +407,9 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     assert max(n for n, _ in rows) == 4  # the batch filled up to --max-batch, never past it
     if batch_budget == "fixed":
         assert max(nodes for _, nodes in rows) == 3  # one budget for the batch, whatever each request's
+    if batch_budget == "sized":  # while 4 decode, each tree is cut to 1 node
+        assert steep.sized_budget(4, TREE["budget"]) == 1
+        assert max(nodes for n, nodes in rows if n == 4) <= 4 and max(nodes for n, nodes in rows if n == 1) > 1
     text = create_app(server) and __import__("prometheus_client").generate_latest(server.metrics.registry).decode()
     assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
 

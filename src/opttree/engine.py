@@ -38,6 +38,7 @@ from .step.tree import DraftTree
 from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
+Allocator = Callable[[list[DraftTree]], list[DraftTree]]  # a batch's drafted trees -> the trees it verifies
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")
 
@@ -204,9 +205,10 @@ class Generation:
     `.sequences` fill in as it runs (`.rows[b].stats` and `.rows[b].committed` for each row of a batch)."""
 
     def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False,
-                 allocator: Callable[[list[DraftTree]], list[DraftTree]] | None = None):
+                 allocator: Allocator | None = None):
         """`allocator`: several rows' trees -> the trees they verify, e.g. `policies.batch.BatchBudget`
-        (one node budget for the whole batch); None: each row keeps its own tree."""
+        (one node budget for the whole batch) or `batch_sizing.SizedBudget` (each row's tree sized for the
+        rows of the step); None: each row keeps its own tree."""
         self.target, self.rows, self.static, self.allocator = target, rows, static, allocator
         self.single = not batch  # one sequence, not a batch (of one or more)
         self.device = model_device(target)  # every tensor of the loop lives here

@@ -30,6 +30,7 @@ DRAFT_TEMPERATURE_FIELD = "draft_temperature"  # {"greedy": float, "sampled": fl
 # What sampling runs (measured at temperature 1): {"tree", "drafter", "drafter_budget", "delta", "why", ...}.
 # A profile without it (the shipped one) gives sampling the greedy choice.
 SAMPLED_FIELD = "recommended_sampled"
+AUTO_ENV = "OPTTREE_AUTO_CALIBRATE"  # "0": nothing is measured on first use (calibration, batch latency)
 
 
 def recommended(profile: dict, temperature: float) -> dict:
@@ -52,12 +53,12 @@ def profile_draft_temperature(profile: dict, temperature: float) -> float:
 def profile_key(target, draft) -> str:
     """A stable hash of both models' names, configurations and dtypes, and of the hardware
     (`opttree.hardware.hardware_key`): a profile from another machine kind is never found."""
-    parts = [_model_part(m) for m in (target, draft)] + [hardware_key(target.device)]
+    parts = [model_part(m) for m in (target, draft)] + [hardware_key(target.device)]
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _model_part(model) -> dict:
+def model_part(model) -> dict:
     part = {"name": model.config._name_or_path, "config": model.config.to_diff_dict(), "dtype": str(model.dtype)}
     kinds = weight_kinds(model)
     return {**part, "weights": kinds} if kinds else part  # quantized in memory: a model apart

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .batch_sizing import SizedBudget, batch_latency
 from .certify import certify
 from .device import has_static_step, model_device
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
@@ -27,6 +28,9 @@ from .step.drafters import CheckedDrafter, Drafter, model_drafter
 from .step.drafters.sources import SourceContext, default_children, default_max_depth, make_sources
 from .step.policies import TreePolicy, make_policy
 from .step.policies.batch import BatchBudget
+
+
+BATCH_SHARING = ("sized", "rows")  # batch_budget's named ways for a batch's rows to share a step
 
 
 @dataclass(frozen=True)
@@ -59,23 +63,32 @@ class Speculator:
 
     A batch verifies every row's tree in one target forward per step; each row is exactly what its
     request gives alone (greedy: `target.generate`; sampled: the same draws from its seed, unless its
-    children are sampled from the recycling matrix, which learns from every row). `batch_budget`: one
-    node budget a step for a batch's rows (batch-level OPT-Tree: a number of nodes, or a
-    `policies.batch.BatchBudget`); None: each row its own tree."""
+    children are sampled from the recycling matrix, which learns from every row). `batch_budget`, how a
+    batch's rows share the step: "sized" (the default when no `budget` is given): each row drafts the budget
+    that makes the batch's tokens per second largest on this machine, at most `budget`
+    (`opttree.batch_sizing`: the first batch of a target times its forward once); "rows" (the default
+    with a `budget`): each row its `budget`; a number of nodes or a `policies.batch.BatchBudget`: one node
+    budget a step for the whole batch (batch-level OPT-Tree)."""
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | Drafter | None = None, *, tokenizer=None,
                  eos_token_id: int | Sequence[int] | None = None, generation_config=None,
-                 batch_budget: int | BatchBudget | None = None, **options):
+                 batch_budget: int | BatchBudget | str | None = None, **options):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        if isinstance(batch_budget, bool) or not isinstance(batch_budget, (numbers.Integral, BatchBudget, type(None))):
-            raise TypeError(f"batch_budget is a number of nodes or a BatchBudget, got {batch_budget!r}")
+        if batch_budget is None:
+            batch_budget = "rows" if "budget" in options else "sized"
+        if batch_budget not in BATCH_SHARING and (isinstance(batch_budget, bool) or not isinstance(
+                batch_budget, (numbers.Integral, BatchBudget))):
+            raise TypeError(f"batch_budget is {' or '.join(map(repr, BATCH_SHARING))}, a number of nodes or a "
+                            f"BatchBudget, got {batch_budget!r}")
+        self.sized = batch_budget == "sized"
         self.batch_budget = BatchBudget(fixed=int(batch_budget)) if isinstance(batch_budget, numbers.Integral) \
-            else batch_budget
+            else batch_budget if isinstance(batch_budget, BatchBudget) else None
         self.eos = None if eos_token_id is None else eos_list(eos_token_id)
         self.generation_config = generation_config or target.generation_config
         self.options = options
         self.passed: set[tuple] = set()  # the checks passed (`_check`)
-        self.config, _ = self._settings({}, prompt_len=None)  # every setting checked now, by name
+        self.config, policy = self._settings({}, prompt_len=None)  # every setting checked now, by name
+        self.sized = self.sized and policy.needs_drafter
 
     def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
                depth: DepthControl | None = None, attention_mask=None, joinable: bool = False) -> Generation:
@@ -92,10 +105,14 @@ class Speculator:
         if depth is not None and not isinstance(depth, Declared):  # a user's: its declarations read once, here
             depth = _UserDepth(depth)
         several = len(items) > 1 or joinable
-        rows = [self._row(item, several, rules, depth, attention_mask) for item in items]  # one: any path
+        sized = self.sized and several and not verified_as_chains(self.target)  # chains: refused as a batch
+        latency = batch_latency(self.target, len(items)) if sized else None
+        budget = latency.sized_budget(len(items), self.config.budget) if latency is not None else None
+        rows = [self._row(item, several, rules, depth, attention_mask, budget) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
+        allocator = SizedBudget(latency) if latency is not None and joinable else self.batch_budget
         return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch or joinable,
-                          allocator=self.batch_budget)
+                          allocator=allocator)
 
     def admit(self, run: Generation, request: Request) -> int:
         """Continuous batching: `request` joins the running batch `run` (a `stream` of a list) between two
@@ -142,14 +159,15 @@ class Speculator:
             config = replace(config, drafter=spec)
         return config, policy
 
-    def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask
-             ) -> tuple[Row, "_Shape"]:
+    def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask,
+             budget: int | None = None) -> tuple[Row, "_Shape"]:
         """One request's row: its settings, policy, drafter and stop rule; `batch`: one of several rows
-        (the dynamic path, unless static=True asks for a refusal)."""
+        (the dynamic path, unless static=True asks for a refusal); `budget`: the batch's sized one."""
         target = self.target
         prompt, own_mask = prompt_and_mask(request.prompt)
         ids = _prompt_ids(prompt, target)
-        config, policy = self._settings(request.settings(), ids.shape[0], mask if own_mask is None else own_mask)
+        settings = {**request.settings(), **({"budget": budget} if budget is not None else {})}
+        config, policy = self._settings(settings, ids.shape[0], mask if own_mask is None else own_mask)
         max_len = ids.shape[0] + config.max_new_tokens
         self._check(_check_fits, target, "target", max_len)
         self._check(check_model, target, "target", max_len)

@@ -129,7 +129,10 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     options.update(profile_options(target, draft, policy, settings.temperature))
     options["draft_temperature"] = settings.draft_temperature if draft is not None else 1.0
 
-    speculator = Speculator(target, draft, **options)  # the settings, checked once for every run
+    # a budget from 'auto' (it brings its delta) is the one-sequence choice: a batch sizes its rows' trees,
+    # as generate does without a budget (`opttree.batch_sizing`); a budget given is each row's
+    sharing = "sized" if spec.delta is not None else "rows"
+    speculator = Speculator(target, draft, batch_budget=sharing, **options)  # the settings, checked once
 
     def run(prompt_ids: torch.Tensor | list[torch.Tensor]) -> Run | list[Run]:
         batch = isinstance(prompt_ids, list)  # (1, T) prompts as one batch

@@ -13,6 +13,7 @@ import torch
 from ..device import dtype_name
 from ..hardware import hardware_key, machine_info, now
 from ..profiles import (
+    AUTO_ENV,
     PROFILE_VERSION,
     SAMPLED_FIELD,
     find_profile,
@@ -118,7 +119,6 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
 
 # ---- first use -----------------------------------------------------------------------------------
 
-AUTO_ENV = "OPTTREE_AUTO_CALIBRATE"  # "0": never calibrate on first use
 FIRST_USE = dict(prompts=3, max_tokens=17, repeats=3, max_new_tokens=48, budgets=(2, 4, 8, 12, 16),
                  deltas=(0.3, 0.6))  # the same as `opttree calibrate --quick`
 

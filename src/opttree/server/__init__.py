@@ -17,7 +17,7 @@ def cmd_serve(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    allocator = batch_budget(args.batch_budget, target, draft)
+    allocator = batch_budget(args.batch_budget, target, draft, args.max_batch, args.budget is not None)
     # greedy and sampled requests each get the settings chosen for them (the profile measures both)
     greedy, sampled = (resolved_tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
                        for t in (0.0, 1.0))
@@ -40,15 +40,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def batch_budget(choice: str, target, draft):
-    """--batch-budget: 'off' -> None (each request its own tree); N -> that many nodes a step for the
-    batch; 'auto' -> chosen each step from the pair's measured latency curve (its calibration profile),
-    None without one."""
+def batch_budget(choice: str | None, target, draft, max_batch: int, budget_given: bool):
+    """--batch-budget: 'sized' (the default without --budget) -> each request's tree cut, each step, to the
+    budget sized for the requests decoding together (`opttree.batch_sizing`: this target's batch forward,
+    timed once on this machine); 'off' (the default with --budget) -> None, each request its own tree;
+    N -> that many nodes a step for the batch; 'auto' -> chosen each step from the pair's measured latency
+    curve (its calibration profile), None without one."""
+    from ..batch_sizing import SizedBudget, batch_latency
     from ..profiles import find_profile, load_profile
     from ..step.policies.batch import BatchBudget
 
-    if choice == "off":
+    choice = choice or ("off" if budget_given else "sized")
+    if choice == "off" or max_batch < 2:
         return None
+    if choice == "sized":
+        latency = batch_latency(target, max_batch)
+        return SizedBudget(latency) if latency is not None else None
     if choice != "auto":
         return BatchBudget(fixed=int(choice))
     curve = (load_profile(target, draft).get("latency") or {}).get("target_s") if draft is not None and \
@@ -63,9 +70,9 @@ def batch_budget(choice: str, target, draft):
 def batch_budget_arg(text: str) -> str:
     import argparse
 
-    if text in ("auto", "off") or text.isdigit():
+    if text in ("auto", "off", "sized") or text.isdigit():
         return text
-    raise argparse.ArgumentTypeError(f"must be auto, off or a number of nodes >= 0, got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be sized, auto, off or a number of nodes >= 0, got {text!r}")
 
 
 def cmd_load_test(args) -> int:
@@ -96,12 +103,13 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="requests decoding together at most (continuous batching: they join and leave between "
                         "steps; the others wait in arrival order; default: 8; a --tp target decodes one at a time)")
-    p.add_argument("--batch-budget", type=batch_budget_arg, default="off", metavar="auto|off|N",
-                   help="batch-level OPT-Tree: one node budget a step for all requests decoding together, given "
-                        "to the candidates most likely accepted whichever request they belong to; auto: the "
-                        "budget that makes the batch's tokens/s largest under the pair's measured latency curve "
-                        "(off without one); off: each request keeps its own tree (default: off; on a 2-core CPU "
-                        "neither auto nor a fixed budget was measurably faster)")
+    p.add_argument("--batch-budget", type=batch_budget_arg, metavar="sized|auto|off|N",
+                   help="how requests decoding together share a step. sized: each request's tree cut to the budget "
+                        "that makes the batch's tokens/s largest for the number decoding now (this target's batch "
+                        "forward is timed once on this machine); off: each request its own tree; N / auto: "
+                        "batch-level OPT-Tree, one node budget a step for all of them, given to the candidates most "
+                        "likely accepted whichever request they belong to (auto: chosen each step from the pair's "
+                        "calibrated latency curve) (default: sized, off with --budget)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, requests in flight or queued may finish for this long; then they end "
                         "with an error (default: 30)")

@@ -31,10 +31,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine import Allocator
 from ..flags import used_draft
 from ..speculator import Request as GenerationRequest
 from ..speculator import Speculator
-from ..step.policies.batch import BatchBudget
 from ..text import TextStream
 from .batcher import Batcher, BatchJob
 from .ranks import Call, Leader
@@ -197,13 +197,13 @@ class Server:
 
     def __init__(self, target, draft, tokenizer, tree_options: dict, model_name: str, max_queue: int = 16,
                  sampled_options: dict | None = None, leader: Leader | None = None, limits: Limits = Limits(),
-                 max_batch: int = 8, batch_budget: BatchBudget | None = None):
+                 max_batch: int = 8, batch_budget: Allocator | None = None):
         """`tree_options`: the engine settings of greedy requests; `sampled_options` those of sampled ones
         (temperature > 0; default: the same), e.g. the calibration profile's choice for each (`cmd_serve`).
         The draft model is passed to a request's generation when its settings' draft sources use it.
         `leader`: a target sharded over ranks (`--tp`): every generation runs on all of them (`opttree.server.ranks`).
         `limits`: what one request's tree fields may ask. `max_batch`: rows decoding together at most;
-        `batch_budget`: one node budget a step for them all (batch-level OPT-Tree), None: a tree each."""
+        `batch_budget`: how they share a step (`opttree.server.batch_budget`), None: a tree each."""
         self.target, self.draft, self.tokenizer, self.leader, self.limits = target, draft, tokenizer, leader, limits
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options

@@ -12,8 +12,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from ..engine import Generation, Row
-from ..step.policies.batch import BatchBudget
+from ..engine import Allocator, Generation, Row
 
 _END = object()  # a job's queue: no more chunks
 
@@ -59,11 +58,11 @@ class BatchJob:
 class Batcher:
     """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops
     the stopped ones and steps the batch. `on_step(rows, tokens, drafted)` observes each step: how many
-    rows ran, the tokens they emitted, the draft nodes each row verified. `allocator`: one node budget
-    for the batch (batch-level OPT-Tree), else each request keeps its own tree."""
+    rows ran, the tokens they emitted, the draft nodes each row verified. `allocator`: how the rows
+    share a step (one node budget for the batch, or each tree sized for the rows decoding), None: a tree each."""
 
     def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None,
-                 allocator: BatchBudget | None = None):
+                 allocator: Allocator | None = None):
         if max_rows < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_rows}")
         self.target, self.max_rows, self.on_step, self.allocator = target, max_rows, on_step, allocator

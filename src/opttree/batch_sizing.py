@@ -1,0 +1,175 @@
+"""A batch's trees sized for its rows (docs/USAGE.md, "Batches and requests").
+
+B sequences verified in one forward pay for B trees: past a few rows the forward's cost grows with the
+batch's tokens, so the tree that is best for one sequence alone is too large for each of B rows (on a
+2-core CPU, 8 rows of 17 tokens take twice as long as 8 rows of 2). `BatchLatency` holds this machine's
+measured cost of a forward over `rows` sequences of `tokens` new tokens each (timed once per target and
+machine, kept in the user cache); `sized_budget` picks the per-row budget n that makes the batch's
+tokens per second largest, B * E(n) / T(B, n + 1), with the expected accepted length per step
+E(n) = 1 + ACCEPTED_PER_DOUBLING * log2(1 + n), at most the one-sequence budget.
+`SizedBudget` cuts each row's tree to that size for the rows running at each step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import statistics
+import time
+
+import torch
+
+from .device import model_device, synchronize
+from .hardware import hardware_key, now
+from .profiles import AUTO_ENV, model_part, profile_dir
+from .step.cache import cache_argument, context_window, new_cache, truncate
+from .step.tree import DraftTree, splittable, top_nodes
+from .step.verify import verify_trees
+
+WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens per row timed: the root and 0, 1, 2, 4, 8, 16, 32 draft nodes
+CONTEXT = 256  # tokens cached per row while timing (a prompt and some output)
+REPEATS = 3  # timings per point (their median), after one warm-up
+# E(n) - 1 grows by this many tokens for each doubling of n + 1: fitted to the mean accepted lengths measured
+# at budgets 2-16 on the shipped pair (0.56-0.71 with the draft model, 0.71-0.84 with recycling+lookup).
+ACCEPTED_PER_DOUBLING = 0.6
+
+
+def expected_length(budget: int) -> float:
+    """Tokens a step emits with `budget` draft nodes, as `sized_budget` models it (the bonus included)."""
+    return 1 + ACCEPTED_PER_DOUBLING * math.log2(1 + budget)
+
+
+class BatchLatency:
+    """ms of one forward over `rows` sequences of `tokens` new tokens each, from a table measured at
+    row counts 1, 2, 4, ... and the WIDTHS: linear between measured points; past the widest, in
+    proportion to the tokens; past the most rows, in proportion to the rows."""
+
+    def __init__(self, table: dict[int, list[float]], widths: tuple[int, ...] = WIDTHS):
+        if not table or any(len(ms) != len(widths) or min(ms) <= 0 for ms in table.values()):
+            raise ValueError("a batch latency table holds positive ms for every width at each row count")
+        self.table, self.widths = {int(rows): list(ms) for rows, ms in table.items()}, tuple(widths)
+
+    def ms(self, rows: int, tokens: int) -> float:
+        counts = sorted(self.table)
+        below = max([c for c in counts if c <= rows], default=counts[0])
+        above = min([c for c in counts if c >= rows], default=counts[-1])
+        low, high = self._at(below, tokens), self._at(above, tokens)
+        if above == below:
+            return low * (rows / below if rows > below else 1.0)
+        return low + (high - low) * (rows - below) / (above - below)
+
+    def _at(self, rows: int, tokens: int) -> float:
+        ms, widths = self.table[rows], self.widths
+        if tokens >= widths[-1]:
+            return ms[-1] * tokens / widths[-1]
+        i = next(i for i, w in enumerate(widths) if w >= tokens)
+        if i == 0:
+            return ms[0]
+        return ms[i - 1] + (ms[i] - ms[i - 1]) * (tokens - widths[i - 1]) / (widths[i] - widths[i - 1])
+
+    def sized_budget(self, rows: int, cap: int) -> int:
+        """The per-row budget n that makes `rows` rows' tokens per second largest, among the measured
+        widths' budgets below `cap` and `cap` itself (one row: cap)."""
+        if rows <= 1:
+            return cap
+        budgets = [w - 1 for w in self.widths if 1 <= w - 1 < cap] + [cap]
+        return max(budgets, key=lambda n: expected_length(n) / self.ms(rows, n + 1))
+
+
+class SizedBudget:
+    """For `Generation`'s allocator: each row's tree cut to the budget sized for the rows of this step
+    (`BatchLatency.sized_budget`, at most the largest tree drafted). Trees of sampled nodes are left whole
+    (their nodes were drawn for their own budget)."""
+
+    def __init__(self, latency: BatchLatency):
+        self.latency = latency
+        self.sizes: dict[tuple[int, int], int] = {}  # (rows, cap) -> budget
+
+    def __call__(self, trees: list[DraftTree]) -> list[DraftTree]:
+        cut = splittable(trees)
+        if len(trees) < 2 or not cut:
+            return trees
+        cap = max(len(trees[i]) for i in cut)
+        key = (len(trees), cap)
+        if key not in self.sizes:
+            self.sizes[key] = self.latency.sized_budget(*key)
+        size = self.sizes[key]
+        return [top_nodes(tree, size) if i in cut and len(tree) > size else tree for i, tree in enumerate(trees)]
+
+
+_MEASURED: dict[Path, BatchLatency] = {}  # this process's tables, by file
+
+
+def batch_latency(target, rows: int) -> BatchLatency | None:
+    """This machine's batch latency table for `target`, covering `rows` rows: read from the user cache, or
+    timed now (once per target, machine and row count, with a message) and saved there. None when
+    $OPTTREE_AUTO_CALIBRATE is 0 and no table covers `rows` (nothing is timed then)."""
+    path = latency_path(target)
+    table = _MEASURED.get(path)
+    if table is None and path.exists():
+        stored = json.loads(path.read_text())
+        if tuple(stored.get("widths", ())) == WIDTHS:
+            table = _MEASURED[path] = BatchLatency({int(r): ms for r, ms in stored["ms"].items()})
+    wanted = [2**i for i in range(math.ceil(math.log2(max(rows, 1))) + 1)]  # 1, 2, 4, ... >= rows
+    missing = [r for r in wanted if table is None or r not in table.table]
+    if not missing:
+        return table
+    if os.environ.get(AUTO_ENV, "1") == "0":
+        return table if table is not None and max(table.table) >= rows else None
+    print(f"opttree: timing this target's forward over batches of {', '.join(map(str, missing))} rows on this "
+          f"machine (once: kept in {path.parent})", file=sys.stderr)
+    measured = dict(table.table) if table is not None else {}
+    for count in missing:
+        measured[count] = verify_ms(target, count)
+    table = _MEASURED[path] = BatchLatency(measured)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"target": target.config._name_or_path, "hardware": hardware_key(target.device),
+                                "date": now(), "context": timing_context(target), "widths": list(WIDTHS),
+                                "ms": {str(r): ms for r, ms in sorted(measured.items())}}, indent=1) + "\n")
+    return table
+
+
+def latency_path(target) -> Path:
+    """Where `target`'s batch latency table lives: keyed by its name, configuration, dtype and the hardware."""
+    blob = json.dumps([model_part(target), hardware_key(target.device)], sort_keys=True, default=str)
+    return profile_dir() / f"batch-{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+
+
+def verify_ms(target, rows: int) -> list[float]:
+    """Median ms of the engine's verify forward (`verify_trees`) over `rows` rows of CONTEXT cached tokens
+    (fewer in a shorter context window), each with a tree of w - 1 nodes (a chain: every tree shape of
+    w - 1 nodes costs the same), for w in WIDTHS."""
+    device = model_device(target)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    context = timing_context(target)
+    ids = (torch.arange(context, device=device) * 7919 % vocab).expand(rows, -1)  # (rows, C) in-vocabulary
+    times = []
+    with torch.inference_mode():
+        cache = new_cache(target)
+        target(input_ids=ids, **{cache_argument(target): cache})
+        for width in WIDTHS:
+            nodes = width - 1
+            tree = DraftTree(tokens=ids[0, :nodes], parents=torch.arange(nodes, device=device) - 1,
+                             depths=torch.arange(1, nodes + 1, device=device), scores=torch.zeros(nodes, device=device),
+                             draft_slots=torch.full((nodes,), -1, device=device))
+            samples = []
+            for _ in range(REPEATS + 1):  # the first is a warm-up
+                synchronize(device)
+                start = time.perf_counter()
+                verify_trees(target, cache, list(ids[:, -1]), [tree] * rows, [context] * rows)
+                synchronize(device)
+                samples.append(1000 * (time.perf_counter() - start))
+                truncate(cache, context)
+            times.append(statistics.median(samples[1:]))
+    return times
+
+
+def timing_context(target) -> int:
+    """Tokens cached per row while timing: CONTEXT, fewer where the widest tree would pass the window."""
+    window = context_window(target)
+    return CONTEXT if window is None else max(1, min(CONTEXT, window - WIDTHS[-1]))

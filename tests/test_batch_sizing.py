@@ -1,0 +1,120 @@
+"""A batch's trees sized for its rows (`opttree.batch_sizing`): the latency table's interpolation, the
+budget it picks, the per-step cut, and a batch without a budget drafting the sized one, exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from arch_configs import tiny
+from helpers import hf_greedy
+
+import opttree
+from opttree import batch_sizing
+from opttree.batch_sizing import WIDTHS, BatchLatency, SizedBudget, expected_length
+from opttree.profiles import AUTO_ENV
+from opttree.step.tree import DraftTree, top_nodes
+
+
+def table(per_row):
+    """{rows: ms per width} from a function of (rows, width)."""
+    return {rows: [float(per_row(rows, w)) for w in WIDTHS] for rows in (1, 2, 4)}
+
+
+def test_the_latency_table_interpolates_between_measured_points_and_extrapolates_past_them():
+    latency = BatchLatency(table(lambda rows, w: 10 * rows + w))
+    assert latency.ms(2, 9) == 29  # a measured point
+    assert latency.ms(2, 4) == pytest.approx(24)  # between widths 3 and 5
+    assert latency.ms(3, 9) == pytest.approx(39)  # between 2 and 4 rows
+    assert latency.ms(2, 66) == pytest.approx(2 * (20 + 33))  # past the widest: in proportion to the tokens
+    assert latency.ms(8, 9) == pytest.approx(2 * 49)  # past the most rows: in proportion to the rows
+    with pytest.raises(ValueError, match="positive ms"):
+        BatchLatency({1: [1.0, 2.0]})
+
+
+def brute_force(latency: BatchLatency, rows: int, cap: int) -> int:
+    """The budget with the most tokens per second among every measured one below cap, and cap."""
+    best, best_rate = None, -1.0
+    for n in [w - 1 for w in WIDTHS if 0 < w - 1 < cap] + [cap]:
+        rate = rows * expected_length(n) / (latency.ms(rows, n + 1) / 1000)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_sized_budget_is_the_one_with_the_most_tokens_per_second(seed):
+    g = torch.Generator().manual_seed(seed)
+    slope = torch.rand(3, generator=g).tolist()
+    latency = BatchLatency(table(lambda rows, w: 5 + slope[0] * rows + slope[1] * rows * w + slope[2] * w * w))
+    for rows in (2, 3, 4, 8):
+        for cap in (1, 3, 8, 16, 40):
+            assert latency.sized_budget(rows, cap) == brute_force(latency, rows, cap)
+    assert latency.sized_budget(1, 16) == 16  # one sequence keeps its own budget
+
+
+def test_free_tokens_keep_the_budget_and_tokens_paid_in_proportion_shrink_it_to_one_node():
+    assert BatchLatency(table(lambda rows, w: 7.0)).sized_budget(8, 16) == 16
+    assert BatchLatency(table(lambda rows, w: rows * w)).sized_budget(4, 16) == 1
+
+
+def chain(tokens: list[int], sampled: bool = False) -> DraftTree:
+    n = len(tokens)
+    probs = torch.full((n + 1, 50), 1 / 50) if sampled else None
+    return DraftTree(torch.tensor(tokens), torch.arange(n) - 1, torch.arange(1, n + 1),
+                     -torch.arange(1.0, n + 1), torch.full((n,), -1), probs)
+
+
+def test_the_cut_keeps_each_rows_best_nodes_and_leaves_sampled_trees_and_one_row_whole():
+    sized = SizedBudget(BatchLatency(table(lambda rows, w: rows * w)))  # 2 rows: 1 node each
+    trees = [chain([5, 6, 7]), chain([8, 9]), chain([1, 2, 3], sampled=True), chain([])]
+    cut = sized(trees)
+    assert torch.equal(cut[0].tokens, top_nodes(trees[0], 1).tokens) and cut[0].tokens.tolist() == [5]
+    assert cut[1].tokens.tolist() == [8]
+    assert cut[2] is trees[2] and cut[3] is trees[3]
+    assert sized([trees[0]])[0] is trees[0]
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """First-use measurement on (the test session turns it off), into an empty cache."""
+    monkeypatch.setenv(AUTO_ENV, "1")
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(batch_sizing, "_MEASURED", {})
+    return tmp_path
+
+
+def test_a_batch_without_a_budget_drafts_the_budget_sized_for_it_and_stays_exact(measuring, capsys):
+    target = tiny("llama", "sdpa", seed=1)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(3, 24, (size,), generator=g).remainder(7) + 3 for size in (5, 30, 12)]
+    run = opttree.Speculator(target, drafter="recycling+lookup", max_new_tokens=16, eos_token_id=[])
+    outs = run.stream([opttree.Request(ids) for ids in batch])
+    latency = batch_sizing.batch_latency(target, 3)
+    assert "timing this target's forward over batches of 1, 2, 4 rows" in capsys.readouterr().err
+    stored = json.loads(batch_sizing.latency_path(target).read_text())
+    assert stored["widths"] == list(WIDTHS) and sorted(map(int, stored["ms"])) == [1, 2, 4]
+    assert {row.config.budget for row in outs.rows} == {latency.sized_budget(3, opttree.SpecConfig().budget)}
+    for prompt, out in zip(batch, outs.finish()):
+        assert torch.equal(out.sequences, hf_greedy(target, prompt[None], 16))
+    batch_sizing._MEASURED.clear()  # another process: the table is read back, not timed again
+    assert batch_sizing.batch_latency(target, 4).table == latency.table
+    assert "timing" not in capsys.readouterr().err
+    given = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16).stream([opttree.Request(i) for i in batch])
+    assert {row.config.budget for row in given.rows} == {16}  # a budget given is each row's
+    asked = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16, batch_budget="sized")
+    assert {row.config.budget for row in asked.stream([opttree.Request(i) for i in batch]).rows} == \
+        {latency.sized_budget(3, 16)}
+
+
+def test_without_first_use_measurement_a_batch_keeps_the_budget(monkeypatch, tmp_path):
+    monkeypatch.setenv(AUTO_ENV, "0")
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(batch_sizing, "_MEASURED", {})
+    target = tiny("llama", "sdpa", seed=1)
+    run = opttree.Speculator(target, drafter="lookup", max_new_tokens=16).stream([opttree.Request(torch.arange(3, 9))] * 2)
+    assert {row.config.budget for row in run.rows} == {opttree.SpecConfig().budget}
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(TypeError, match="'sized' or 'rows'"):
+        opttree.Speculator(target, batch_budget="auto")
