@@ -107,11 +107,20 @@ def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):
     import os
     import subprocess
     import sys
+    import time
 
     from opttree import threads
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.0 * threads.usable_cores(), 0.0, 0.0))
+    cores = threads.usable_cores()
+    samples = iter([(0, 0), (100 * cores, 100 * cores),  # every usable core busy while sampled
+                    (0, 0), (10 * cores, 100 * cores)])  # a tenth of them
+    monkeypatch.setattr(threads, "cpu_times", lambda: next(samples))
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))  # a job that has just ended: not busy now
+    assert threads.choose_openmp_wait_policy() == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert threads.choose_openmp_wait_policy() == "default"
+    monkeypatch.setattr(threads, "cpu_times", lambda: None)  # no /proc/stat: the load average decides
     assert threads.choose_openmp_wait_policy() == "PASSIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
@@ -119,6 +128,13 @@ def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))
     assert threads.choose_openmp_wait_policy() == "ACTIVE"
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a real busy core, read from /proc/stat
+    try:
+        time.sleep(0.3)
+        monkeypatch.undo()
+        assert threads.busy_cores() is None or threads.busy_cores() >= 0.5
+    finally:
+        busy.kill()
 
     code = ("import os; import opttree.cli as c; c.threads.set_torch_threads(); import torch; "
             "print(torch.get_num_threads(), len(os.sched_getaffinity(0)))")

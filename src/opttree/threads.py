@@ -4,16 +4,20 @@ OpenMP's default wait policy spins idle threads for a while, which is fastest on
 and ruinous on a busy one; passive waiting is the reverse. Measured on a 2-core VM, shipped pair,
 bf16 (tokens/s, plain decoding / OPT-Tree): idle, spinning 115-126 / 221-223, passive 75-117 /
 145-163; with one CPU-bound process beside it, spinning 23 / 2.5, passive 40 / 84. So the CLI
-waits passively only when the machine is busy when it starts (load average >= half the usable
-cores). It only takes effect before torch loads its OpenMP runtime: the CLI calls
+waits passively only when the machine is busy when it starts: other work keeps at least half the
+usable cores busy, sampled from /proc/stat over BUSY_SAMPLE_S (not the load average, which stays
+high for a minute after a job has ended: a benchmark started right after another ran passively, up to
+1.8x slower at 8 rows). It only takes effect before torch loads its OpenMP runtime: the CLI calls
 `choose_openmp_wait_policy()` before importing torch. A policy the user set is kept.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 BUSY_LOAD_PER_CORE = 0.5
+BUSY_SAMPLE_S = 0.15  # how long the usable cores' activity is sampled
 
 
 def usable_cores() -> int:
@@ -22,12 +26,46 @@ def usable_cores() -> int:
 
 
 def machine_is_busy() -> bool:
-    """Whether other work already keeps the usable cores busy (1-minute load average)."""
+    """Whether other work keeps the usable cores busy now (`busy_cores`; where /proc/stat is missing, the
+    1-minute load average)."""
+    busy = busy_cores()
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            return False
+    return busy >= BUSY_LOAD_PER_CORE * usable_cores()
+
+
+def busy_cores(interval: float = BUSY_SAMPLE_S) -> float | None:
+    """How many of the usable cores were busy over the next `interval` seconds (this process sleeps
+    meanwhile), from /proc/stat; None where it cannot be read."""
+    first = cpu_times()
+    if first is None:
+        return None
+    time.sleep(interval)
+    second = cpu_times()
+    if second is None:
+        return None
+    busy, total = (b - a for a, b in zip(first, second))
+    return usable_cores() * busy / total if total > 0 else None
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of the usable cores so far, from /proc/stat (idle and iowait are not
+    busy; time stolen by the hypervisor is); None where it cannot be read."""
+    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else None
     try:
-        load = os.getloadavg()[0]
-    except OSError:  # not available on this platform
-        return False
-    return load >= BUSY_LOAD_PER_CORE * usable_cores()
+        with open("/proc/stat") as stat:
+            lines = [line.split() for line in stat if line.startswith("cpu") and not line.startswith("cpu ")]
+    except OSError:
+        return None
+    rows = [[int(x) for x in line[1:9]] for line in lines if cores is None or line[0] in cores]
+    if not rows:
+        return None
+    total = sum(sum(row) for row in rows)
+    idle = sum(row[3] + row[4] for row in rows)
+    return total - idle, total
 
 
 def choose_openmp_wait_policy() -> str:
