@@ -104,6 +104,7 @@ def test_prompt_file_holds_a_multi_line_prompt(model_dirs, tmp_path, capsys):
 def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):
     """Passive OpenMP waiting on a busy machine only (set before torch loads), a user's choice kept,
     and torch's threads = the usable cores; importing the package alone loads no torch."""
+    import importlib
     import os
     import subprocess
     import sys
@@ -128,6 +129,10 @@ def test_every_command_gets_thread_settings_that_hold_up(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))
     assert threads.choose_openmp_wait_policy() == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    importlib.reload(importlib.import_module("opttree.train.cli"))  # the main CLI imports it for every command
+    assert "OMP_WAIT_POLICY" not in os.environ
+    assert threads.choose_openmp_wait_policy(passive=True) == "PASSIVE"  # what `opttree train` asks
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a real busy core, read from /proc/stat
     try:
         time.sleep(0.3)

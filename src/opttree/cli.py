@@ -10,7 +10,7 @@ import sys
 
 from . import threads
 
-threads.choose_openmp_wait_policy()  # before torch loads OpenMP: see threads.py
+threads.choose_openmp_wait_policy(passive=sys.argv[1:2] == ["train"])  # before torch loads OpenMP: see threads.py
 
 from .errors import RanksDiverged  # noqa: E402
 from .flags import (  # noqa: E402  (shared by the commands; importing no torch: `--help` stays fast)

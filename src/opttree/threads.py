@@ -68,10 +68,11 @@ def cpu_times() -> tuple[int, int] | None:
     return total - idle, total
 
 
-def choose_openmp_wait_policy() -> str:
-    """OMP_WAIT_POLICY=PASSIVE on a busy machine, unless the user chose a policy. Call before torch
-    is imported. Returns the policy in force ('default' = OpenMP's own)."""
-    if "OMP_WAIT_POLICY" not in os.environ and machine_is_busy():
+def choose_openmp_wait_policy(passive: bool = False) -> str:
+    """OMP_WAIT_POLICY=PASSIVE on a busy machine, or always with `passive` (training: it runs long, often
+    beside other work), unless the user chose a policy. Call before torch is imported. Returns the
+    policy in force ('default' = OpenMP's own)."""
+    if "OMP_WAIT_POLICY" not in os.environ and (passive or machine_is_busy()):
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return os.environ.get("OMP_WAIT_POLICY", "default")
 

@@ -12,8 +12,11 @@ import os
 import time
 from pathlib import Path
 
-# Training runs long, often beside other work: wait passively (threads.py has the measurements).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # python -m opttree.train.cli ...: before torch is imported
+# Training runs long, often beside other work: it waits passively (threads.py has the measurements). Set
+# here for `python -m opttree.train.cli ...` (before torch is imported); `opttree train` sets it in the main CLI.
+# Importing this module must not: the main CLI imports it for every command.
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ..flags import add_trained_part_args  # noqa: E402 (no torch import)
 from ..settings.names import TRAINED_SOURCES  # noqa: E402
