@@ -587,6 +587,13 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert profiles.measured_sources(json.loads(path.read_text()))
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # this process spins; the profile was measured passively
+    measured = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(measured, machine=dict(measured["machine"], omp_wait_policy="PASSIVE"))))
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "measured with OpenMP's passive waiting" in capsys.readouterr().err  # measured again, once
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "a quick one first" not in capsys.readouterr().err
     # bench: `opt` with the defaults reads the profile, so a pair new here is calibrated first too
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "bench-cache"))
     prompts = model_dirs[2]

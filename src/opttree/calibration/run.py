@@ -132,10 +132,14 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
     if draft is None or os.environ.get(AUTO_ENV, "1") == "0":
         return None
     found = find_profile(target, draft)
-    if found is not None and measured_sources(json.loads(found.read_text())):
+    profile = json.loads(found.read_text()) if found is not None else None
+    passive = profile is not None and measured_passively(profile)
+    if profile is not None and measured_sources(profile) and not passive:
         return None
-    why = ("the calibration profile of this pair here predates the draft sources' measurements" if found else
-           "no calibration profile for this pair on this machine")
+    why = ("no calibration profile for this pair on this machine" if profile is None else
+           "the calibration profile of this pair here was measured with OpenMP's passive waiting, which this "
+           "process does not use" if passive else
+           "the calibration profile of this pair here predates the draft sources' measurements")
     print(f"opttree: {why}: a quick one first (about a minute at most; {AUTO_ENV}=0 skips it, `opttree calibrate` "
           "runs the full one)", file=sys.stderr)
     prompts = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids
@@ -155,6 +159,13 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
           f"{rec['draft_temperature']:.3g}; plain decoding measured {profile['ar_tokens_per_second']:.1f} tokens/s; "
           f"when sampling: {sampled_choice(profile[SAMPLED_FIELD])}", file=sys.stderr)
     return profile
+
+
+def measured_passively(profile: dict) -> bool:
+    """Whether a profile was measured with OpenMP's passive waiting (on a busy machine, or by every command
+    before 2026-11-27) while this process spins: its timings, and so its choices, are not this process's."""
+    policy = profile.get("machine", {}).get("omp_wait_policy")
+    return policy == "PASSIVE" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE"
 
 
 def calibrate_first(args, target, draft, tokenizer) -> None:
