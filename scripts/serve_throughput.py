@@ -8,9 +8,10 @@ Each (max-batch, clients) cell sends the same prompts (temperature 0) from that 
 over HTTP to a real uvicorn server (the shipped pair in float32 unless --target / --draft / --device /
 --dtype say otherwise) and prints the tokens per second
 over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
-first cell (greedy: they must). --batch-budgets: each request its own tree (off), or one node budget a
-step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the target's latency curve
-measured here first (auto).
+first cell (greedy: they must). --batch-budgets: each request its own tree (off), each tree cut to the
+budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
+or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
+target's latency curve measured here first (auto).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
+from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.calibration.measure import context_ids, latency_curves
 from opttree.server.app import GracefulServer, Server, create_app
@@ -67,7 +69,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--clients", default="1,8")
     parser.add_argument("--batches", default="1,8", help="--max-batch values to compare")
-    parser.add_argument("--batch-budgets", default="off", help="off, auto or node counts (comma-separated)")
+    parser.add_argument("--batch-budgets", default="off", help="off, sized, auto or node counts (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--drafter", default="recycling+lookup")
     parser.add_argument("--budget", type=int, default=16)
@@ -93,6 +95,8 @@ def main() -> None:
             ids = tok(prompts[0], return_tensors="pt").input_ids.to(args.device)
             curve = latency_curves({"target": target}, context_ids([ids[0]], 200), top, repeats=3)["target"]
             allocators[choice] = BatchBudget(curve=curve)
+        elif choice == "sized":
+            allocators[choice] = SizedBudget(batch_latency(target, max(map(int, args.batches.split(",")))))
         elif choice != "off":
             allocators[choice] = BatchBudget(fixed=int(choice))
     servers = {(b, name): serve(Server(target, draft if "model" in args.drafter else None, tok, options,

@@ -412,6 +412,11 @@ def test_bench_opt_drafts_as_generate_does_with_the_profile(pair, tmp_path, monk
     names, chosen, budgets, delta = profile_defaults(hot, target, draft, ["ar", "opt"])
     assert names == ["ar", "opt:model+lookup"] and delta == 0.6
     assert parse_budgets(budgets, delta, target, draft, chosen, 1.0) == [(6, 0.6)]
+    sampled.update(drafter="model")  # the draft model alone: `opt` as it is, at the budget measured with it
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: sampled})
+    names, chosen, budgets, delta = profile_defaults(hot, target, draft, ["ar", "opt"])
+    assert names == ["ar", "opt"] and parse_budgets(budgets, delta, target, draft, chosen, 1.0) == [(6, 0.6)]
     sampled.update(tree="ar", drafter=None)  # no tree paid when sampling: opt stays the draft model's
     profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
                            "recommended": recommended, profiles.SAMPLED_FIELD: sampled})

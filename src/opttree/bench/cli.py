@@ -110,18 +110,16 @@ def profile_defaults(args, target, draft, names: list[str]
                      ) -> tuple[list[str], DrafterSpec | None, str, float]:
     """(method names, drafter, --budgets, --delta): unset --budgets / --delta from the pair's calibration
     profile (as generate and demo do), else the fixed defaults. With the profile's budget, a bare `opt`
-    also drafts with the sources the profile measured fastest (as generate and demo do): that drafter,
-    else None."""
+    also drafts with the sources the profile measured fastest (as generate and demo do): that drafter (whose
+    measured budget 'auto' brings), else None."""
     from ..profiles import auto_settings, find_profile, profile_sources
 
     profiled = find_profile(target, draft) is not None
     chosen = None
     if args.budgets is None and profiled:  # the choice measured for this temperature (greedy or sampled)
         sources = profile_sources(target, draft, args.temperature)
-        chosen = sources.get("drafter") if sources.get("tree", "opt") == "opt" else None
-        if chosen is None or chosen == "model" or "opt" not in names:
-            chosen = None
-        else:
+        chosen = sources.get("drafter") if sources.get("tree", "opt") == "opt" and "opt" in names else None
+        if chosen is not None and chosen != "model":  # the draft model alone is what `opt` runs: its budget applies
             names = [f"opt:{chosen}" if n == "opt" else n for n in names]
             print(f"bench: opt drafts with {chosen} at the budget measured with it, as generate and demo do with "
                   "this pair's calibration profile; opt:model measures the draft model alone", file=sys.stderr)
