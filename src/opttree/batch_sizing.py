@@ -33,7 +33,11 @@ from .step.verify import verify_trees
 
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens per row timed: the root and 0, 1, 2, 4, 8, 16, 32 draft nodes
 CONTEXT = 256  # tokens cached per row while timing (a prompt and some output)
-REPEATS = 3  # timings per point (their median), after one warm-up
+REPEATS = 5  # timings per point (their median), after one warm-up
+# A larger tree must promise this much more than a smaller one: within the timings' noise the smaller
+# tree wins, as it also drafts less (host work that T leaves out). Timed twice on one machine, 4 rows' T(17) /
+# T(9) came out 1.37 and 1.17: at E(16) / E(8) = 1.19 the choice flipped between 8 and 16 without it.
+LARGER_BY = 0.03
 # E(n) - 1 grows by this many tokens for each doubling of n + 1: fitted to the mean accepted lengths measured
 # at budgets 2-16 on the shipped pair (0.56-0.71 with the draft model, 0.71-0.84 with recycling+lookup).
 ACCEPTED_PER_DOUBLING = 0.6
@@ -74,11 +78,14 @@ class BatchLatency:
 
     def sized_budget(self, rows: int, cap: int) -> int:
         """The per-row budget n that makes `rows` rows' tokens per second largest, among the measured
-        widths' budgets below `cap` and `cap` itself (one row: cap)."""
+        widths' budgets below `cap` and `cap` itself (one row: cap): the smallest within LARGER_BY of the
+        largest tokens per second."""
         if rows <= 1:
             return cap
         budgets = [w - 1 for w in self.widths if 1 <= w - 1 < cap] + [cap]
-        return max(budgets, key=lambda n: expected_length(n) / self.ms(rows, n + 1))
+        rate = {n: expected_length(n) / self.ms(rows, n + 1) for n in budgets}  # tokens a ms, per row
+        best = max(rate.values())
+        return min(n for n in budgets if rate[n] * (1 + LARGER_BY) >= best)
 
 
 class SizedBudget:
