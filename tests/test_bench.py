@@ -23,6 +23,7 @@ from opttree.cli import main
 from opttree.hardware import machine_info, now
 from opttree.settings.config import DEFAULT_DELTA
 from opttree.settings.drafter_spec import DrafterSpec
+from opttree.speculator import Speculator
 
 VOCAB = 96
 
@@ -449,6 +450,31 @@ def model_dirs(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": text}) + "\n"
                                for i, text in enumerate(["def f(x):", "for i in range(3):"])))
     return root / "target", root / "draft", prompts
+
+
+def test_auto_brings_each_methods_own_calibrated_budget_and_sizes_its_batches(model_dirs, tmp_path, monkeypatch,
+                                                                              capsys):
+    """--budgets auto: a method named with draft sources runs the budget the profile measured with them
+    (else the greedy choice's); its batch sizes the rows' trees (`opttree.batch_sizing`)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft, prompts = model_dirs
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (target, draft)]
+    recommended = dict(budget=4, delta=0.3, tree="opt", drafter="recycling+lookup", drafter_budget=6, why="test")
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(*models),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: recommended,
+                           profiles.DRAFT_TEMPERATURE_FIELD: {"greedy": 1.0, "sampled": 1.0}})
+    pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    sized = []
+    monkeypatch.setattr(bench_methods, "Speculator",
+                        lambda *a, **k: sized.append((k.get("budget"), k["batch_budget"])) or Speculator(*a, **k))
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt:recycling+lookup,opt:lookup,chain",
+               "--budgets", "auto", "--max-new-tokens", "6", "--out", str(tmp_path / "b"), "--no-progress", "--json"])
+    assert rc == 0
+    budgets = {r["method"]: r["budget"] for r in json.loads(capsys.readouterr().out) if r["category"] == "all"}
+    assert budgets == {"ar": None, "opt:recycling+lookup": 6, "opt:lookup": 4, "chain": 4}
+    assert {sharing for budget, sharing in sized if budget} == {"sized"}  # 'auto' is the one-sequence choice
 
 
 def test_bench_batch_runs_each_method_alone_and_batched_and_checks_every_row(model_dirs, tmp_path, monkeypatch,

@@ -16,11 +16,10 @@ import hashlib
 import json
 import math
 import os
-import sys
-from pathlib import Path
-
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 

@@ -29,7 +29,6 @@ from .step.drafters.sources import SourceContext, default_children, default_max_
 from .step.policies import TreePolicy, make_policy
 from .step.policies.batch import BatchBudget
 
-
 BATCH_SHARING = ("sized", "rows")  # batch_budget's named ways for a batch's rows to share a step
 
 

@@ -183,7 +183,7 @@ def cmd_bench(args) -> int:
     from ..flags import draft_temperature, load_pair
     from ..parallel import is_main, same_everywhere
     from . import report
-    from .methods import Settings, expand_methods
+    from .methods import Settings, expand_methods, parse_tree_method
     from .prompts import encode, load_prompts
     from .runner import prepare, run_bench
 
@@ -194,8 +194,12 @@ def cmd_bench(args) -> int:
     if args.budgets is None and "opt" in names and not args.tp:  # `opt` with the defaults, as generate and demo
         calibrate_on_first_use(target, draft, tokenizer, progress=sys.stderr.isatty())  # run it: calibrated first
     names, chosen, budgets, delta = profile_defaults(args, target, draft, names)
-    specs = same_everywhere(expand_methods(names, parse_budgets(budgets, delta, target, draft, chosen,
-                                                         args.temperature)),
+
+    def budgets_of(name: str) -> list[tuple[int, float | None]]:  # 'auto': the budget calibrated for its sources
+        drafter = parse_tree_method(name)[1] or (chosen if name == "opt" else None)
+        return parse_budgets(budgets, delta, target, draft, drafter, args.temperature)
+
+    specs = same_everywhere(expand_methods(names, budgets_of("opt"), budgets_of),
                             "methods and budgets")  # under --tp, every rank runs the same
     from ..parts import shipped_part
 

@@ -346,8 +346,11 @@ def check_names(names: list[str]) -> None:
         find_method(name)
 
 
-def expand_methods(names: list[str], budgets: list[tuple[int, float | None]]) -> list[MethodSpec]:
-    """Method names -> specs: budgeted methods once per (budget, delta); `ar` first, always (the baseline)."""
+def expand_methods(names: list[str], budgets: list[tuple[int, float | None]],
+                   budgets_of: Callable[[str], list[tuple[int, float | None]]] | None = None) -> list[MethodSpec]:
+    """Method names -> specs: budgeted methods once per (budget, delta); `ar` first, always (the baseline).
+    `budgets_of(name)`: a method's own (budget, delta) pairs, where they depend on its draft sources
+    ('auto' brings the budget calibrated for them); default: `budgets` for every method."""
     check_names(names)
     if not budgets and any(find_method(n).budgeted for n in names):
         raise ValueError("tree policies need at least one budget (--budgets)")
@@ -355,7 +358,7 @@ def expand_methods(names: list[str], budgets: list[tuple[int, float | None]]) ->
     specs = []
     for name in ordered:
         if find_method(name).budgeted:
-            specs += [MethodSpec(name, budget, delta) for budget, delta in budgets]
+            specs += [MethodSpec(name, budget, delta) for budget, delta in (budgets_of or (lambda _: budgets))(name)]
         else:
             specs.append(MethodSpec(name))
     return specs

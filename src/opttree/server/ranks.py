@@ -16,9 +16,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..speculator import stream
 from ..errors import RanksDiverged
 from ..parallel import rank
+from ..speculator import stream
 
 PING_SECONDS = 60.0  # an idle server's rank 0 tells the others it is alive this often
 
