@@ -9,6 +9,7 @@ import torch
 from helpers import char_tokenizer, hf_greedy, tiny_model
 
 import opttree
+from opttree import batch_sizing
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -17,15 +18,18 @@ from hypothesis import strategies as st  # noqa: E402
 WINDOW = 160
 NEW = 6
 # words a refusal must use to name what it refuses
-SETTING_WORDS = ("tree", "drafter", "budget", "delta", "max_depth", "depth", "temperature", "top_p", "top_k", "seed",
+SETTING_WORDS = ("tree", "drafter", "budget", "batch_budget", "delta", "max_depth", "depth", "temperature", "top_p", "top_k", "seed",
                  "children", "depth_control", "stop", "context window", "draft", "head", "datastore", "source",
                  "prompt", "max_new_tokens", "samples its children", "distribution")
 
 
 @pytest.fixture(scope="module")
 def models():
-    return (tiny_model("llama", seed=1, max_positions=WINDOW), tiny_model("llama", seed=2, layers=1, hidden=32,
-                                                                          max_positions=WINDOW), char_tokenizer())
+    target = tiny_model("llama", seed=1, max_positions=WINDOW)
+    # a batch latency table for batch_budget="sized" (nothing is timed in the tests): 2-3 rows get 1 node each
+    batch_sizing._MEASURED[batch_sizing.latency_path(target)] = batch_sizing.BatchLatency(
+        {rows: [1.0 + rows * w for w in batch_sizing.WIDTHS] for rows in (1, 2, 4)})
+    return target, tiny_model("llama", seed=2, layers=1, hidden=32, max_positions=WINDOW), char_tokenizer()
 
 
 VALID_SOURCES = [None, "recycling", "lookup", "recycling+lookup", "model", "model+lookup"]
@@ -33,7 +37,8 @@ VALID_SOURCES = [None, "recycling", "lookup", "recycling+lookup", "model", "mode
 FAULTS = [None] * 12 + [("budget", 0), ("budget", -3), ("max_depth", 0), ("delta", 1.0),
           ("delta", -0.1), ("depth_control", "sideways"), ("temperature", -1.0), ("temperature", 1e-6),
           ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("drafter", "nonsense"), ("drafter", "model++lookup"),
-          ("drafter", "head"), ("drafter", "datastore"), ("tree", "bushy"), ("lengths", [WINDOW])]
+          ("drafter", "head"), ("drafter", "datastore"), ("tree", "bushy"), ("lengths", [WINDOW]),
+          ("batch_budget", "auto"), ("batch_budget", -1)]
 
 draws = st.fixed_dictionaries({
     "tree": st.sampled_from(opttree.available_policies()),
@@ -47,6 +52,7 @@ draws = st.fixed_dictionaries({
     "top_k": st.sampled_from([0, 0, 5]),
     "top_p": st.sampled_from([1.0, 1.0, 0.9]),
     "stop": st.sampled_from([None, None, ["%"], ["#$"]]),
+    "batch_budget": st.sampled_from([None, None, "sized", "rows", 3]),
     "lengths": st.lists(st.one_of(st.integers(1, 40), st.integers(40, WINDOW - NEW)), min_size=1, max_size=3),
     "fault": st.sampled_from(FAULTS),
 })
@@ -65,7 +71,7 @@ def test_every_draw_of_the_settings_space_is_exact_or_refused_by_name(models, dr
     g = torch.Generator().manual_seed(sum(draw["lengths"]))
     prompts = [torch.randint(3, 96, (n,), generator=g) for n in draw["lengths"]]
     options = {k: draw[k] for k in ("tree", "drafter", "budget", "max_depth", "delta", "depth_control", "temperature",
-                                    "top_k", "top_p")}
+                                    "top_k", "top_p", "batch_budget")}
     try:
         outs = opttree.generate(target, prompts, draft if draw["with_draft"] else None, max_new_tokens=NEW,
                                 eos_token_id=[], stop=draw["stop"], tokenizer=tok, **options)
