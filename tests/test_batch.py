@@ -231,12 +231,16 @@ def test_one_node_budget_for_the_batch_keeps_every_row_exact(models):
 def test_rows_with_a_draft_model_draft_together(monkeypatch):
     """The rows' draft forwards of a step run as one batched forward per round (`drafters.together`), and
     each row's tree and output are those it has alone; an error in that forward reaches the caller."""
+    from opttree import engine
     from opttree.step.drafters import together
 
     target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
     batch = prompts([7, 3, 25, 12], seed=6)
     sizes, run = [], together.forward_together
     monkeypatch.setattr(together, "forward_together", lambda forwards: (sizes.append(len(forwards)), run(forwards)))
+    opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[])
+    assert not sizes  # on a CPU each row drafts on its own (`engine.DRAFT_ALONE_ON`)
+    monkeypatch.setattr(engine, "DRAFT_ALONE_ON", frozenset())  # together, as on a GPU
     for options in (dict(), dict(drafter="model+lookup"), dict(tree="dyspec", budget=8), dict(temperature=1.0, seed=3)):
         sizes.clear()
         outs = opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[], **options)

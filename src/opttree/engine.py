@@ -39,6 +39,11 @@ from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
 Allocator = Callable[[list[DraftTree]], list[DraftTree]]  # a batch's drafted trees -> the trees it verifies
+# Devices where each row drafts on its own even when its drafter could batch its forwards with the other rows'
+# (`drafters.together`): on a CPU the rows' threads cost more than the batched forwards save. Measured on a
+# 2-core bf16 Xeon (`scripts/draft_together.py`: shipped pair, draft model, budget 8, 16 HumanEval prompts): together
+# ran 0.93x each row alone at 8 rows and 0.87x at 4 (docs/BENCHMARKS.md, "Batches sized for their rows").
+DRAFT_ALONE_ON = frozenset({"cpu"})
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")
 
@@ -415,10 +420,10 @@ class Generation:
     def _draft(self, cache: Cache, rows: list[Row], phases: PhaseClock) -> tuple[list[DraftTree], list[tuple]]:
         """Every row's tree, and the span of its drafting (start mark, end mark, its share of that time).
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
-        a thread each, one draft forward per round): they share one span."""
+        a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
         together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
-        together = together if len(together) > 1 else []
+        together = together if len(together) > 1 and self.device.type not in DRAFT_ALONE_ON else []
         trees, spans = [None] * len(rows), [None] * len(rows)
         for i, row in enumerate(rows):
             if i not in together:
