@@ -458,3 +458,27 @@ def test_the_scheduler_survives_an_error_of_its_own(pair):
             list(job.chunks())
     later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0]
     assert len([t for chunk in later.chunks() for t in chunk]) == 6 and later.complete
+
+
+def test_serve_sizes_the_batchs_trees_unless_a_budget_is_given(pair, monkeypatch):
+    """--batch-budget: sized by default (each tree cut for the rows decoding), off with --budget, a number
+    of nodes, or auto; a target decoded one request at a time (chains) or one row at most shares nothing."""
+    import argparse
+
+    from opttree import batch_sizing
+    from opttree import server as serve_command
+
+    target, draft, _ = pair
+    table = batch_sizing.BatchLatency({rows: [float(rows * w) for w in batch_sizing.WIDTHS] for rows in (1, 2, 4, 8)})
+    monkeypatch.setattr(batch_sizing, "batch_latency", lambda model, rows: table if rows <= 8 else None)
+    sized = serve_command.batch_budget(None, target, draft, max_batch=8, budget_given=False)
+    assert isinstance(sized, batch_sizing.SizedBudget) and sized.latency is table
+    assert serve_command.batch_budget(None, target, draft, max_batch=8, budget_given=True) is None
+    assert serve_command.batch_budget("sized", target, draft, max_batch=1, budget_given=False) is None
+    assert serve_command.batch_budget("5", target, draft, max_batch=8, budget_given=False).fixed == 5
+    assert isinstance(serve_command.batch_budget("sized", target, draft, 8, True), batch_sizing.SizedBudget)
+    monkeypatch.setattr("opttree.step.chains.verified_as_chains", lambda model: True)
+    assert serve_command.batch_budget("sized", target, draft, max_batch=8, budget_given=False) is None
+    assert serve_command.batch_budget_arg("sized") == "sized"
+    with pytest.raises(argparse.ArgumentTypeError, match="sized, auto, off"):
+        serve_command.batch_budget_arg("widest")

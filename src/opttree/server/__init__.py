@@ -17,7 +17,9 @@ def cmd_serve(args) -> int:
 
     target, draft, tokenizer = load_pair(args)
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
-    allocator = batch_budget(args.batch_budget, target, draft, args.max_batch, args.budget is not None)
+    # a sharded target decodes one request at a time (`ranks`): its requests share no step
+    allocator = None if args.tp else batch_budget(args.batch_budget, target, draft, args.max_batch,
+                                                  args.budget is not None)
     # greedy and sampled requests each get the settings chosen for them (the profile measures both)
     greedy, sampled = (resolved_tree_options(argparse.Namespace(**{**vars(args), "temperature": t}), target, draft)
                        for t in (0.0, 1.0))
@@ -48,10 +50,11 @@ def batch_budget(choice: str | None, target, draft, max_batch: int, budget_given
     curve (its calibration profile), None without one."""
     from ..batch_sizing import SizedBudget, batch_latency
     from ..profiles import find_profile, load_profile
+    from ..step.chains import verified_as_chains
     from ..step.policies.batch import BatchBudget
 
     choice = choice or ("off" if budget_given else "sized")
-    if choice == "off" or max_batch < 2:
+    if choice == "off" or max_batch < 2 or verified_as_chains(target):  # chains: decoded one at a time
         return None
     if choice == "sized":
         latency = batch_latency(target, max_batch)
