@@ -101,6 +101,12 @@ def test_a_batch_without_a_budget_drafts_the_budget_sized_for_it_and_stays_exact
     batch_sizing._MEASURED.clear()  # another process: the table is read back, not timed again
     assert batch_sizing.batch_latency(target, 4).table == latency.table
     assert "timing" not in capsys.readouterr().err
+    lookup = opttree.Speculator(target, drafter="lookup", max_new_tokens=16, eos_token_id=[])
+    hot = opttree.Request(batch[0], temperature=0.8, seed=1)  # a sampled row keeps its budget: its draws its own
+    mixed = lookup.stream([hot] + [opttree.Request(ids) for ids in batch[1:]])
+    default = opttree.SpecConfig().budget
+    assert [row.config.budget for row in mixed.rows] == [default] + [latency.sized_budget(3, default)] * 2
+    assert torch.equal(mixed.finish()[0].sequences, lookup.generate(hot).sequences)
     given = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16).stream([opttree.Request(i) for i in batch])
     assert {row.config.budget for row in given.rows} == {16}  # a budget given is each row's
     asked = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16, batch_budget="sized")

@@ -393,7 +393,7 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     allocator = {"off": None, "fixed": BatchBudget(fixed=3),
                  "curve": BatchBudget(curve=[0.01 + 0.002 * k for k in range(40)]), "sized": SizedBudget(steep)}
     server, rows = _batching_server(pair, max_batch=4, batch_budget=allocator[batch_budget])
-    sampled = lambda i: i % 2 and batch_budget in ("off", "curve")  # noqa: E731  (sampled trees keep their budget)
+    sampled = lambda i: i % 2 and batch_budget != "fixed"  # noqa: E731  (sampled trees keep their budget)
     asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
@@ -407,9 +407,13 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     assert max(n for n, _ in rows) == 4  # the batch filled up to --max-batch, never past it
     if batch_budget == "fixed":
         assert max(nodes for _, nodes in rows) == 3  # one budget for the batch, whatever each request's
-    if batch_budget == "sized":  # while 4 decode, each tree is cut to 1 node
+    if batch_budget == "sized":  # while 4 decode, each greedy tree is cut to 1 node
         assert steep.sized_budget(4, TREE["budget"]) == 1
-        assert max(nodes for n, nodes in rows if n == 4) <= 4 and max(nodes for n, nodes in rows if n == 1) > 1
+        # each greedy request also drafts the budget sized for the rows it joins; a sampled one keeps its own
+        # (the draws of its seed must not depend on the batch), and its trees are not cut
+        assert [job.row.config.budget for job in jobs] == [TREE["budget"] if sampled(i) else
+                                                           steep.sized_budget(min(i + 1, 4), TREE["budget"])
+                                                           for i in range(len(jobs))]
     text = create_app(server) and __import__("prometheus_client").generate_latest(server.metrics.registry).decode()
     assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
 

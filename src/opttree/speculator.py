@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .batch_sizing import SizedBudget, batch_latency
+from .batch_sizing import BatchLatency, SizedBudget, batch_latency
 from .certify import certify
 from .device import has_static_step, model_device
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
@@ -63,9 +63,10 @@ class Speculator:
     A batch verifies every row's tree in one target forward per step; each row is exactly what its
     request gives alone (greedy: `target.generate`; sampled: the same draws from its seed, unless its
     children are sampled from the recycling matrix, which learns from every row). `batch_budget`, how a
-    batch's rows share the step: "sized" (the default when no `budget` is given): each row drafts the budget
+    batch's rows share the step: "sized" (the default when no `budget` is given): each greedy row drafts the budget
     that makes the batch's tokens per second largest on this machine, at most `budget`
-    (`opttree.batch_sizing`: the first batch of a target times its forward once); "rows" (the default
+    (`opttree.batch_sizing`: the first batch of a target times its forward once; a `SizedBudget` brings
+    its own latency table); "rows" (the default
     with a `budget`): each row its `budget`; a number of nodes or a `policies.batch.BatchBudget`: one node
     budget a step for the whole batch (batch-level OPT-Tree)."""
 
@@ -76,10 +77,11 @@ class Speculator:
         if batch_budget is None:
             batch_budget = "rows" if "budget" in options else "sized"
         if batch_budget not in BATCH_SHARING and (isinstance(batch_budget, bool) or not isinstance(
-                batch_budget, (numbers.Integral, BatchBudget))):
-            raise TypeError(f"batch_budget is {' or '.join(map(repr, BATCH_SHARING))}, a number of nodes or a "
-                            f"BatchBudget, got {batch_budget!r}")
-        self.sized = batch_budget == "sized"
+                batch_budget, (numbers.Integral, BatchBudget, SizedBudget))):
+            raise TypeError(f"batch_budget is {' or '.join(map(repr, BATCH_SHARING))}, a SizedBudget, a number of "
+                            f"nodes or a BatchBudget, got {batch_budget!r}")
+        self.sized = batch_budget == "sized" or isinstance(batch_budget, SizedBudget)
+        self.latency = batch_budget.latency if isinstance(batch_budget, SizedBudget) else None  # given, else timed
         self.batch_budget = BatchBudget(fixed=int(batch_budget)) if isinstance(batch_budget, numbers.Integral) \
             else batch_budget if isinstance(batch_budget, BatchBudget) else None
         self.eos = None if eos_token_id is None else eos_list(eos_token_id)
@@ -104,8 +106,7 @@ class Speculator:
         if depth is not None and not isinstance(depth, Declared):  # a user's: its declarations read once, here
             depth = _UserDepth(depth)
         several = len(items) > 1 or joinable
-        sized = self.sized and several and not verified_as_chains(self.target)  # chains: refused as a batch
-        latency = batch_latency(self.target, len(items)) if sized else None
+        latency = self._latency(len(items)) if several else None
         budget = latency.sized_budget(len(items), self.config.budget) if latency is not None else None
         rows = [self._row(item, several, rules, depth, attention_mask, budget) for item in items]  # one: any path
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
@@ -118,9 +119,19 @@ class Speculator:
         of its steps; returns its row index (its chunks come as (index, chunk) pairs)."""
         return run.admit(self.row(request))
 
-    def row(self, request: Request) -> Row:
-        """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path."""
-        return self._row(request, True, None, None, None)[0]
+    def row(self, request: Request, rows: int = 1) -> Row:
+        """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path.
+        `rows`: how many the batch will hold with it (sized: the row drafts the budget sized for them)."""
+        latency = self._latency(rows) if rows > 1 else None
+        budget = latency.sized_budget(rows, self.config.budget) if latency is not None else None
+        return self._row(request, True, None, None, None, budget)[0]
+
+    def _latency(self, rows: int) -> BatchLatency | None:
+        """This machine's batch latency table covering `rows` rows where this speculator sizes a batch's trees
+        (`opttree.batch_sizing`); None where it does not (or nothing is timed)."""
+        if not self.sized or verified_as_chains(self.target):  # chains: refused as a batch
+            return None
+        return self.latency or batch_latency(self.target, rows)
 
     def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
         """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""
@@ -161,12 +172,15 @@ class Speculator:
     def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask,
              budget: int | None = None) -> tuple[Row, "_Shape"]:
         """One request's row: its settings, policy, drafter and stop rule; `batch`: one of several rows
-        (the dynamic path, unless static=True asks for a refusal); `budget`: the batch's sized one."""
+        (the dynamic path, unless static=True asks for a refusal); `budget`: the batch's sized one, for a greedy
+        row (a sampled row keeps its own: the draws of its seed must not depend on what else is in the batch)."""
         target = self.target
         prompt, own_mask = prompt_and_mask(request.prompt)
         ids = _prompt_ids(prompt, target)
-        settings = {**request.settings(), **({"budget": budget} if budget is not None else {})}
-        config, policy = self._settings(settings, ids.shape[0], mask if own_mask is None else own_mask)
+        mask = mask if own_mask is None else own_mask
+        config, policy = self._settings(request.settings(), ids.shape[0], mask)
+        if budget is not None and config.temperature == 0:  # sampled rows keep theirs: a seed's draws stay the batch's own
+            config, policy = self._settings({**request.settings(), "budget": budget}, ids.shape[0], mask)
         max_len = ids.shape[0] + config.max_new_tokens
         self._check(_check_fits, target, "target", max_len)
         self._check(check_model, target, "target", max_len)

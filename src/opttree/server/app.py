@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..batch_sizing import SizedBudget
 from ..engine import Allocator
 from ..flags import used_draft
 from ..speculator import Request as GenerationRequest
@@ -210,6 +211,8 @@ class Server:
         self.metrics = Metrics()
         self.turns = Turns()  # sharded: one decoding at a time, in arrival order
         self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step, batch_budget)
+        # sized trees: a request also drafts the budget sized for the rows it joins (sampled trees are not cut)
+        self.sizing = batch_budget if isinstance(batch_budget, SizedBudget) else None
         self.speculators: dict[str, Speculator] = {}  # by settings: each checked once
         # a thread per admitted request (those waiting their turn block in it), so none waits for a thread
         self.threads = ThreadPoolExecutor(max_workers=max_queue + 4, thread_name_prefix="opttree-decode")
@@ -257,21 +260,23 @@ class Server:
             if self.leader:
                 run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
                 return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now
-            row = self._speculator(options, with_draft).row(GenerationRequest(ids, **sampling))
+            sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
+            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
+                                                                   rows=self.batcher.rows_with_one_more())
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
         job = BatchJob(row, self.expired, self.batcher)
         self.batcher.submit(job)
         return job, ids
 
-    def _speculator(self, options: dict, with_draft: bool) -> Speculator:
+    def _speculator(self, options: dict, with_draft: bool, sized: bool) -> Speculator:
         """The settings checked once per distinct set of them (the greedy, the sampled and the requests' own)."""
-        key = repr((sorted(options.items()), with_draft))
+        key = repr((sorted(options.items()), with_draft, sized))
         if key not in self.speculators:
             if len(self.speculators) >= 64:  # requests' own tree fields: keep the most recent settings
                 self.speculators.pop(next(iter(self.speculators)))
-            self.speculators[key] = Speculator(self.target, self.draft if with_draft else None,
-                                               tokenizer=self.tokenizer, **options)
+            self.speculators[key] = Speculator(self.target, self.draft if with_draft else None, tokenizer=self.tokenizer,
+                                               batch_budget=self.sizing if sized else "rows", **options)
         return self.speculators[key]
 
     def stopped(self) -> None:
