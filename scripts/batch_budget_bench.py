@@ -1,10 +1,12 @@
 """Batch-level OPT-Tree (`batch_budget=`) against per-row trees, in-process (no HTTP): the first 16
-HumanEval prompts as two batches of 8, `opt:recycling+lookup@16`, 64 new tokens, fp32, the shipped
-pair; 3 rounds, the settings rotated per round. `auto` = BatchBudget over the target's latency curve
-measured first (k = 1..136 tokens, 200 cached).
+HumanEval prompts as two batches of 8, `opt:recycling+lookup`, 64 new tokens, the shipped pair (float32,
+or the dtype given); 3 rounds, the settings rotated per round. `off`: each row 16 nodes; `8 each`: each row
+8; `sized`: each row the budget sized for 8 rows (`opttree.batch_sizing`); `auto` = BatchBudget over the
+target's latency curve measured first (k = 1..136 tokens, 200 cached); a number N: N nodes for the batch.
 
-    python scripts/batch_budget_bench.py
+    python scripts/batch_budget_bench.py [bfloat16]
 """
+import sys
 import statistics
 import time
 
@@ -16,10 +18,11 @@ from opttree.calibration.measure import context_ids, latency_curves
 from opttree.step.policies.batch import BatchBudget
 
 torch.manual_seed(0)
-target, draft, tok = opttree.demo_models(torch.float32)
+target, draft, tok = opttree.demo_models(getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32"))
 prompts = [tok(p.text, return_tensors="pt").input_ids[0] for p in load_prompts("../shared/data/humaneval.jsonl", limit=16)]
 curve = latency_curves({"target": target}, context_ids(prompts[:1], 200), 8 * 17, repeats=3)["target"]
-configs = {"off": None, "auto": BatchBudget(curve=curve), "16": 16, "32": 32, "64": 64}
+configs = {"off": (16, None), "8 each": (8, None), "sized": (16, "sized"), "auto": (16, BatchBudget(curve=curve)),
+           "16": (16, 16), "32": (16, 32), "64": (16, 64)}  # (each row's budget, batch_budget)
 res = {k: [] for k in configs}
 mal = {k: [] for k in configs}
 for rnd in range(3):
@@ -28,7 +31,8 @@ for rnd in range(3):
         names = names[rnd % len(names):] + names[:rnd % len(names)]
         for name in names:
             t = time.perf_counter()
-            outs = opttree.generate(target, group, None, budget=16, max_new_tokens=64, batch_budget=configs[name])
+            budget, shared = configs[name]
+            outs = opttree.generate(target, group, None, budget=budget, max_new_tokens=64, batch_budget=shared)
             dt = time.perf_counter() - t
             toks = sum(o.stats.new_tokens for o in outs)
             res[name].append(toks / dt)
