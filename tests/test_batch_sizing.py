@@ -74,6 +74,8 @@ def test_the_cut_keeps_each_rows_best_nodes_and_leaves_sampled_trees_and_one_row
     assert cut[1].tokens.tolist() == [8]
     assert cut[2] is trees[2] and cut[3] is trees[3]
     assert sized([trees[0]])[0] is trees[0]
+    kept = sized(trees[:2], [True, False])  # a row not sized (its budget given, or sampling) keeps its tree
+    assert kept[0].tokens.tolist() == [5] and kept[1] is trees[1]
 
 
 @pytest.fixture
@@ -106,9 +108,11 @@ def test_a_batch_without_a_budget_drafts_the_budget_sized_for_it_and_stays_exact
     mixed = lookup.stream([hot] + [opttree.Request(ids) for ids in batch[1:]])
     default = opttree.SpecConfig().budget
     assert [row.config.budget for row in mixed.rows] == [default] + [latency.sized_budget(3, default)] * 2
+    assert [row.sized for row in mixed.rows] == [False, True, True]  # and the batch's cut passes it by
     assert torch.equal(mixed.finish()[0].sequences, lookup.generate(hot).sequences)
-    given = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16).stream([opttree.Request(i) for i in batch])
-    assert {row.config.budget for row in given.rows} == {16}  # a budget given is each row's
+    given = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16)
+    given = given.stream([opttree.Request(i) for i in batch])
+    assert {row.config.budget for row in given.rows} == {16} and not any(row.sized for row in given.rows)
     asked = opttree.Speculator(target, drafter="recycling+lookup", budget=16, max_new_tokens=16, batch_budget="sized")
     assert {row.config.budget for row in asked.stream([opttree.Request(i) for i in batch]).rows} == \
         {latency.sized_budget(3, 16)}
@@ -119,7 +123,8 @@ def test_without_first_use_measurement_a_batch_keeps_the_budget(monkeypatch, tmp
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(batch_sizing, "_MEASURED", {})
     target = tiny("llama", "sdpa", seed=1)
-    run = opttree.Speculator(target, drafter="lookup", max_new_tokens=16).stream([opttree.Request(torch.arange(3, 9))] * 2)
+    run = opttree.Speculator(target, drafter="lookup", max_new_tokens=16)
+    run = run.stream([opttree.Request(torch.arange(3, 9))] * 2)
     assert {row.config.budget for row in run.rows} == {opttree.SpecConfig().budget}
     assert not list(tmp_path.iterdir())
     with pytest.raises(TypeError, match="'sized' or 'rows'"):

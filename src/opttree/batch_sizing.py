@@ -2,9 +2,9 @@
 
 B sequences verified in one forward pay for B trees: past a few rows the forward's cost grows with the
 batch's tokens, so the tree that is best for one sequence alone is too large for each of B rows (on a
-2-core bf16 CPU, 8 rows of 17 tokens took 1.6x as long as 8 rows of 2; one row, 1.1x). `BatchLatency` holds this machine's
-measured cost of a forward over `rows` sequences of `tokens` new tokens each (timed once per target and
-machine, kept in the user cache); `sized_budget` picks the per-row budget n that makes the batch's
+2-core bf16 CPU, 8 rows of 17 tokens took 1.6x as long as 8 rows of 2; one row, 1.1x). `BatchLatency`
+holds this machine's measured cost of a forward over `rows` sequences of `tokens` new tokens each (timed
+once per target and machine, kept in the user cache); `sized_budget` picks the per-row budget n that makes the batch's
 tokens per second largest, B * E(n) / T(B, n + 1), with the expected accepted length per step
 E(n) = 1 + ACCEPTED_PER_DOUBLING * log2(1 + n), at most the one-sequence budget.
 `SizedBudget` cuts each row's tree to that size for the rows running at each step (continuous batching);
@@ -90,15 +90,15 @@ class BatchLatency:
 
 class SizedBudget:
     """For `Generation`'s allocator: each row's tree cut to the budget sized for the rows of this step
-    (`BatchLatency.sized_budget`, at most the largest tree drafted). Trees of sampled nodes are left whole
-    (their nodes were drawn for their own budget)."""
+    (`BatchLatency.sized_budget`, at most the largest tree drafted). Left whole: the trees of rows not
+    `sized` (a budget given, or sampling) and trees of sampled nodes (drawn for their own budget)."""
 
     def __init__(self, latency: BatchLatency):
         self.latency = latency
         self.sizes: dict[tuple[int, int], int] = {}  # (rows, cap) -> budget
 
-    def __call__(self, trees: list[DraftTree]) -> list[DraftTree]:
-        cut = splittable(trees)
+    def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
+        cut = [i for i in splittable(trees) if sized is None or sized[i]]
         if len(trees) < 2 or not cut:
             return trees
         cap = max(len(trees[i]) for i in cut)

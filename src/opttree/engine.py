@@ -38,7 +38,8 @@ from .step.tree import DraftTree
 from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
-Allocator = Callable[[list[DraftTree]], list[DraftTree]]  # a batch's drafted trees -> the trees it verifies
+# a batch's drafted trees and which rows' trees may be cut to a size chosen for the batch -> the trees it verifies
+Allocator = Callable[[list[DraftTree], list[bool]], list[DraftTree]]
 # Devices where each row drafts on its own even when its drafter could batch its forwards with the other rows'
 # (`drafters.together`): on a CPU the rows' threads cost more than the batched forwards save. Measured on a
 # 2-core bf16 Xeon (`scripts/draft_together.py`: shipped pair, draft model, budget 8, 16 HumanEval prompts): together
@@ -105,8 +106,9 @@ class Row:
     random stream and statistics. A `Generation` steps one or more rows together."""
 
     def __init__(self, ids: torch.Tensor, drafter: Drafter | None, policy: TreePolicy, config: SpecConfig,
-                 stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device):
+                 stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device, sized: bool = False):
         self.drafter, self.policy, self.config, self.stopper, self.depth = drafter, policy, config, stopper, depth
+        self.sized = sized  # its tree may be cut to the budget sized for the batch (`batch_sizing.SizedBudget`)
         self.processors = processors  # the generation_config's logits processors, applied per node
         self.drafter_reads = drafter is not None and drafter.wants_hidden  # a drafter that reads the target
         self.wants_hidden = self.drafter_reads or depth.wants_hidden
@@ -446,7 +448,7 @@ class Generation:
         trees, spans = self._draft(cache, rows, phases)
         t_drafted = phases.mark()
         if self.allocator is not None:  # one node budget for the batch (its time shared by the rows' drafting)
-            trees = self.allocator(trees)
+            trees = self.allocator(trees, [row.sized for row in rows])
         t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens)

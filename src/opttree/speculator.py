@@ -179,7 +179,7 @@ class Speculator:
         ids = _prompt_ids(prompt, target)
         mask = mask if own_mask is None else own_mask
         config, policy = self._settings(request.settings(), ids.shape[0], mask)
-        if budget is not None and config.temperature == 0:  # sampled rows keep theirs: a seed's draws stay the batch's own
+        if budget is not None and config.temperature == 0:  # a sampled row keeps its own: its draws stay its own
             config, policy = self._settings({**request.settings(), "budget": budget}, ids.shape[0], mask)
         max_len = ids.shape[0] + config.max_new_tokens
         self._check(_check_fits, target, "target", max_len)
@@ -198,7 +198,8 @@ class Speculator:
             raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
         stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer)
         depth = depth or make_depth_control(config, target)  # how deep each step drafts
-        row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target))
+        sized = self.sized and config.temperature == 0  # its tree may be cut for the batch (a sampled one keeps it)
+        row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target), sized)
         return row, _Shape(tree_width(config, policy), static)
 
 

@@ -30,7 +30,8 @@ class BatchBudget:
         self.curve = None if curve is None else torch.tensor(list(curve), dtype=torch.float64)
         self.fixed = fixed
 
-    def __call__(self, trees: list[DraftTree]) -> list[DraftTree]:
+    def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
+        """The trees the batch verifies (`sized` is not read: one budget binds every row)."""
         if self.fixed is not None:
             return allocate(trees, self.fixed)
         scores = candidate_scores(trees)  # (M,) computed once for the choice and the cut
