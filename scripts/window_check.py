@@ -7,6 +7,7 @@ and for the train-free sources (fp32). Too slow for CI (Gemma 3: 2,100 tokens pe
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -47,5 +48,10 @@ def check(model_type: str) -> bool:
 
 
 if __name__ == "__main__":
-    results = [check(model_type) for model_type in sys.argv[1:] or WINDOWS]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE", help=f"of {', '.join(WINDOWS)} (default: both)")
+    model_types = parser.parse_args().model_types or list(WINDOWS)
+    if unknown := [m for m in model_types if m not in WINDOWS]:
+        parser.error(f"unknown model type(s) {', '.join(unknown)}; choose from {', '.join(WINDOWS)}")
+    results = [check(model_type) for model_type in model_types]
     sys.exit(0 if all(results) else 1)
