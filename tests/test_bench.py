@@ -469,12 +469,22 @@ def test_auto_brings_each_methods_own_calibrated_budget_and_sizes_its_batches(mo
     sized = []
     monkeypatch.setattr(bench_methods, "Speculator",
                         lambda *a, **k: sized.append((k.get("budget"), k["batch_budget"])) or Speculator(*a, **k))
+    from opttree import batch_sizing
+
+    steep = batch_sizing.BatchLatency({rows: [float(rows * w) for w in batch_sizing.WIDTHS] for rows in (1, 2)})
+    monkeypatch.setitem(batch_sizing._MEASURED, batch_sizing.latency_path(models[0]), steep)  # 2 rows: 1 node each
     rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "opt:recycling+lookup,opt:lookup,chain",
-               "--budgets", "auto", "--max-new-tokens", "6", "--out", str(tmp_path / "b"), "--no-progress", "--json"])
+               "--budgets", "auto", "--max-new-tokens", "6", "--out", str(tmp_path / "b"), "--no-progress", "--json",
+               "--batch", "2"])
     assert rc == 0
-    budgets = {r["method"]: r["budget"] for r in json.loads(capsys.readouterr().out) if r["category"] == "all"}
-    assert budgets == {"ar": None, "opt:recycling+lookup": 6, "opt:lookup": 4, "chain": 4}
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["category"] == "all"]
+    budgets = {r["method"]: r["budget"] for r in rows}
+    assert budgets == {"ar": None, "opt:recycling+lookup": 6, "opt:lookup": 4, "chain": 4, "ar x2": None,
+                       "opt:recycling+lookup x2": 6, "opt:lookup x2": 4, "chain x2": 4}
     assert {sharing for budget, sharing in sized if budget} == {"sized"}  # 'auto' is the one-sequence choice
+    sized_rows = {r["method"]: r["row_budgets"] for r in rows}  # what the batches' rows drafted, when not that
+    assert sized_rows["opt:recycling+lookup x2"] == [1] and sized_rows["opt:recycling+lookup"] == []
+    assert "6 (δ 0.1), sized to 1" in (tmp_path / "b" / "results.md").read_text()
 
 
 def test_bench_batch_runs_each_method_alone_and_batched_and_checks_every_row(model_dirs, tmp_path, monkeypatch,

@@ -75,6 +75,7 @@ class Run:
     time_s: float  # wall time of the generate call, prefill included
     draft_s: float | None = None  # opttree: time spent drafting (all sources) and verifying; None for peers
     verify_s: float | None = None
+    row_budget: int | None = None  # opttree: the budget the row drafted (a batch's sized one, `batch_sizing`)
 
 
 RunFn = Callable[[torch.Tensor], Run]  # prompt ids (1, T) -> Run; a list of them (one batch) -> [Run]
@@ -137,10 +138,12 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
     def run(prompt_ids: torch.Tensor | list[torch.Tensor]) -> Run | list[Run]:
         batch = isinstance(prompt_ids, list)  # (1, T) prompts as one batch
         start = time.perf_counter()
-        outs = speculator.generate([Request(ids) for ids in prompt_ids] if batch else [Request(prompt_ids)])
+        generation = speculator.stream([Request(ids) for ids in prompt_ids] if batch else [Request(prompt_ids)])
+        outs = generation.finish()
         elapsed = seconds_since(start, target) / len(outs)  # a batch's rows: an equal share each
         runs = [Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed,
-                    out.stats.draft_s, out.stats.verify_s) for out in outs]
+                    out.stats.draft_s, out.stats.verify_s, row.config.budget)
+                for out, row in zip(outs, generation.rows)]
         return runs if batch else runs[0]
 
     return run

@@ -17,8 +17,8 @@ from pathlib import Path
 
 ALL = "all"
 SLOW_FACTOR = 5.0  # a run this many times slower per token than its method's median is flagged
-SUMMARY_KEYS = ("method", "budget", "category", "prompts", "mean_accepted_length", "tokens_per_second", "speedup",
-                "mismatches")
+SUMMARY_KEYS = ("method", "budget", "row_budgets", "category", "prompts", "mean_accepted_length", "tokens_per_second",
+                "speedup", "mismatches")
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -66,6 +66,8 @@ def summary_row(runs: list[dict], baseline: list[dict], category: str) -> dict:
         "warmup_s": first.get("warmup_s"),  # the untimed warm-up (compilation, for a compiled method)
         "host_syncs_per_step": first.get("host_syncs_per_step"),  # counted once per method (runner.host_costs)
         "ops_per_step": first.get("ops_per_step"),
+        # the budgets a batch's rows drafted where they are not the method's (sized for the batch)
+        "row_budgets": sorted({r["row_budget"] for r in runs if r.get("row_budget") not in (None, first["budget"])}),
     }
 
 
@@ -188,6 +190,8 @@ def table(rows: list[dict], default_delta: float | None = None) -> str:
         budget = "" if r["budget"] is None else str(r["budget"])
         if r["delta"] is not None and r["delta"] != default_delta:
             budget += f" (δ {r['delta']:g})"
+        if r.get("row_budgets"):
+            budget += f", sized to {'/'.join(map(str, r['row_budgets']))}"
         spread = " / ".join(fmt(r[k], ".2f") for k in ("speedup_min", "speedup_median", "speedup_max"))
         step_ms = f"{fmt(r.get('draft_ms_per_step'), '.1f')} / {fmt(r.get('verify_ms_per_step'), '.1f')}"
         costs = f"{fmt(r.get('host_syncs_per_step'), '.1f')} / {fmt(r.get('ops_per_step'), '.0f')}"

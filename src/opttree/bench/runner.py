@@ -191,6 +191,7 @@ def record(case: Case, spec: MethodSpec, settings: Settings, repeat: int, run: R
         "time_s": run.time_s,
         "draft_s": run.draft_s,  # opttree methods: drafting (every source) and verification time
         "verify_s": run.verify_s,
+        "row_budget": run.row_budget,
         "tokens_per_second": n / run.time_s if run.time_s > 0 else None,
         "mismatch": None if reference is None else diff is not None,  # None: not checked (temperature > 0)
         "first_mismatch": diff,  # index of the first new token that differs from ar's
