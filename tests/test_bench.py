@@ -484,6 +484,7 @@ def test_auto_brings_each_methods_own_calibrated_budget_and_sizes_its_batches(mo
     assert {sharing for budget, sharing in sized if budget} == {"sized"}  # 'auto' is the one-sequence choice
     sized_rows = {r["method"]: r["row_budgets"] for r in rows}  # what the batches' rows drafted, when not that
     assert sized_rows["opt:recycling+lookup x2"] == [1] and sized_rows["opt:recycling+lookup"] == []
+    assert sized_rows["ar x2"] == sized_rows["ar"] == []  # plain decoding drafts nothing to size
     assert "6 (δ 0.1), sized to 1" in (tmp_path / "b" / "results.md").read_text()
 
 

@@ -142,7 +142,7 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         outs = generation.finish()
         elapsed = seconds_since(start, target) / len(outs)  # a batch's rows: an equal share each
         runs = [Run(out.new_tokens.tolist(), out.stats.steps, list(out.stats.accepted_histogram), elapsed,
-                    out.stats.draft_s, out.stats.verify_s, row.config.budget)
+                    out.stats.draft_s, out.stats.verify_s, row.config.budget if spec.budget is not None else None)
                 for out, row in zip(outs, generation.rows)]
         return runs if batch else runs[0]
 
