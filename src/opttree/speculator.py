@@ -119,12 +119,10 @@ class Speculator:
         of its steps; returns its row index (its chunks come as (index, chunk) pairs)."""
         return run.admit(self.row(request))
 
-    def row(self, request: Request, rows: int = 1) -> Row:
-        """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path.
-        `rows`: how many the batch will hold with it (sized: the row drafts the budget sized for them)."""
-        latency = self._latency(rows) if rows > 1 else None
-        budget = latency.sized_budget(rows, self.config.budget) if latency is not None else None
-        return self._row(request, True, None, None, None, budget)[0]
+    def row(self, request: Request) -> Row:
+        """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path. Its
+        own budget: a sized batch cuts its tree, each step, for the rows decoding then (`SizedBudget`)."""
+        return self._row(request, True, None, None, None)[0]
 
     def _latency(self, rows: int) -> BatchLatency | None:
         """This machine's batch latency table covering `rows` rows where this speculator sizes a batch's trees

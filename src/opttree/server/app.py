@@ -211,7 +211,7 @@ class Server:
         self.metrics = Metrics()
         self.turns = Turns()  # sharded: one decoding at a time, in arrival order
         self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step, batch_budget)
-        # sized trees: a request also drafts the budget sized for the rows it joins (sampled trees are not cut)
+        # sized trees: each step cuts a greedy request's tree for the requests decoding then (`SizedBudget`)
         self.sizing = batch_budget if isinstance(batch_budget, SizedBudget) else None
         self.speculators: dict[str, Speculator] = {}  # by settings: each checked once
         # a thread per admitted request (those waiting their turn block in it), so none waits for a thread
@@ -261,8 +261,7 @@ class Server:
                 run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
                 return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now
             sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
-            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
-                                                                   rows=self.batcher.rows_with_one_more())
+            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling))
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
         job = BatchJob(row, self.expired, self.batcher)

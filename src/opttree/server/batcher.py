@@ -90,11 +90,6 @@ class Batcher:
         """Rows in the batch now."""
         return len(self.jobs)
 
-    def rows_with_one_more(self) -> int:
-        """The rows a new request will decode beside: those running and waiting, itself included, up to max_rows."""
-        with self.changed:
-            return min(len(self.jobs) + len(self.waiting) + 1, self.max_rows)
-
     def _loop(self) -> None:
         while True:
             with self.changed:
