@@ -12,6 +12,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from opttree.settings.declared import Declared
+
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gpt_neox": GPTNeoXConfig, "phi3": Phi3Config}
 
 
@@ -48,7 +50,7 @@ def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=Non
         )
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Declared):
     """A drafter whose distribution at a node is a fixed random function of the node's path.
 
     Lets tests enumerate the full candidate tree and compare with brute force."""

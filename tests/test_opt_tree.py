@@ -123,3 +123,52 @@ def test_the_delta_stop_decided_on_the_device_gives_the_same_tree(monkeypatch):
         unmasked = policy.build(ScriptedDrafter(4, seed=seed, sharpness=3.0), torch.tensor([1, 2]), max_depth)
         mattered += not torch.equal(unmasked.depths, host.depths)
     assert mattered >= 10
+
+
+class ListedDrafter(ScriptedDrafter):
+    """The same drafter answering with its listed best children (`top_children`), at most `listed` a node
+    (the rest padded with -inf, as a trie's short rows are)."""
+
+    top_children = True
+
+    def __init__(self, vocab: int, seed: int, listed: int | None = None):
+        super().__init__(vocab, seed=seed)
+        self.listed = listed or vocab
+
+    def root_top(self, committed, k):
+        tokens, logq = self._top(self.root(committed)[None], k)
+        return tokens[0], logq[0]
+
+    def expand_top(self, tokens, parent_slots, k):
+        return self._top(self.expand(tokens, parent_slots), k)
+
+    def _top(self, rows, k):
+        top = rows.topk(min(k, self.vocab), dim=1)
+        short = torch.arange(top.values.shape[1]) >= self.listed
+        return top.indices, top.values.masked_fill(short, float("-inf"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n,vocab,depth,delta", [(3, 4, 3, 0.0), (10, 3, 4, 0.0), (16, 5, 5, 0.05), (50, 3, 3, 0.0)])
+def test_listed_children_give_the_tree_of_the_full_rows(seed, n, vocab, depth, delta):
+    policy = make_policy(SpecConfig(tree="opt", budget=n, delta=delta, max_depth=depth))
+    full, listed = ScriptedDrafter(vocab, seed=seed), ListedDrafter(vocab, seed=seed)
+    a = policy.build(full, torch.tensor([0]), depth_limit=100)
+    b = policy.build(listed, torch.tensor([0]), depth_limit=100)
+    for name in ("tokens", "parents", "depths", "draft_slots"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.allclose(a.scores, b.scores)
+    assert full.expand_calls == listed.expand_calls  # the same draft layers
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_children_a_drafter_does_not_list_are_never_drafted(seed):
+    """A node lists 2 children (a trie's short rows): the tree is the best of those, no padding node in it."""
+    vocab, depth = 5, 3
+    drafter = ListedDrafter(vocab, seed=seed, listed=2)
+    tree = make_policy(SpecConfig(tree="opt", budget=20, delta=0.0, max_depth=depth)).build(drafter, torch.tensor([0]), 100)
+    assert len(tree) == 2 + 4 + 8  # every listed node (20 wanted), none of the padding
+    assert bool(torch.isfinite(tree.scores).all())
+    for i in range(len(tree)):
+        path = path_of(tree, i)
+        assert path[-1] in drafter.logq(path[:-1]).topk(2).indices.tolist()

@@ -1,6 +1,7 @@
 """Draft sources (docs/METHODS.md): tries merged and cut, lookup and Token Recycling against
 brute force, exact output with every source and combination, clear errors."""
 
+import functools
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from opttree.step.drafters.estimates import forget, per_model
 from opttree.step.drafters.lookup import NgramIndex, continuation_trie
 from opttree.step.drafters.recycling import MAX_LISTED_MASS, RecyclingMatrix
 from opttree.step.drafters.sources import LookupSource, TrieDrafter, prune_first_tokens
-from opttree.step.tree import DraftTree, locate, merge, node_paths, top_nodes
+from opttree.step.tree import DraftTree, locate, merge, merge_best, node_paths, top_nodes
 
 
 def random_trie(rng: random.Random, vocab: int = 4, nodes: int = 12, slot_base: int | None = 0) -> DraftTree:
@@ -72,6 +73,19 @@ def test_top_nodes_keeps_the_best_connected_nodes(seed):
     worst_kept = min(path_min[p] for p in chosen)
     assert all(path_min[p] <= worst_kept for p in paths if p not in chosen)  # brute force: no better node left out
     assert locate(kept, sorted(chosen)) == [node_paths(kept).index(p) for p in sorted(chosen)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_best_is_the_best_nodes_of_the_union(seed):
+    rng = random.Random(seed)
+    tries = [random_trie(rng)] + [random_trie(rng, slot_base=None) for _ in range(rng.randrange(1, 3))]
+    n, floor = rng.randrange(1, 30), rng.choice([float("-inf"), -1.5])
+    union = functools.reduce(merge, tries)
+    expected = top_nodes(union, n, by=union.scores.masked_fill(union.scores < floor, float("-inf")))
+    got = merge_best(tries, n, floor)
+    for name in ("tokens", "parents", "depths", "draft_slots"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert torch.allclose(got.scores, expected.scores)
 
 
 def test_top_nodes_drops_impossible_nodes():
@@ -142,6 +156,36 @@ def test_trie_drafter_answers_from_the_trie():
     assert root[1].exp() == pytest.approx(1.0) and torch.isinf(root[torch.arange(6) != 1]).all()
     rows = drafter.expand(torch.tensor([1]), torch.tensor([-1])).exp()
     assert rows[0, 2] == pytest.approx(0.5) and rows[0, 3] == pytest.approx(0.5) and rows[0].sum() == pytest.approx(1.0)
+
+
+def test_listed_children_are_the_best_of_the_full_rows():
+    """`top_children`: recycling's and a trie's listed children are the top of the rows they would return."""
+    matrix = RecyclingMatrix(vocab=30, width=6)
+    matrix.record(torch.tensor([3, 7]), torch.randn(2, 30))
+    matrix.rates.update((torch.tensor([0, 0, 1]), torch.tensor([2, 4, 0])), torch.tensor([True, True, False]),
+                        torch.ones(3, dtype=torch.bool))  # hit rates no longer fall with the rank
+    tokens, depths = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 1])  # row 5 was never written
+    rows = matrix.log_dist(tokens, depths)
+    for k in (2, 6, 9):
+        listed, logq = matrix.top(tokens, depths, k)
+        assert listed.shape == (3, min(k, 6))
+        assert torch.allclose(logq, rows.topk(min(k, 6), dim=1).values)
+        assert torch.equal(rows.gather(1, listed), logq)  # the listed tokens carry those values
+        assert all(len(set(row)) == len(row) for row in listed.tolist())  # distinct children
+
+    class Fixed:
+        def start(self, ids):
+            pass
+
+        def propose(self, committed, max_nodes, max_depth):
+            return continuation_trie([[1, 2], [1, 3], [1, 3], [4]], torch.zeros(4))
+
+    drafter = TrieDrafter(Fixed(), vocab=6, max_nodes=8, max_depth=2)
+    tokens, logq = drafter.root_top(torch.tensor([0]), 5)
+    assert tokens.tolist() == [1, 4] and torch.allclose(logq.exp(), torch.tensor([0.75, 0.25]))
+    tokens, logq = drafter.expand_top(tokens, torch.tensor([-1, -1]), 1)  # the best child of (1,); (4,) has none
+    assert tokens[0].tolist() == [3] and logq[0].exp().tolist() == pytest.approx([2 / 3])
+    assert logq[1].tolist() == [float("-inf")]
 
 
 def test_rasd_pruning_keeps_branches_whose_first_token_the_draft_ranks_high():

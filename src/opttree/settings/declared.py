@@ -18,9 +18,12 @@ class Declared:
     # in a batch, it drafts in a thread of its own and hands its forwards to the round that batches them
     # with the other rows' (`drafters.together`)
     forwards_together: bool = False
+    # it also answers `root_top(committed, k)` and `expand_top(tokens, parent_slots, k)`: each node's k most
+    # likely children without the (K, V) rows (a policy that takes top-ranked children asks these instead)
+    top_children: bool = False
 
 
-DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together")
+DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children")
 
 
 def declared_by(obj: object) -> dict:

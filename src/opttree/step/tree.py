@@ -183,27 +183,58 @@ def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
     """The union of two tries: a node of `extra` whose token path `base` already has becomes that node
     (its score the larger of the two, its drafter slot base's); the others hang under their path's
     deepest node, with slot -1. No node gets two children with one token. Sorted by depth again."""
-    if base.draft_probs is not None or extra.draft_probs is not None:
+    rows = _union([base, extra])
+    depths = rows[2]
+    return _host_tree(rows, sorted(range(len(depths)), key=lambda i: (depths[i], i)), base.tokens.device)
+
+
+def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> DraftTree:
+    """`top_nodes` of the tries' `merge`, on the host where the union is made: the best tree of at most n
+    nodes by path score (a node counts at the lowest score on its path; ties to the shallower, then the
+    earlier node), nodes scored below `floor` dropped. One read of each trie, one tensor each way."""
+    rows = _union(tries)
+    _, parents, depths, scores, _ = rows
+    path_min: list[float] = []  # parents come first
+    for parent, score in zip(parents, scores):
+        score = score if score >= floor else float("-inf")
+        path_min.append(min(score, path_min[parent]) if parent >= 0 else score)
+    best = sorted(range(len(parents)), key=lambda i: (-path_min[i], depths[i], i))[:n]
+    kept = sorted((i for i in best if path_min[i] > float("-inf")), key=lambda i: (depths[i], i))
+    return _host_tree(rows, kept, tries[0].tokens.device)
+
+
+def _union(tries: list[DraftTree]) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+    """`merge`'s union of tries by token path, as host rows (tokens, parents, depths, scores, slots):
+    the first trie's nodes in order, then each other's new paths, parents first."""
+    if any(trie.draft_probs is not None for trie in tries):
         raise ValueError("sampled candidates (with draft_probs) cannot be merged with another source's: their "
                          "verification needs exactly the distribution they were drawn from")
-    tokens, parents, depths, scores, slots = host_rows(base)  # one read of each tree
+    tokens, parents, depths, scores, slots = host_rows(tries[0])  # one read of each trie
     index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
-    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(extra)
-    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
-        if path in index:
-            scores[index[path]] = max(scores[index[path]], score)
-            continue
-        index[path] = len(tokens)
-        tokens.append(path[-1])
-        parents.append(index[path[:-1]] if len(path) > 1 else -1)  # extra is parents-first: the parent is in
-        depths.append(len(path))
-        scores.append(score)
-        slots.append(-1)
-    device = base.tokens.device
-    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
-                       torch.tensor(scores, dtype=torch.float32, device=device),
-                       torch.tensor(slots, dtype=torch.long, device=device))
-    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+    for extra in tries[1:]:
+        extra_tokens, extra_parents, _, extra_scores, _ = host_rows(extra)
+        for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
+            if path in index:
+                scores[index[path]] = max(scores[index[path]], score)
+                continue
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)  # parents-first: the parent is in
+            depths.append(len(path))
+            scores.append(score)
+            slots.append(-1)
+    return tokens, parents, depths, scores, slots
+
+
+def _host_tree(rows: tuple, keep: list[int], device: torch.device) -> DraftTree:
+    """The tree of host rows' nodes `keep` (in this order, parents before children), re-indexed."""
+    tokens, parents, depths, scores, slots = rows
+    new_index = {old: new for new, old in enumerate(keep)}
+    ints = torch.tensor([[tokens[i] for i in keep], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                         [depths[i] for i in keep], [slots[i] for i in keep]], dtype=torch.long).view(4, len(keep))
+    ints = ints.to(device)
+    return DraftTree(ints[0], ints[1], ints[2], torch.tensor([scores[i] for i in keep], dtype=torch.float32).to(device),
+                     ints[3])
 
 
 def merge_sampled(sampled: DraftTree, proposed: DraftTree) -> DraftTree:

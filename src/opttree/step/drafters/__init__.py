@@ -2,7 +2,8 @@
 
 Optional hooks, each declared (`opttree.settings.declared.Declared`): `prompt_rows = R > 0` (it also gets
 `seed(tokens, logits)` from the prefill), `wants_hidden` (`seed_hidden` and the hidden states),
-`reads_target_cache` (`share_target_cache`), `forwards_together` (a batch's rows draft together).
+`reads_target_cache` (`share_target_cache`), `forwards_together` (a batch's rows draft together),
+`top_children` (`root_top` / `expand_top`: the best children without the (K, V) rows; `TopChildren`).
 Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
 """
 
@@ -34,6 +35,20 @@ class Drafter(Protocol):
         drafters that learn from the target."""
 
 
+class TopChildren(Protocol):
+    """What a drafter declaring `top_children` also answers: the k most likely children of each node, for a
+    policy that takes top-ranked children, without building (K, V) rows of which it reads k entries. The
+    same tree as `topk` of `root` / `expand` rows, but for ties and for children of probability 0, which
+    it need not list: a row may hold fewer than k (padded with -inf, its token then any)."""
+
+    def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`root`, answered as (tokens (k',), log-probabilities (k',)), k' <= k, best first."""
+
+    def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expand`, answered as (tokens (K, k'), log-probabilities (K, k')), k' <= k, each row best first."""
+
+
 class CheckedDrafter(Declared):
     """A user's Drafter, with its answers checked: log-probabilities over the target's vocabulary,
     each row normalised, no NaN or +inf (a clear error instead of a malformed tree later). Its
@@ -41,7 +56,10 @@ class CheckedDrafter(Declared):
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner, self.vocab = inner, vocab
-        self.forwards_together = pass_hooks(self, inner)["forwards_together"]
+        declared = pass_hooks(self, inner)
+        self.forwards_together, self.top_children = declared["forwards_together"], declared["top_children"]
+        if self.top_children:  # its listed children are read as given (the rows it would return are not built)
+            self.root_top, self.expand_top = inner.root_top, inner.expand_top
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 

@@ -47,12 +47,24 @@ class RecyclingMatrix:
     def log_dist(self, tokens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """(R,) tokens at (R,) depths -> (R, V) log-probabilities of the next token: M[t]'s ranks get
         their hit rates (at most MAX_LISTED_MASS together), the rest is uniform; uniform if M[t] is unset."""
+        rates, spread = self._rates(tokens, depths)
+        log_probs = spread.log().expand(-1, self.vocab).clone()  # (R, V)
+        return log_probs.scatter_(1, self.next[tokens].long(), (rates + spread).log())  # a row's k tokens differ
+
+    def top(self, tokens: torch.Tensor, depths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k' = min(k, width) most likely next tokens of `log_dist`'s rows, without building them:
+        (tokens (R, k'), log-probabilities (R, k')), best first. An unset row lists tokens 0.. (uniform)."""
+        rates, spread = self._rates(tokens, depths)  # (R, k), (R, 1)
+        best = rates.topk(min(k, self.width), dim=1)  # a row's ranks by hit rate
+        listed = torch.where(self.filled[tokens, None], self.next[tokens].long(), torch.arange(self.width, device=self.next.device))
+        return listed.gather(1, best.indices), (best.values + spread).log()
+
+    def _rates(self, tokens: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, k) the probability of each listed token of M[tokens] at `depths`, (R, 1) each other token's."""
         rates = self.rates.mean[depths.to(self.next.device).clamp(max=DEPTHS - 1)]  # (R, k)
         rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
         rates = rates * self.filled[tokens, None]  # an unset row lists nothing
-        spread = (1 - rates.sum(dim=1, keepdim=True)) / self.vocab  # (R, 1) each token's share of the rest
-        log_probs = spread.log().expand(-1, self.vocab).clone()  # (R, V)
-        return log_probs.scatter_(1, self.next[tokens].long(), (rates + spread).log())  # a row's k tokens differ
+        return rates, (1 - rates.sum(dim=1, keepdim=True)) / self.vocab
 
     def nbytes(self) -> int:
         return self.next.numel() * self.next.element_size()
@@ -62,6 +74,7 @@ class RecyclingDrafter(Declared):
     """The matrix as a `Drafter`: any tree policy can grow its tree from recycled tokens, no forward pass."""
 
     prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`
+    top_children = True  # `root_top` / `expand_top`: M[t]'s ranks by hit rate, no (K, V) rows
 
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
         self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))
@@ -76,18 +89,32 @@ class RecyclingDrafter(Declared):
         self.matrix.record(tokens, logits)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
-        self.slot_depths = self.slot_depths[:0]
-        root = committed[-1:].to(self.device)
-        return self.matrix.log_dist(root, torch.zeros(1, dtype=torch.long, device=self.device))[0]
+        return self.matrix.log_dist(*self._root(committed))[0]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        return self.matrix.log_dist(*self._expand(tokens, parent_slots))
+
+    def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logq = self.matrix.top(*self._root(committed), k)
+        return tokens[0], logq[0]
+
+    def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.matrix.top(*self._expand(tokens, parent_slots), k)
+
+    def _root(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new tree: (1,) the root token, (1,) its depth 0."""
+        self.slot_depths = self.slot_depths[:0]
+        return committed[-1:].to(self.device), torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nodes (K,) take the next slots: (K,) their tokens, (K,) their depths."""
         parent_slots = parent_slots.to(self.device)
         if self.slot_depths.numel():
             depths = torch.where(parent_slots >= 0, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1)  # (K,)
         else:
             depths = torch.ones_like(parent_slots)
         self.slot_depths = torch.cat([self.slot_depths, depths])
-        return self.matrix.log_dist(tokens.to(self.device), depths)
+        return tokens.to(self.device), depths
 
     def observe(self, result) -> None:
         tokens = result.tokens  # (N + 1,) [root] + nodes

@@ -18,7 +18,6 @@ deterministic candidates (`MergedPolicy`); dyspec and sequoia sample from one so
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from pathlib import Path
@@ -31,7 +30,7 @@ from ...settings.config import DEFAULT_MAX_DEPTH, SpecConfig
 from ...settings.declared import pass_hooks
 from ...settings.drafter_spec import KINDS, DrafterSpec, declare_source
 from ...settings.names import BUILTIN_SOURCE_KINDS, TRAINED_SOURCES, SourceKind
-from ..tree import DraftTree, merge, merge_sampled, node_paths, top_nodes
+from ..tree import DraftTree, merge_best, merge_sampled, node_paths, top_nodes
 from ..verify import Verification
 from . import Declared, Drafter
 from .datastore import open_datastore
@@ -157,27 +156,47 @@ class TrieDrafter(Declared):
     """A candidate source as the step's only distribution source: a node's children get
     log(child score) - log(node score) for the trie's continuations, -inf for every other token."""
 
+    top_children = True  # a node has few children: `root_top` / `expand_top` list them, no (K, V) rows
+
     def __init__(self, source: CandidateSource, vocab: int, max_nodes: int, max_depth: int):
         self.source, self.vocab, self.max_nodes, self.max_depth = source, vocab, max_nodes, max_depth
-        self.children: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+        self.children: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # best first
         self.slot_paths: list[tuple[int, ...]] = []
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.source.start(input_ids)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
+        self._open(committed)
+        return self._rows([()])[0]
+
+    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+        return self._rows(self._run(tokens, parent_slots))
+
+    def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._open(committed)
+        tokens, logq = self._top([()], k)
+        return tokens[0], logq[0]
+
+    def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._top(self._run(tokens, parent_slots), k)
+
+    def _open(self, committed: torch.Tensor) -> None:
+        """A new tree: the source's trie after `committed`, as each path's children."""
         trie = self.source.propose(committed, self.max_nodes, self.max_depth)
         scores = dict(zip(node_paths(trie), trie.scores.tolist()))
         self.children = {}
         for path, score in scores.items():
             self.children.setdefault(path[:-1], []).append((path[-1], score - scores.get(path[:-1], 0.0)))
+        for listed in self.children.values():
+            listed.sort(key=lambda child: -child[1])
         self.slot_paths, self.device = [], committed.device
-        return self._rows([()])[0]
 
-    def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> list[tuple[int, ...]]:
+        """Nodes (K,) take the next slots: their token paths."""
         paths = [(self.slot_paths[p] if p >= 0 else ()) + (t,) for t, p in zip(tokens.tolist(), parent_slots.tolist())]
         self.slot_paths += paths
-        return self._rows(paths)
+        return paths
 
     def _rows(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         rows = torch.full((len(paths), self.vocab), float("-inf"))  # (R, V)
@@ -185,6 +204,16 @@ class TrieDrafter(Declared):
             for token, log_p in self.children.get(path, []):
                 rows[i, token] = log_p
         return rows.to(self.device)
+
+    def _top(self, paths: list[tuple[int, ...]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, k') tokens and log-probabilities of each path's k best children, k' = the most any has
+        (at least 1), short rows padded with -inf."""
+        listed = [self.children.get(path, [])[:k] for path in paths]
+        width = max(1, *(len(children) for children in listed))
+        tokens = [[t for t, _ in children] + [0] * (width - len(children)) for children in listed]
+        logq = [[s for _, s in children] + [float("-inf")] * (width - len(children)) for children in listed]
+        return (torch.tensor(tokens, dtype=torch.long, device=self.device),
+                torch.tensor(logq, dtype=torch.float32, device=self.device))
 
     def observe(self, result: Verification) -> None:
         self.source.observe(result)
@@ -216,6 +245,7 @@ class Sources(Declared):
         self.wants_hidden = any(s.wants_hidden for s in [first, *candidates])
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
         self.forwards_together = first.forwards_together  # candidates run no network
+        self.top_children = first.top_children
         self.root_logq: torch.Tensor | None = None
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -243,6 +273,13 @@ class Sources(Declared):
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         return self.first.expand(tokens, parent_slots)
+
+    def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.root_logq = None  # no (V,) row: RASD's pruning reads a draft model's, which lists no top children
+        return self.first.root_top(committed, k)
+
+    def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first.expand_top(tokens, parent_slots, k)
 
     def observe(self, result: Verification) -> None:
         for source in [self.first, *self.candidates]:
@@ -274,11 +311,8 @@ class MergedPolicy:
         if not proposals:
             return tree
         if not self.sampled:
-            for proposal in proposals:
-                tree = merge(tree, proposal)
-            return top_nodes(tree, self.budget)
-        fixed = functools.reduce(merge, proposals)
-        fixed = top_nodes(fixed, self.budget, by=fixed.scores.masked_fill(fixed.scores < LOG_PROPOSED_MIN, float("-inf")))
+            return merge_best([tree, *proposals], self.budget)
+        fixed = merge_best(proposals, self.budget, floor=LOG_PROPOSED_MIN)
         return merge_sampled(top_nodes(tree, self.budget - len(fixed), by=tree.keys), fixed)
 
 

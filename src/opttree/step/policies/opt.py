@@ -46,13 +46,18 @@ class OptTree:
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
-        dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-        device = dist.device
-        zero = torch.zeros(1, device=device)
-        tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, n))  # layer 1, (k,)
+        top = drafter.top_children and not picker.sampled  # the drafter lists each node's best children itself
+        if top:
+            tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)
+            keys, probs = scores, []
+        else:
+            dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+            zero = torch.zeros(1, device=dist.device)
+            tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, n))  # layer 1, (k,)
+            probs = [dist.exp()] if picker.sampled else []  # sampled: the distributions children were drawn from
+        device = tokens.device
         # A layer: (tokens, parents (candidate index, -1 = root), keys (what ranks them), log p-hat).
         layers = [(tokens, torch.full_like(tokens, -1), keys, scores)]
-        probs = [dist.exp()] if picker.sampled else []  # sampled: the distributions children were drawn from
         offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
         gains = []  # on the device: () per layer, E_d - E_(d-1)
         # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
@@ -71,11 +76,17 @@ class OptTree:
                 gains.append(e_depth - e_prev)
             e_prev = e_depth
             tokens, parents, keys, scores = layers[-1]
-            dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
-            if picker.sampled:
-                probs.append(dist.exp())
-            # only a row's n best children can make the layer's n best
-            child_tokens, child_keys, child_scores = (x.flatten() for x in picker.ranked(keys, scores, dist, n))
+            if top:
+                child_tokens, child_scores = drafter.expand_top(tokens, parents, n)  # (k, k')
+                child_scores = scores[:, None] + child_scores
+                child_keys = child_scores
+            else:
+                dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
+                if picker.sampled:
+                    probs.append(dist.exp())
+                # only a row's n best children can make the layer's n best
+                child_tokens, child_keys, child_scores = picker.ranked(keys, scores, dist, n)
+            child_tokens, child_keys, child_scores = (x.flatten() for x in (child_tokens, child_keys, child_scores))
             keys, flat = child_keys.topk(min(n, child_keys.shape[0]))
             width = child_tokens.shape[0] // tokens.shape[0]
             layers.append((child_tokens[flat], offset + flat // width, keys, child_scores[flat]))
@@ -90,6 +101,8 @@ class OptTree:
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
             all_keys = all_keys.masked_fill(depths > stop, float("-inf"))
         tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in (0, 1, 3))
+        if top:  # keys are the scores; a listed row may be short (-inf): those candidates are no children
+            return select_best(tokens, parents, depths, all_keys, slots, n, keys=all_keys)
         if not picker.sampled:  # keys are the scores (masked past the stop)
             return select_best(tokens, parents, depths, all_keys, slots, n)
         probs.append(dist.new_zeros(sum(sizes) - offset, dist.shape[1]))  # the last layer drew nothing
