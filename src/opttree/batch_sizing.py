@@ -26,6 +26,7 @@ import torch
 
 from .device import model_device, synchronize
 from .hardware import hardware_key, now
+from .packed import packed_models
 from .profiles import AUTO_ENV, model_part, profile_dir
 from .step.cache import cache_argument, context_window, new_cache, truncate
 from .step.tree import DraftTree, splittable, top_nodes
@@ -156,7 +157,7 @@ def verify_ms(target, rows: int) -> list[float]:
     context = timing_context(target)
     ids = (torch.arange(context, device=device) * 7919 % vocab).expand(rows, -1)  # (rows, C) in-vocabulary
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_models(target):  # as a generation runs it
         cache = new_cache(target)
         target(input_ids=ids, **{cache_argument(target): cache})
         for width in WIDTHS:

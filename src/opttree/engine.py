@@ -13,6 +13,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
+from .packed import PackedLinears, entered
 from .parallel import lockstep_for
 from .settings.config import SpecConfig
 from .stats import GenerationStats
@@ -212,11 +213,13 @@ class Generation:
     `.sequences` fill in as it runs (`.rows[b].stats` and `.rows[b].committed` for each row of a batch)."""
 
     def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False,
-                 allocator: Allocator | None = None):
+                 allocator: Allocator | None = None, packed: Sequence[PackedLinears] = ()):
         """`allocator`: several rows' trees -> the trees they verify, e.g. `policies.batch.BatchBudget`
         (one node budget for the whole batch) or `batch_sizing.SizedBudget` (each row's tree sized for the
-        rows of the step); None: each row keeps its own tree."""
+        rows of the step); None: each row keeps its own tree. `packed`: the models' linear layers that run
+        from packed weights during the steps and prefills (`opttree.packed`: the same outputs, sooner)."""
         self.target, self.rows, self.static, self.allocator = target, rows, static, allocator
+        self.packed = list(packed)
         self.single = not batch  # one sequence, not a batch (of one or more)
         self.device = model_device(target)  # every tensor of the loop lives here
         self.width = width  # the static path's padded tree size
@@ -301,14 +304,14 @@ class Generation:
         does it otherwise. A caller that admits rows one by one calls it to see a prefill fail alone."""
         if not self.started:
             self.started = True
-            with torch.inference_mode():
+            with torch.inference_mode(), entered(self.packed):
                 self._join(list(range(len(self.rows))))
 
     def _advance(self) -> tuple[list[int], list[tuple]]:
         """One step of the running rows (rows admitted from now on run from the next one): their indices
         and (chunk, finished, what the depth control observes) each."""
         running = list(self.active)
-        with torch.inference_mode():
+        with torch.inference_mode(), entered(self.packed):
             results = self._step(self.cache, [self.rows[b] for b in running], self.phases)
         now = time.perf_counter()  # the step has synchronised (its readout)
         for b in running:
@@ -344,7 +347,7 @@ class Generation:
         new = list(range(first, len(self.rows)))
         if self.started:  # running: they join now; before the start, the first prefill takes them
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), entered(self.packed):
                     self._join(new)
             except BaseException:
                 del self.rows[first:]

@@ -60,13 +60,14 @@ def describe(key: dict) -> str:
 
 def forward_ms(model, k: int, context: int = 128, repeats: int = 5) -> float:
     """Median ms of one forward over k new tokens after `context` cached ones (causal, no tree)."""
+    from .packed import packed_models
     from .step.cache import cache_argument, new_cache, truncate
 
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.arange(context + k, device=device) % vocab
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_models(model):  # as a generation runs it
         cache = new_cache(model)
         model(input_ids=ids[None, :context], **{cache_argument(model): cache})
         for _ in range(repeats + 1):  # the first is a warm-up

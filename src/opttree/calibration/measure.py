@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..alignment import fit_draft_temperature, paired_logits, reliability
 from ..device import seconds_since
+from ..packed import packed_models
 from ..profiles import DRAFT_TEMPERATURE_FIELD
 from ..settings.config import drafter_delta
 from ..settings.declared import Declared
@@ -63,7 +64,7 @@ def latency_curves(models: dict, context: torch.Tensor, max_tokens: int, repeats
     caches = {name: new_cache(model) for name, model in models.items()}
     contexts = {name: context.to(model.device) for name, model in models.items()}
     times: dict[str, list[list[float]]] = {name: [[] for _ in range(max_tokens)] for name in models}
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_models(*models.values()):  # as a generation runs them
         for name, model in models.items():
             ids = contexts[name]
             model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],

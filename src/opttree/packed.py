@@ -1,0 +1,141 @@
+"""Linear weights prepacked for the CPU's bf16 matrix kernels, during opttree's steps.
+
+On a CPU with bf16 matrix instructions (AVX512-bf16, AMX), a bf16 `nn.Linear` runs oneDNN's brgemm
+kernel, which first copies the weight into its blocked layout: every call, for every layer. A decoding
+step multiplies a few rows by each weight, so that copy is most of the time: on a 2-core Xeon with AMX,
+a 512 x 1376 layer takes 50 us plain and 22 us with the weight packed once (`scripts/packed_linears.py`;
+docs/BENCHMARKS.md, "Packed bf16 weights").
+
+`PackedLinears(model)` packs each bf16 linear weight of a CPU model once (`torch.ops.mkldnn`, the ops
+inductor's frozen graphs call) and, while entered, runs those layers from the packed copy. Exactness is
+checked, not assumed: for each weight shape, the packed kernel's output is compared bit for bit with the
+plain one's at every row count up to MAX_ROWS (random inputs), and a layer runs packed only for row counts
+up to the largest where every smaller one matched; other calls (a long prefill, grad mode, another dtype)
+run the plain layer. So a generation's tokens are those of the plain layers, and only the time changes.
+`OPTTREE_PACKED=0` turns it off (to measure what it gains).
+The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
+fit in a quarter of the memory available (`MEMORY_SHARE`), and the copies live as long as the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  # rows of a call checked (and run) packed: a tree step's, not a prefill's
+MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
+
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears | None]" = weakref.WeakKeyDictionary()
+
+
+def packed_linears(model: torch.nn.Module | None) -> "PackedLinears | None":
+    """The model's packed linears (made on first use, kept with the model), or None where packing does
+    not apply: not on a CPU with bf16 matrix kernels, no bf16 linear, a compiled model, not enough memory."""
+    if model is None or os.environ.get("OPTTREE_PACKED", "1") == "0":
+        return None
+    packed = _PACKED.get(model)
+    if model not in _PACKED or (packed is not None and packed.stale()):  # new, or its weights changed in place
+        _PACKED[model] = packed = PackedLinears(model) if packing_applies(model) else None
+    return packed if packed is not None and packed.layers else None
+
+
+def entered(packs: list["PackedLinears"]) -> contextlib.ExitStack:
+    """A context in which every one of `packs` runs packed."""
+    stack = contextlib.ExitStack()
+    for pack in packs:
+        stack.enter_context(pack)
+    return stack
+
+
+def packed_models(*models: torch.nn.Module | None) -> contextlib.ExitStack:
+    """A context in which each model's linears run packed where packing applies (timings of what a
+    generation runs: calibration, --dtype auto, batch sizing)."""
+    return entered([pack for pack in map(packed_linears, models) if pack is not None])
+
+
+def packing_applies(model: torch.nn.Module) -> bool:
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu" or getattr(model, "_opttree_compiled", False):
+        return False
+    if _LINEAR is None or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    size = sum(m.weight.numel() * 2 for m in _bf16_linears(model))
+    return 0 < size <= MEMORY_SHARE * _available_bytes()
+
+
+class PackedLinears:
+    """A model's bf16 linear layers with packed copies of their weights; `with` it, they run from them."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers: list[tuple[torch.nn.Module, torch.Tensor, int]] = []  # (layer, packed weight, max rows)
+        self._saved: list = []
+        limits: dict[tuple, int] = {}
+        with torch.inference_mode():
+            for layer in _bf16_linears(model):
+                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 16)
+                shape = (layer.in_features, layer.out_features, layer.bias is not None)
+                if shape not in limits:
+                    limits[shape] = _identical_rows(layer, packed)
+                if limits[shape]:
+                    self.layers.append((layer, packed, limits[shape]))
+        self._versions = [layer.weight._version for layer, _, _ in self.layers]
+
+    def stale(self) -> bool:
+        """Whether a weight changed in place since it was packed (trained, loaded)."""
+        return [layer.weight._version for layer, _, _ in self.layers] != self._versions
+
+    def __enter__(self) -> "PackedLinears":
+        self._saved = [layer.__dict__.get("forward") for layer, _, _ in self.layers]
+        for layer, packed, rows in self.layers:
+            layer.forward = functools.partial(_packed_forward, layer, packed, rows)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (layer, _, _), forward in zip(self.layers, self._saved):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+        self._saved = []
+
+
+def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+    if flat.shape[0] > max_rows or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+        return F.linear(x, layer.weight, layer.bias)
+    return _LINEAR(flat, packed, layer.bias, "none", [], "").view(*x.shape[:-1], -1)
+
+
+def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:
+    """The largest r <= MAX_ROWS such that the packed kernel's output equals the plain one's, bit for bit,
+    at every row count 1..r (random inputs of the weight's scale)."""
+    generator = torch.Generator().manual_seed(0)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, layer.in_features, generator=generator).to(torch.bfloat16)
+        plain = F.linear(x, layer.weight, layer.bias)
+        if not torch.equal(plain, _LINEAR(x, packed, layer.bias, "none", [], "")):
+            return rows - 1
+    return MAX_ROWS
+
+
+def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+            and m.weight.device.type == "cpu"]
+
+
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 where there is none: nothing is packed)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

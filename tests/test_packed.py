@@ -1,0 +1,84 @@
+"""Packed bf16 linear weights (`opttree.packed`): a layer runs packed only at row counts where the packed
+kernel matched the plain one bit for bit, and a generation's tokens do not change."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import tiny_model
+
+import opttree
+from opttree import packed as packing
+from opttree.packed import PackedLinears, entered, packed_linears, packing_applies
+
+BF16_KERNELS = torch.backends.mkldnn.is_available() and packing._LINEAR is not None and \
+    torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_a_layer_runs_packed_only_up_to_the_rows_where_the_kernels_agreed(monkeypatch):
+    """A stand-in packed kernel that is off from 5 rows on: checked rows 1..4, run packed there only."""
+    calls = []
+
+    def kernel(x, weight, bias, *args):
+        calls.append(x.shape[0])
+        out = F.linear(x, weight, bias)
+        return out + 1 if x.shape[0] >= 5 else out
+
+    monkeypatch.setattr(packing, "_LINEAR", kernel)
+    layer = torch.nn.Linear(8, 3).to(torch.bfloat16)
+    assert packing._identical_rows(layer, layer.weight.detach()) == 4
+    with torch.inference_mode():
+        x = torch.randn(2, 2, 8, dtype=torch.bfloat16)  # 4 rows: packed
+        calls.clear()
+        assert torch.equal(packing._packed_forward(layer, layer.weight, 4, x), F.linear(x, layer.weight, layer.bias))
+        assert calls == [4]
+        calls.clear()
+        wide = torch.randn(6, 8, dtype=torch.bfloat16)  # past the limit: the plain layer
+        assert torch.equal(packing._packed_forward(layer, layer.weight, 4, wide), F.linear(wide, layer.weight, layer.bias))
+        assert calls == []
+    x = torch.randn(3, 8, dtype=torch.bfloat16)  # grad mode (training): the plain layer
+    packing._packed_forward(layer, layer.weight, 4, x)
+    assert calls == []
+
+
+def test_packing_applies_to_bf16_cpu_models_that_fit_in_memory(monkeypatch):
+    model = tiny_model("llama")
+    assert not packing_applies(model)  # float32: packing is not bit-identical there, never used
+    model = model.to(torch.bfloat16)
+    if BF16_KERNELS:
+        assert packing_applies(model)
+    monkeypatch.setattr(packing, "_available_bytes", lambda: 1000)  # the copies would not fit
+    assert not packing_applies(model)
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_generation_is_token_identical_with_packed_weights(monkeypatch):
+    target, draft = tiny_model("llama", seed=0).to(torch.bfloat16), tiny_model("llama", seed=1).to(torch.bfloat16)
+    prompt = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("OPTTREE_PACKED", setting)
+        runs[setting] = [opttree.generate(target, prompt, draft, max_new_tokens=24, budget=budget).sequences
+                         for budget in (1, 8, 40)]
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
+    pack = packed_linears(target)
+    assert pack is not None and len(pack.layers) == sum(type(m) is torch.nn.Linear for m in target.modules())
+    assert all(rows >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
+    layer = pack.layers[0][0]
+    with entered([pack]):
+        assert "forward" in layer.__dict__
+    assert "forward" not in layer.__dict__  # the model is as it was outside the steps
+    with torch.no_grad():
+        layer.weight.mul_(1.0)  # changed in place: packed again on next use
+    assert pack.stale() and packed_linears(target) is not pack
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_packed_layers_match_the_plain_ones_bit_for_bit():
+    model = tiny_model("llama", hidden=96).to(torch.bfloat16)
+    pack = PackedLinears(model)
+    ids = torch.randint(0, 90, (1, 30))
+    with torch.inference_mode():
+        plain = model(ids).logits
+        with entered([pack]):
+            packed = model(ids).logits
+    assert torch.equal(plain, packed)
