@@ -82,3 +82,16 @@ def test_packed_layers_match_the_plain_ones_bit_for_bit():
         with entered([pack]):
             packed = model(ids).logits
     assert torch.equal(plain, packed)
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_the_checked_limits_are_kept_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    checked = []
+    monkeypatch.setattr(packing, "_identical_rows", lambda layer, packed: checked.append(layer.weight.shape) or 7)
+    model = tiny_model("llama").to(torch.bfloat16)
+    first = PackedLinears(model)
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear}
+    assert len(checked) == len(shapes) and {rows for _, _, rows in first.layers} == {7}
+    again = PackedLinears(tiny_model("llama", seed=3).to(torch.bfloat16))  # other weights, the same shapes
+    assert len(checked) == len(shapes) and {rows for _, _, rows in again.layers} == {7}  # read, not checked again

@@ -10,8 +10,8 @@ docs/BENCHMARKS.md, "Packed bf16 weights").
 inductor's frozen graphs call) and, while entered, runs those layers from the packed copy. Exactness is
 checked, not assumed: for each weight shape, the packed kernel's output is compared bit for bit with the
 plain one's at every row count up to MAX_ROWS (random inputs), and a layer runs packed only for row counts
-up to the largest where every smaller one matched; other calls (a long prefill, grad mode, another dtype)
-run the plain layer. So a generation's tokens are those of the plain layers, and only the time changes.
+up to the largest where every smaller one matched (once per machine, kernel library and shape: kept in the
+user cache); other calls (a long prefill, grad mode, another dtype) run the plain layer. So a generation's tokens are those of the plain layers, and only the time changes.
 `OPTTREE_PACKED=0` turns it off (to measure what it gains).
 The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
 fit in a quarter of the memory available (`MEMORY_SHARE`), and the copies live as long as the model.
@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import os
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 64  # rows of a call checked (and run) packed: a tree step's, not a prefill's
+MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
@@ -75,15 +78,20 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module):
         self.layers: list[tuple[torch.nn.Module, torch.Tensor, int]] = []  # (layer, packed weight, max rows)
         self._saved: list = []
-        limits: dict[tuple, int] = {}
+        path = _limits_path()
+        limits = json.loads(path.read_text()) if path.exists() else {}
+        known = len(limits)
         with torch.inference_mode():
             for layer in _bf16_linears(model):
                 packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 16)
-                shape = (layer.in_features, layer.out_features, layer.bias is not None)
+                shape = f"{layer.in_features}x{layer.out_features}{'+bias' if layer.bias is not None else ''}"
                 if shape not in limits:
                     limits[shape] = _identical_rows(layer, packed)
                 if limits[shape]:
                     self.layers.append((layer, packed, limits[shape]))
+        if len(limits) > known:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
         self._versions = [layer.weight._version for layer, _, _ in self.layers]
 
     def stale(self) -> bool:
@@ -124,6 +132,24 @@ def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:
     return MAX_ROWS
 
 
+def _limits_path() -> Path:
+    """Where the checked row limits live: they depend on the kernels (torch and oneDNN, the CPU, the threads),
+    not on the weights, so they are kept per machine and library in the user cache (`profiles/`)."""
+    from .profiles import profile_dir
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
+    key = json.dumps([torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu, torch.get_num_threads(), MAX_ROWS])
+    return profile_dir() / f"packed-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as text:
+            return text.readlines()
+    except OSError:
+        return []
+
+
 def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
             and m.weight.device.type == "cpu"]
@@ -131,11 +157,4 @@ def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _available_bytes() -> int:
     """MemAvailable from /proc/meminfo (0 where there is none: nothing is packed)."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return next((int(line.split()[1]) * 1024 for line in _lines("/proc/meminfo") if line.startswith("MemAvailable:")), 0)
