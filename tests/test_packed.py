@@ -65,6 +65,8 @@ def test_generation_is_token_identical_with_packed_weights(monkeypatch):
     assert all(rows >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
     layer = pack.layers[0][0]
     with entered([pack]):
+        with entered([pack]):  # two generations stepping at once: the last out restores
+            assert "forward" in layer.__dict__
         assert "forward" in layer.__dict__
     assert "forward" not in layer.__dict__  # the model is as it was outside the steps
     with torch.no_grad():

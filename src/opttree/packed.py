@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -77,7 +78,9 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module):
         self.layers: list[tuple[torch.nn.Module, torch.Tensor, int]] = []  # (layer, packed weight, max rows)
-        self._saved: list = []
+        self._saved: list = []  # the layers' own instance forwards (None: the class's) while entered
+        self._entered = 0
+        self._lock = threading.Lock()
         path = _limits_path()
         limits = json.loads(path.read_text()) if path.exists() else {}
         known = len(limits)
@@ -99,18 +102,25 @@ class PackedLinears:
         return [layer.weight._version for layer, _, _ in self.layers] != self._versions
 
     def __enter__(self) -> "PackedLinears":
-        self._saved = [layer.__dict__.get("forward") for layer, _, _ in self.layers]
-        for layer, packed, rows in self.layers:
-            layer.forward = functools.partial(_packed_forward, layer, packed, rows)
+        with self._lock:  # generations of one model may step in several threads: the first in installs
+            self._entered += 1
+            if self._entered == 1:
+                self._saved = [layer.__dict__.get("forward") for layer, _, _ in self.layers]
+                for layer, packed, rows in self.layers:
+                    layer.forward = functools.partial(_packed_forward, layer, packed, rows)
         return self
 
     def __exit__(self, *exc) -> None:
-        for (layer, _, _), forward in zip(self.layers, self._saved):
-            if forward is None:
-                del layer.forward
-            else:
-                layer.forward = forward
-        self._saved = []
+        with self._lock:  # ... and the last out restores the layers' own forwards
+            self._entered -= 1
+            if self._entered:
+                return
+            for (layer, _, _), forward in zip(self.layers, self._saved):
+                if forward is None:
+                    del layer.forward
+                else:
+                    layer.forward = forward
+            self._saved = []
 
 
 def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int, x: torch.Tensor) -> torch.Tensor:
