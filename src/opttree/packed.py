@@ -96,6 +96,7 @@ class PackedLinears:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
         self._versions = [layer.weight._version for layer, _, _ in self.layers]
+        self._forwards = [functools.partial(_packed_forward, layer, packed, rows) for layer, packed, rows in self.layers]
 
     def stale(self) -> bool:
         """Whether a weight changed in place since it was packed (trained, loaded)."""
@@ -106,8 +107,8 @@ class PackedLinears:
             self._entered += 1
             if self._entered == 1:
                 self._saved = [layer.__dict__.get("forward") for layer, _, _ in self.layers]
-                for layer, packed, rows in self.layers:
-                    layer.forward = functools.partial(_packed_forward, layer, packed, rows)
+                for (layer, _, _), forward in zip(self.layers, self._forwards):
+                    layer.__dict__["forward"] = forward  # an instance attribute, past Module.__setattr__'s checks
         return self
 
     def __exit__(self, *exc) -> None:
@@ -117,9 +118,9 @@ class PackedLinears:
                 return
             for (layer, _, _), forward in zip(self.layers, self._saved):
                 if forward is None:
-                    del layer.forward
+                    del layer.__dict__["forward"]
                 else:
-                    layer.forward = forward
+                    layer.__dict__["forward"] = forward
             self._saved = []
 
 
