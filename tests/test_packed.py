@@ -97,3 +97,17 @@ def test_the_checked_limits_are_kept_per_machine(monkeypatch, tmp_path):
     assert len(checked) == len(shapes) and {rows for _, _, rows in first.layers} == {7}
     again = PackedLinears(tiny_model("llama", seed=3).to(torch.bfloat16))  # other weights, the same shapes
     assert len(checked) == len(shapes) and {rows for _, _, rows in again.layers} == {7}  # read, not checked again
+
+
+def test_a_cpu_whose_kernels_refuse_to_pack_runs_the_plain_layers(monkeypatch):
+    """oneDNN raises where its bf16 kernels are not built for the CPU (seen with ONEDNN_MAX_CPU_ISA=AVX2 on an
+    AVX512 machine, where the CPU check still says yes): the generation runs unpacked."""
+    def refuse(model):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(packing, "packing_applies", lambda model: True)
+    monkeypatch.setattr(packing, "PackedLinears", refuse)
+    target = tiny_model("llama").to(torch.bfloat16)
+    assert packed_linears(target) is None
+    out = opttree.generate(target, torch.tensor([[1, 5, 9]]), max_new_tokens=8, tree="ar")
+    assert out.sequences.shape[1] == 11

@@ -45,8 +45,15 @@ def packed_linears(model: torch.nn.Module | None) -> "PackedLinears | None":
         return None
     packed = _PACKED.get(model)
     if model not in _PACKED or (packed is not None and packed.stale()):  # new, or its weights changed in place
-        _PACKED[model] = packed = PackedLinears(model) if packing_applies(model) else None
+        _PACKED[model] = packed = _pack(model) if packing_applies(model) else None
     return packed if packed is not None and packed.layers else None
+
+
+def _pack(model: torch.nn.Module) -> "PackedLinears | None":
+    try:
+        return PackedLinears(model)
+    except RuntimeError:  # oneDNN refuses where its bf16 kernels are not built for this CPU (or its ISA is capped)
+        return None
 
 
 def entered(packs: list["PackedLinears"]) -> contextlib.ExitStack:
