@@ -109,5 +109,5 @@ def test_a_cpu_whose_kernels_refuse_to_pack_runs_the_plain_layers(monkeypatch):
     monkeypatch.setattr(packing, "PackedLinears", refuse)
     target = tiny_model("llama").to(torch.bfloat16)
     assert packed_linears(target) is None
-    out = opttree.generate(target, torch.tensor([[1, 5, 9]]), max_new_tokens=8, tree="ar")
+    out = opttree.generate(target, torch.tensor([[1, 5, 9]]), max_new_tokens=8, tree="ar", eos_token_id=[])
     assert out.sequences.shape[1] == 11
