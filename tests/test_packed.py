@@ -48,6 +48,9 @@ def test_packing_applies_to_bf16_cpu_models_that_fit_in_memory(monkeypatch):
         assert packing_applies(model)
     monkeypatch.setattr(packing, "_available_bytes", lambda: 1000)  # the copies would not fit
     assert not packing_applies(model)
+    monkeypatch.undo()
+    compiled = opttree.compile_model(tiny_model("llama").to(torch.bfloat16))  # its step compiles when first called
+    assert not packing_applies(compiled)  # inductor makes its own kernels
 
 
 @pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")

@@ -95,6 +95,11 @@ def has_static_step(model: PreTrainedModel) -> bool:
     return hasattr(model, "_opttree_static_step")
 
 
+def is_compiled(model: PreTrainedModel) -> bool:
+    """Whether `compile_model` compiled the model's forward or a fixed-shape step of it."""
+    return getattr(model, "_opttree_compiled", False) or has_static_step(model)
+
+
 def static_step(model: PreTrainedModel):
     """What runs a static-path tree forward: the compiled step of `compile_model(model, static=True)`,
     else the model itself."""

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .device import is_compiled
+
 MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
 
@@ -72,7 +74,7 @@ def packed_models(*models: torch.nn.Module | None) -> contextlib.ExitStack:
 
 def packing_applies(model: torch.nn.Module) -> bool:
     params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or getattr(model, "_opttree_compiled", False):
+    if not params or params[0].device.type != "cpu" or is_compiled(model):  # inductor makes its own kernels
         return False
     if _LINEAR is None or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
