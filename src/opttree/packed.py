@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .device import is_compiled
+from .shipped import cache_root
 
 MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
@@ -155,11 +156,9 @@ def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:
 def _limits_path() -> Path:
     """Where the checked row limits live: they depend on the kernels (torch and oneDNN, the CPU, the threads),
     not on the weights, so they are kept per machine and library in the user cache (`profiles/`)."""
-    from .profiles import profile_dir
-
     cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
     key = json.dumps([torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu, torch.get_num_threads(), MAX_ROWS])
-    return profile_dir() / f"packed-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return cache_root() / "profiles" / f"packed-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
 def _lines(path: str) -> list[str]:
