@@ -84,7 +84,9 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     overhead = fitted_overhead(grid, t_target, t_draft)
     rows = grid_rows(plain, grid, t_target, t_draft, overhead)
     chosen = recommend(rows)
-    sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], budgets[-1]), chosen["delta"],
+    # the train-free sources draft a layer with no forward, so a wider tree costs them only its verification,
+    # which each run measures: they also try twice the chosen budget, up to twice the grid's largest
+    sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], 2 * budgets[-1]), chosen["delta"],
                           options, progress, draft_temperature)
     sampled_temperature = profile_draft_temperature(alignment, SAMPLED_TEMPERATURE)
     sampled = drafter_run(target, draft, prompts, sampled_runs(chosen["budget"]), chosen["delta"],
