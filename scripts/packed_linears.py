@@ -23,7 +23,7 @@ from opttree.packed import packed_linears
 from opttree.step.drafters.estimates import forget
 
 METHODS = {"ar": dict(tree="ar"), "opt:recycling+lookup@16": dict(drafter="recycling+lookup", budget=16),
-           "opt:model@8": dict(budget=8)}
+           "opt:model@8": dict(budget=8), "opt:head@16": dict(drafter="head", budget=16)}
 
 
 def layer_times(target) -> None:
@@ -74,7 +74,7 @@ def main() -> None:
     runs = [(name, packed) for name in METHODS for packed in (False, True)]
     for name, packed in runs:  # first calls (packing, kernels) out of the timing
         os.environ["OPTTREE_PACKED"] = str(int(packed))
-        opttree.generate(target, prompts[0], draft if "model" in name else None, max_new_tokens=8, **METHODS[name])
+        opttree.generate(target, prompts[0], draft if ":model" in name else None, max_new_tokens=8, **METHODS[name])
     totals = {run: [0, 0, 0.0] for run in runs}  # new tokens, steps, seconds
     outputs: dict = {}
     differ = {name: 0 for name in METHODS}
@@ -84,7 +84,7 @@ def main() -> None:
             os.environ["OPTTREE_PACKED"] = str(int(packed))
             forget(target)
             start = time.perf_counter()
-            out = opttree.generate(target, ids, draft if "model" in name else None, max_new_tokens=args.max_new_tokens,
+            out = opttree.generate(target, ids, draft if ":model" in name else None, max_new_tokens=args.max_new_tokens,
                                    eos_token_id=[], **METHODS[name])
             seconds = time.perf_counter() - start
             tally = totals[(name, packed)]

@@ -114,3 +114,22 @@ def test_a_cpu_whose_kernels_refuse_to_pack_runs_the_plain_layers(monkeypatch):
     assert packed_linears(target) is None
     out = opttree.generate(target, torch.tensor([[1, 5, 9]]), max_new_tokens=8, tree="ar", eos_token_id=[])
     assert out.sequences.shape[1] == 11
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_the_networks_a_drafter_runs_are_packed_too(monkeypatch):
+    """The draft model, the feature head (and its draft-vocabulary LM head rows): each declares its networks,
+    the generation packs them with the target, and the tokens stay those of the plain layers."""
+    target, draft, tokenizer = opttree.demo_models(torch.bfloat16)
+    ids = tokenizer("def add(a, b):\n", return_tensors="pt").input_ids
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("OPTTREE_PACKED", setting)
+        for drafter, given in (("model", draft), ("head", None)):
+            run = opttree.stream(target, ids, given, drafter=drafter, budget=8, max_new_tokens=24, eos_token_id=[])
+            runs[(setting, drafter)] = (run.finish().sequences, len(run.packed))
+    for drafter in ("model", "head"):
+        assert torch.equal(runs[("0", drafter)][0], runs[("1", drafter)][0])
+        assert runs[("0", drafter)][1] == 0
+    assert runs[("1", "model")][1] == 2  # the target and the draft model
+    assert runs[("1", "head")][1] >= 2  # the target and the head (and its kept LM head rows, where it has them)

@@ -13,7 +13,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
-from .packed import PackedLinears, entered
+from .packed import PackedLinears, entered, packed_linears
 from .parallel import lockstep_for
 from .settings.config import SpecConfig
 from .stats import GenerationStats
@@ -213,13 +213,14 @@ class Generation:
     `.sequences` fill in as it runs (`.rows[b].stats` and `.rows[b].committed` for each row of a batch)."""
 
     def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False,
-                 allocator: Allocator | None = None, packed: Sequence[PackedLinears] = ()):
+                 allocator: Allocator | None = None):
         """`allocator`: several rows' trees -> the trees they verify, e.g. `policies.batch.BatchBudget`
         (one node budget for the whole batch) or `batch_sizing.SizedBudget` (each row's tree sized for the
-        rows of the step); None: each row keeps its own tree. `packed`: the models' linear layers that run
-        from packed weights during the steps and prefills (`opttree.packed`: the same outputs, sooner)."""
+        rows of the step); None: each row keeps its own tree."""
         self.target, self.rows, self.static, self.allocator = target, rows, static, allocator
-        self.packed = list(packed)
+        # the target's and the drafters' linear layers that run from packed weights during the steps and
+        # prefills, where that applies (`opttree.packed`: the same outputs, sooner)
+        self.packed = packs([target], rows)
         self.single = not batch  # one sequence, not a batch (of one or more)
         self.device = model_device(target)  # every tensor of the loop lives here
         self.width = width  # the static path's padded tree size
@@ -352,6 +353,7 @@ class Generation:
             except BaseException:
                 del self.rows[first:]
                 raise
+        self.packed += [pack for pack in packs([], rows) if pack not in self.packed]
         if any(row.wants_hidden for row in rows) and not self.wants_hidden:
             self.wants_hidden = self.verifier.hidden = True
         return new
@@ -476,6 +478,13 @@ class Generation:
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonus, hidden[i], readouts[i]), phases)
             results.append(row.emit(emitted, readouts[i], len(tree), draft_s, verify_s))
         return results
+
+
+def packs(models: list, rows: list[Row]) -> list[PackedLinears]:
+    """The packed linears of `models` and of the networks the rows' drafters run (each once)."""
+    networks = {id(net): net for net in [*models, *(net for row in rows if row.drafter is not None
+                                                      for net in row.drafter.networks)]}
+    return [pack for pack in map(packed_linears, networks.values()) if pack is not None]
 
 
 def _check_batchable(generation: Generation, rows: list[Row]) -> None:

@@ -17,7 +17,6 @@ from .certify import certify
 from .device import has_static_step, model_device
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
-from .packed import packed_linears
 from .settings.arguments import eos_list, prompt_and_mask, spec_options
 from .settings.config import SpecConfig
 from .settings.declared import Declared, declared_by
@@ -113,7 +112,7 @@ class Speculator:
         _, shape = rows[0]  # a batch takes the dynamic path, where each step pads the trees to the widest
         allocator = SizedBudget(latency) if latency is not None and joinable else self.batch_budget
         return Generation(self.target, [row for row, _ in rows], shape.width, shape.static, batch or joinable,
-                          allocator=allocator, packed=self._packed())
+                          allocator=allocator)
 
     def admit(self, run: Generation, request: Request) -> int:
         """Continuous batching: `request` joins the running batch `run` (a `stream` of a list) between two
@@ -124,11 +123,6 @@ class Speculator:
         """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path. Its
         own budget: a sized batch cuts its tree, each step, for the rows decoding then (`SizedBudget`)."""
         return self._row(request, True, None, None, None)[0]
-
-    def _packed(self) -> list:
-        """The target's and the draft model's packed linears where they apply (`opttree.packed`)."""
-        draft = self.draft if isinstance(self.draft, PreTrainedModel) else None
-        return [pack for pack in (packed_linears(self.target), packed_linears(draft)) if pack is not None]
 
     def _latency(self, rows: int) -> BatchLatency | None:
         """This machine's batch latency table covering `rows` rows where this speculator sizes a batch's trees

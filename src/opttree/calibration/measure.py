@@ -104,7 +104,7 @@ class CountingDrafter(Declared):
     """A drafter that counts its tree layers (expand calls) and their widths, for the cost model."""
 
     def __init__(self, inner):
-        self.inner = inner
+        self.inner, self.networks = inner, inner.networks
         self.layers = 0
         self.layer_tokens = 0
 

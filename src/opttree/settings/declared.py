@@ -21,9 +21,12 @@ class Declared:
     # it also answers `root_top(committed, k)` and `expand_top(tokens, parent_slots, k)`: each node's k most
     # likely children without the (K, V) rows (a policy that takes top-ranked children asks these instead)
     top_children: bool = False
+    # the networks (`nn.Module`s) it runs: their bf16 linear layers run packed during the steps where that
+    # applies (`opttree.packed`); an instance sets its own
+    networks: tuple = ()
 
 
-DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children")
+DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "networks")
 
 
 def declared_by(obj: object) -> dict:
@@ -35,9 +38,10 @@ HOOKS = {"prompt_rows": "seed", "wants_hidden": "seed_hidden", "reads_target_cac
 
 
 def pass_hooks(wrapper: Declared, inner: object) -> dict:
-    """`wrapper` (which stands for `inner`) declares what `inner` declares of HOOKS, and passes those hooks
-    on; returns all of `inner`'s declarations."""
+    """`wrapper` (which stands for `inner`) declares what `inner` declares of HOOKS and its networks, and
+    passes those hooks on; returns all of `inner`'s declarations."""
     declared = declared_by(inner)
+    wrapper.networks = tuple(declared["networks"])
     for name, hook in HOOKS.items():
         setattr(wrapper, name, declared[name])
         if declared[name]:

@@ -123,6 +123,7 @@ class EarlyExitDrafter(Declared):
         self.exit, self.vocab = exit_layer, vocab
         self.hidden_layer = exit_layer.exit_after  # transformers' numbering: the output of layer L-1
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab)
+        self.networks = (exit_layer,)  # the target's layers and LM head are packed with the target
         self.device = model_device(target)
         self.target_cache: DynamicCache | None = None
         self.start(torch.empty(0, dtype=torch.long))

@@ -126,6 +126,7 @@ class HeadDrafter(Declared):
         self.head, self.vocab = head, vocab
         self.embed = target.get_input_embeddings()
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab, head.draft_vocab)
+        self.networks = (head, *self.lm_head.networks)  # the target's own LM head is packed with the target
         self.device = model_device(target)
         self.start(torch.empty(0, dtype=torch.long))
 
@@ -193,9 +194,15 @@ class DraftLMHead:
     def __init__(self, lm_head: nn.Module, vocab: int, rows: list[int] | None = None):
         self.lm_head, self.vocab = lm_head, vocab
         self.rows = None if rows is None else torch.tensor([r for r in rows if r < vocab], device=lm_head.weight.device)
-        if self.rows is not None:  # (N, H) and (N,): the rows kept, sliced once
-            self.weight = whole(lm_head.weight.detach())[self.rows]
-            self.bias = None if lm_head.bias is None else whole(lm_head.bias.detach())[self.rows]
+        self.networks: tuple = ()
+        if self.rows is not None:  # (N, H) and (N,): the rows kept, sliced once, as a layer of their own
+            weight = whole(lm_head.weight.detach())[self.rows]
+            self.kept = nn.Linear(weight.shape[1], weight.shape[0], bias=lm_head.bias is not None,
+                                  device=weight.device, dtype=weight.dtype).requires_grad_(False)
+            self.kept.weight.copy_(weight)
+            if lm_head.bias is not None:
+                self.kept.bias.copy_(whole(lm_head.bias.detach())[self.rows])
+            self.networks = (self.kept,)
 
     def __call__(self, features: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         features = features.to(self.lm_head.weight.dtype)
@@ -203,5 +210,5 @@ class DraftLMHead:
             logits = on_target_vocab(self.lm_head(features).float(), self.vocab)
         else:
             logits = torch.full((*features.shape[:-1], self.vocab), float("-inf"), device=features.device)
-            logits[..., self.rows] = nn.functional.linear(features, self.weight, self.bias).float()
+            logits[..., self.rows] = self.kept(features).float()
         return torch.log_softmax(logits / temperature if temperature != 1 else logits, dim=-1)

@@ -77,6 +77,7 @@ class ModelDrafter(Declared):
         if not (0 < temperature < float("inf")):
             raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
         self.model = model
+        self.networks = (model,)
         self.device = model_device(model)  # inputs go here; log-probabilities come back from here
         self.temperature = temperature
         self.vocab = vocab
