@@ -133,3 +133,14 @@ def test_the_networks_a_drafter_runs_are_packed_too(monkeypatch):
         assert runs[("0", drafter)][1] == 0
     assert runs[("1", "model")][1] == 2  # the target and the draft model
     assert runs[("1", "head")][1] >= 2  # the target and the head (and its kept LM head rows, where it has them)
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_a_model_converted_after_use_is_packed_as_it_is_now():
+    model = tiny_model("llama")
+    assert packed_linears(model) is None  # float32
+    model.to(torch.bfloat16)
+    pack = packed_linears(model)
+    assert pack is not None and packed_linears(model) is pack  # kept
+    model.to(torch.float32)
+    assert packed_linears(model) is None  # its weights were replaced: nothing packed is used

@@ -11,8 +11,9 @@ inductor's frozen graphs call) and, while entered, runs those layers from the pa
 checked, not assumed: for each weight shape, the packed kernel's output is compared bit for bit with the
 plain one's at every row count up to MAX_ROWS (random inputs), and a layer runs packed only for row counts
 up to the largest where every smaller one matched (once per machine, kernel library and shape: kept in the
-user cache); other calls (a long prefill, grad mode, another dtype) run the plain layer. So a generation's tokens are those of the plain layers, and only the time changes.
-`OPTTREE_PACKED=0` turns it off (to measure what it gains).
+user cache); other calls (a long prefill, grad mode, another dtype) run the plain layer. So a generation's
+tokens are those of the plain layers, and only the time changes. `OPTTREE_PACKED=0` turns it off (to
+measure what it gains).
 The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
 fit in a quarter of the memory available (`MEMORY_SHARE`), and the copies live as long as the model.
 """
@@ -47,9 +48,13 @@ def packed_linears(model: torch.nn.Module | None) -> "PackedLinears | None":
     if model is None or os.environ.get("OPTTREE_PACKED", "1") == "0":
         return None
     packed = _PACKED.get(model)
-    if model not in _PACKED or (packed is not None and packed.stale()):  # new, or its weights changed in place
-        _PACKED[model] = packed = _pack(model) if packing_applies(model) else None
-    return packed if packed is not None and packed.layers else None
+    if packed is None or packed.stale():  # new, or its weights changed (trained, loaded, moved, converted)
+        packed = _pack(model) if packing_applies(model) else None
+        if packed is None:
+            _PACKED.pop(model, None)
+            return None
+        _PACKED[model] = packed
+    return packed if packed.layers else None
 
 
 def _pack(model: torch.nn.Module) -> "PackedLinears | None":
@@ -74,6 +79,8 @@ def packed_models(*models: torch.nn.Module | None) -> contextlib.ExitStack:
 
 
 def packing_applies(model: torch.nn.Module) -> bool:
+    """A CPU model with bf16 linear layers, not compiled, on a CPU with oneDNN's bf16 kernels, whose packed
+    copies fit in MEMORY_SHARE of the free memory."""
     params = list(model.parameters())
     if not params or params[0].device.type != "cpu" or is_compiled(model):  # inductor makes its own kernels
         return False
@@ -105,12 +112,16 @@ class PackedLinears:
         if len(limits) > known:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
-        self._versions = [layer.weight._version for layer, _, _ in self.layers]
-        self._forwards = [functools.partial(_packed_forward, layer, packed, rows) for layer, packed, rows in self.layers]
+        self._versions = self._weights()
+        self._forwards = [functools.partial(_packed_forward, layer, packed, rows)
+                          for layer, packed, rows in self.layers]
 
     def stale(self) -> bool:
-        """Whether a weight changed in place since it was packed (trained, loaded)."""
-        return [layer.weight._version for layer, _, _ in self.layers] != self._versions
+        """Whether a weight changed since it was packed: in place (trained, loaded) or replaced (`.to()`)."""
+        return self._weights() != self._versions
+
+    def _weights(self) -> list[tuple[int, int]]:
+        return [(layer.weight.data_ptr(), layer.weight._version) for layer, _, _ in self.layers]
 
     def __enter__(self) -> "PackedLinears":
         with self._lock:  # generations of one model may step in several threads: the first in installs
@@ -143,7 +154,7 @@ def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int,
 
 def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:
     """The largest r <= MAX_ROWS such that the packed kernel's output equals the plain one's, bit for bit,
-    at every row count 1..r (random inputs of the weight's scale)."""
+    at every row count 1..r (random inputs)."""
     generator = torch.Generator().manual_seed(0)
     for rows in range(1, MAX_ROWS + 1):
         x = torch.randn(rows, layer.in_features, generator=generator).to(torch.bfloat16)
@@ -157,7 +168,8 @@ def _limits_path() -> Path:
     """Where the checked row limits live: they depend on the kernels (torch and oneDNN, the CPU, the threads),
     not on the weights, so they are kept per machine and library in the user cache (`profiles/`)."""
     cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
-    key = json.dumps([torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu, torch.get_num_threads(), MAX_ROWS])
+    key = json.dumps([torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu, torch.get_num_threads(),
+                      MAX_ROWS])
     return cache_root() / "profiles" / f"packed-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -176,4 +188,5 @@ def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _available_bytes() -> int:
     """MemAvailable from /proc/meminfo (0 where there is none: nothing is packed)."""
-    return next((int(line.split()[1]) * 1024 for line in _lines("/proc/meminfo") if line.startswith("MemAvailable:")), 0)
+    available = (int(line.split()[1]) * 1024 for line in _lines("/proc/meminfo") if line.startswith("MemAvailable:"))
+    return next(available, 0)
