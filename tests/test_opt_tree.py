@@ -4,8 +4,9 @@ import itertools
 
 import pytest
 import torch
-from helpers import ScriptedDrafter, path_of
+from helpers import ScriptedDrafter, hf_greedy, path_of, tiny_model
 
+import opttree
 from opttree.settings.config import SpecConfig
 from opttree.step.policies import make_policy
 
@@ -172,3 +173,14 @@ def test_children_a_drafter_does_not_list_are_never_drafted(seed):
     for i in range(len(tree)):
         path = path_of(tree, i)
         assert path[-1] in drafter.logq(path[:-1]).topk(2).indices.tolist()
+
+
+def test_a_users_listed_children_are_exact_and_checked():
+    target, prompt = tiny_model("llama"), torch.tensor([[1, 5, 9, 2]])
+    out = opttree.generate(target, prompt, ListedDrafter(96, seed=0, listed=3), max_new_tokens=12, budget=6,
+                           eos_token_id=[])
+    assert torch.equal(out.sequences, hf_greedy(target, prompt, 12, eos_token_id=[]))
+    bad = ListedDrafter(96, seed=0)
+    bad._top = lambda rows, k: (torch.full((rows.shape[0], 2), 500), torch.zeros(rows.shape[0], 2))
+    with pytest.raises(ValueError, match=r"ListedDrafter.root_top\(\) returned a token outside the vocabulary"):
+        opttree.generate(target, prompt, bad, max_new_tokens=4, budget=4)

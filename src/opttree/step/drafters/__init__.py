@@ -51,15 +51,14 @@ class TopChildren(Protocol):
 
 class CheckedDrafter(Declared):
     """A user's Drafter, with its answers checked: log-probabilities over the target's vocabulary,
-    each row normalised, no NaN or +inf (a clear error instead of a malformed tree later). Its
+    each row normalised, no NaN or +inf; listed children (`top_children`) in the vocabulary, at most k
+    (a clear error instead of a malformed tree later). Its
     declarations (`Declared`) are read once, here, and its optional hooks passed on."""
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner, self.vocab = inner, vocab
         declared = pass_hooks(self, inner)
         self.forwards_together, self.top_children = declared["forwards_together"], declared["top_children"]
-        if self.top_children:  # its listed children are read as given (the rows it would return are not built)
-            self.root_top, self.expand_top = inner.root_top, inner.expand_top
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 
@@ -74,6 +73,24 @@ class CheckedDrafter(Declared):
 
     def observe(self, result: Verification) -> None:
         self._observe(result)
+
+    def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._checked_top(*self.inner.root_top(committed, k), k, "root_top")
+
+    def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._checked_top(*self.inner.expand_top(tokens, parent_slots, k), k, "expand_top")
+
+    def _checked_top(self, tokens: torch.Tensor, logq: torch.Tensor, k: int, method: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        name = f"{type(self.inner).__name__}.{method}()"
+        if tokens.shape != logq.shape or tokens.shape[-1] > k or tokens.dtype != torch.long:
+            raise ValueError(f"{name} returned tokens {tuple(tokens.shape)} {tokens.dtype} and log-probabilities "
+                             f"{tuple(logq.shape)}: it lists at most k = {k} children a node, as long ids and "
+                             "their log-probabilities of one shape")
+        if bool((tokens < 0).any() | (tokens >= self.vocab).any() | torch.isnan(logq).any() | (logq > 1e-4).any()):
+            raise ValueError(f"{name} returned a token outside the vocabulary ({self.vocab}) or a log-probability "
+                             "that is NaN or above 0")
+        return tokens, logq
 
     def _checked(self, logq: torch.Tensor, method: str) -> torch.Tensor:
         name = f"{type(self.inner).__name__}.{method}()"

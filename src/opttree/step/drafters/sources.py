@@ -244,7 +244,7 @@ class Sources(Declared):
         self.prompt_rows = max(s.prompt_rows for s in [first, *candidates])
         self.wants_hidden = any(s.wants_hidden for s in [first, *candidates])
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
-        self.forwards_together = first.forwards_together  # candidates run no network but a drafter's
+        self.forwards_together = first.forwards_together  # candidates batch no forwards of their own
         self.top_children = first.top_children
         self.networks = tuple(net for source in [first, *candidates] for net in source.networks)
         self.root_logq: torch.Tensor | None = None
