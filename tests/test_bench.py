@@ -507,6 +507,29 @@ def test_bench_batch_runs_each_method_alone_and_batched_and_checks_every_row(mod
     assert rc == 2 and "hf-assisted takes one prompt at a time" in capsys.readouterr().err
 
 
+def test_the_batch_warm_up_runs_a_batch_of_the_timed_size(model_dirs, tmp_path, monkeypatch):
+    """What a batch of B rows times once per machine (its latency table) happens in the warm-up, not in a
+    timed run: the first batch run is B rows."""
+    from opttree.bench import runner as bench_runner
+
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft, _ = model_dirs
+    prompts = tmp_path / "four.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"def f{i}(x):"}) + "\n" for i in range(4)))
+    sizes = []
+    build = bench_runner.build_runners
+
+    def counted(*args, **kwargs):
+        return {label: (lambda ids, run=run: sizes.append(len(ids) if isinstance(ids, list) else 1) or run(ids))
+                for label, run in build(*args, **kwargs).items()}
+
+    monkeypatch.setattr(bench_runner, "build_runners", counted)
+    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--prompts",
+               str(prompts), "--methods", "opt", "--budgets", "4", "--batch", "3", "--max-new-tokens", "4",
+               "--out", str(tmp_path / "b"), "--no-progress"])
+    assert rc == 0 and [n for n in sizes if n > 1][0] == 3
+
+
 def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
     target, draft, prompts = model_dirs

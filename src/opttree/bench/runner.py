@@ -98,8 +98,9 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
     (method and label `... xB`). A last group of fewer cases runs as a smaller batch."""
     runners = build_runners(target, draft, specs, settings)
     warm_up(target, draft, specs, settings, cases)
-    for runner in runners.values():  # the batch path warms up too, and refuses here, not half-way
-        runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:2]])
+    for runner in runners.values():  # the batch path warms up too, and refuses here, not half-way; at the
+        # batch's size, so that what is timed once per machine for it (the batch latency table) is not timed here
+        runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:max(batch, 2)]])
     groups = [cases[i : i + batch] for i in range(0, len(cases), batch)]
     records = []
     bar = tqdm(total=repeats * len(groups) * len(specs) * 2, desc=f"bench (batch {batch})", unit="run",
