@@ -245,6 +245,7 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
     """Everything needed to read and repeat a run: command, date, machine, models, settings, methods."""
     from ..device import dtype_name
     from ..hardware import machine_info, now
+    from ..packed import packed_linears
     from ..speculator import use_static
     from .methods import find_method
 
@@ -259,6 +260,8 @@ def bench_meta(args, target, draft, settings, specs, prompts: int) -> dict:
         "draft_device": None if draft is None else str(draft.device),
         "draft_dtype": None if draft is None else dtype_name(draft),
         "compiled": bool(args.compile),
+        # opttree's steps run these models' bf16 linears from packed weights (`opttree.packed`); hf-* do not
+        "packed": {"target": packed_linears(target) is not None, "draft": packed_linears(draft) is not None},
         "static": use_static(settings.static, target),
         "prompt_file": str(args.prompts),
         "prompts": prompts,

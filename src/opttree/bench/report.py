@@ -259,7 +259,9 @@ def conditions(meta: dict) -> str:
     tau = settings.get("draft_temperature")
     return (f"{meta['prompts']} prompts ({Path(meta['prompt_file']).name}), {settings['max_new_tokens']} new tokens, "
             f"{meta['dtype']}, temperature {settings['temperature']:g}, delta {settings['delta']:g}"
-            + ("" if tau is None else f", draft temperature {tau:.3g}") + f"; {where}; {meta['date'][:10]}")
+            + ("" if tau is None else f", draft temperature {tau:.3g}")
+            + (", opttree's layers packed" if meta.get("packed", {}).get("target") else "")
+            + f"; {where}; {meta['date'][:10]}")
 
 
 def title(fig, heading: str, about: str) -> None:
