@@ -182,8 +182,9 @@ def _lines(path: str) -> list[str]:
 
 
 def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-            and m.weight.device.type == "cpu"]
+    """The model's plain bf16 linear layers on the CPU (not a subclass, not a quantized or sharded weight)."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
+            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
 
 
 def _available_bytes() -> int:
