@@ -54,8 +54,9 @@ def test_packing_applies_to_bf16_cpu_models_that_fit_in_memory(monkeypatch):
 
 
 @pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
-def test_generation_is_token_identical_with_packed_weights(monkeypatch):
-    target, draft = tiny_model("llama", seed=0).to(torch.bfloat16), tiny_model("llama", seed=1).to(torch.bfloat16)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "phi3"])  # biases, fused projections
+def test_generation_is_token_identical_with_packed_weights(monkeypatch, arch):
+    target, draft = tiny_model(arch, seed=0).to(torch.bfloat16), tiny_model(arch, seed=1).to(torch.bfloat16)
     prompt = torch.tensor([[1, 5, 9, 13, 2, 7]])
     runs = {}
     for setting in ("0", "1"):
