@@ -8,7 +8,7 @@ from test_tree import depths_of, random_parents
 from opttree.step.cache import cache_argument, compact, new_cache
 from opttree.step.drafters import ModelDrafter
 from opttree.step.tree import DraftTree, leaf_paths
-from opttree.step.verify import Verification, matching_path, verify_tree
+from opttree.step.verify import Verification, greedy_choice, matching_path, verify_tree
 
 
 def brute_force_accept(tree, choice):
@@ -89,3 +89,15 @@ def test_drafter_cache_after_accept_matches_recomputation():
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         causal = torch.log_softmax(model(input_ids=torch.cat([prompt, torch.tensor([4])])[None]).logits[0, -1], -1)
         torch.testing.assert_close(first[1], causal, atol=1e-4, rtol=1e-4)
+
+
+def test_the_greedy_choice_is_the_first_of_equal_maxima_as_argmax_takes_it():
+    """`greedy_choice` (max(dim)) against torch.argmax, transformers' greedy pick, on rows full of ties."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        vocab, rows = int(torch.randint(2, 9000, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        logits = torch.randint(-3, 3, (rows, vocab), generator=g).float()  # many equal maxima a row
+        logits[:, int(torch.randint(0, vocab, (1,), generator=g))] = float("-inf")
+        if trial % 2:
+            logits = logits.to(torch.bfloat16)
+        assert torch.equal(greedy_choice(logits), logits.float().argmax(dim=-1))
