@@ -1,6 +1,8 @@
 """Packed bf16 linear weights (`opttree.packed`): a layer runs packed only at row counts where the packed
 kernel matched the plain one bit for bit, and a generation's tokens do not change."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -145,3 +147,13 @@ def test_a_model_converted_after_use_is_packed_as_it_is_now():
     assert pack is not None and packed_linears(model) is pack  # kept
     model.to(torch.float32)
     assert packed_linears(model) is None  # its weights were replaced: nothing packed is used
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_an_unreadable_limits_file_is_checked_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    path = packing._limits_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"64x64": 1')  # cut short
+    pack = PackedLinears(tiny_model("llama").to(torch.bfloat16))
+    assert pack.layers and json.loads(path.read_text())  # checked, and written whole

@@ -99,7 +99,10 @@ class PackedLinears:
         self._entered = 0
         self._lock = threading.Lock()
         path = _limits_path()
-        limits = json.loads(path.read_text()) if path.exists() else {}
+        try:
+            limits = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet (or unreadable): checked again
+            limits = {}
         known = len(limits)
         with torch.inference_mode():
             for layer in _bf16_linears(model):
@@ -109,9 +112,11 @@ class PackedLinears:
                     limits[shape] = _identical_rows(layer, packed)
                 if limits[shape]:
                     self.layers.append((layer, packed, limits[shape]))
-        if len(limits) > known:
+        if len(limits) > known:  # written whole, then renamed: another process never reads half a file
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
+            written = path.with_suffix(f".{os.getpid()}.tmp")
+            written.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
+            os.replace(written, path)
         self._versions = self._weights()
         self._forwards = [functools.partial(_packed_forward, layer, packed, rows)
                           for layer, packed, rows in self.layers]
