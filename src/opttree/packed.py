@@ -4,7 +4,7 @@ On a CPU with bf16 matrix instructions (AVX512-bf16, AMX), a bf16 `nn.Linear` ru
 kernel, which first copies the weight into its blocked layout: every call, for every layer. A decoding
 step multiplies a few rows by each weight, so that copy is most of the time: on a 2-core Xeon with AMX,
 a 512 x 1376 layer takes 50 us plain and 22 us with the weight packed once (`scripts/packed_linears.py`;
-docs/BENCHMARKS.md, "Packed bf16 weights").
+docs/BENCHMARKS.md, "Packed bf16 weights and listed children").
 
 `PackedLinears(model)` packs each bf16 linear weight of a CPU model once (`torch.ops.mkldnn`, the ops
 inductor's frozen graphs call) and, while entered, runs those layers from the packed copy. Exactness is
