@@ -530,6 +530,21 @@ def test_the_batch_warm_up_runs_a_batch_of_the_timed_size(model_dirs, tmp_path, 
     assert rc == 0 and [n for n in sizes if n > 1][0] == 3
 
 
+def test_bench_says_when_opttree_runs_packed_layers_and_the_peers_do_not(model_dirs, tmp_path, monkeypatch, capsys):
+    from opttree.packed import packing_applies
+
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    if not packing_applies(tiny_model("llama").to(torch.bfloat16)):
+        pytest.skip("no oneDNN bf16 matrix kernels on this CPU")
+    target, draft, prompts = model_dirs
+    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--dtype", "bfloat16", "--prompts",
+               str(prompts), "--methods", "hf-ar", "--max-new-tokens", "4", "--out", str(tmp_path / "b"),
+               "--no-progress"])
+    assert rc == 0 and "the hf-* peers run transformers' own" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "b" / "results.json").read_text())["meta"]
+    assert meta["packed"]["target"] and "opttree's layers packed" in (tmp_path / "b" / "results.md").read_text()
+
+
 def test_bench_and_calibrate_commands(model_dirs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
     target, draft, prompts = model_dirs

@@ -212,6 +212,13 @@ def cmd_bench(args) -> int:
                         max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
                         trained=trained, static=args.static)
+    from ..packed import packed_linears
+    from .methods import PEERS
+
+    if packed_linears(target) is not None and any(spec.name in PEERS for spec in specs):
+        print("bench: opttree's methods (ar included) run the bf16 linear layers from weights packed for this CPU's "
+              "kernels (the same tokens; OPTTREE_PACKED=0 turns it off); the hf-* peers run transformers' own",
+              file=sys.stderr)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)

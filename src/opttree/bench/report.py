@@ -143,7 +143,9 @@ def markdown(results: dict) -> str:
         f"- target: `{meta['target']}`; draft: `{meta['draft']}`; device {meta.get('device', 'cpu')}"
         + (f" (draft {meta['draft_device']})" if meta.get("draft_device") not in (None, meta.get("device")) else "")
         + f"; dtype {meta['dtype']}"
-        + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") not in (None, meta["dtype"]) else ""),
+        + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") not in (None, meta["dtype"]) else "")
+        + ("; opttree's layers packed for this CPU's bf16 kernels (same tokens; hf-* peers run transformers' own)"
+           if meta.get("packed", {}).get("target") else ""),
         f"- prompts: {meta['prompts']} from `{meta['prompt_file']}` ({len(results['skipped'])} skipped as too long); "
         f"max new tokens {meta['settings']['max_new_tokens']}; temperature {meta['settings']['temperature']}; "
         f"repeats {meta['repeats']}; tree policies: delta {meta['settings']['delta']:g} (unless shown), "
