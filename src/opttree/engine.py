@@ -346,6 +346,7 @@ class Generation:
         first = len(self.rows)
         self.rows += rows
         new = list(range(first, len(self.rows)))
+        self.packed += [pack for pack in packs([], rows) if pack not in self.packed]  # before their prefill
         if self.started:  # running: they join now; before the start, the first prefill takes them
             try:
                 with torch.inference_mode(), entered(self.packed):
@@ -353,7 +354,6 @@ class Generation:
             except BaseException:
                 del self.rows[first:]
                 raise
-        self.packed += [pack for pack in packs([], rows) if pack not in self.packed]
         if any(row.wants_hidden for row in rows) and not self.wants_hidden:
             self.wants_hidden = self.verifier.hidden = True
         return new
