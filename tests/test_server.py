@@ -485,3 +485,29 @@ def test_serve_sizes_the_batchs_trees_unless_a_budget_is_given(pair, monkeypatch
     assert serve_command.batch_budget_arg("sized") == "sized"
     with pytest.raises(argparse.ArgumentTypeError, match="sized, auto, off"):
         serve_command.batch_budget_arg("widest")
+
+
+def test_only_the_scheduler_keeps_openmp_workers_while_it_decodes(pair, monkeypatch):
+    """The setup's thread, the thread that checks a request, and the scheduler once idle each let their
+    OpenMP workers go (`opttree.threads.release_openmp_threads`): with GNU OpenMP a second team of
+    workers makes the decoding thread's sleep between ops (measured 1.5-1.9x slower serving)."""
+    from opttree.server import app, batcher
+
+    released = []
+    spy = lambda: released.append(threading.current_thread().name) or True  # noqa: E731
+    monkeypatch.setattr(app, "release_openmp_threads", spy)
+    monkeypatch.setattr(batcher, "release_openmp_threads", spy)
+    target, draft, tok = pair
+    server = Server(target, draft, tok, TREE, model_name="demo")
+    assert threading.current_thread().name in released  # the setup's thread, once the server is built
+    url = start(server)
+    released.clear()
+    answer = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+                        timeout=60).json()
+    assert answer["usage"]["completion_tokens"] == 6
+    for _ in range(200):  # the scheduler goes idle after the answer is sent
+        if "opttree-batch" in released:
+            break
+        time.sleep(0.01)
+    assert "opttree-batch" in released  # idle: its workers went
+    assert len([name for name in released if name != "opttree-batch"]) == 1  # the request's check, in its thread

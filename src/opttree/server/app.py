@@ -37,6 +37,7 @@ from ..flags import used_draft
 from ..speculator import Request as GenerationRequest
 from ..speculator import Speculator
 from ..text import TextStream
+from ..threads import release_openmp_threads
 from .batcher import Batcher, BatchJob
 from .ranks import Call, Leader
 
@@ -219,6 +220,9 @@ class Server:
         self.pending = 0
         self.stopping = False  # shutdown has begun: new requests get 503
         self.expired = threading.Event()  # the shutdown grace is over: requests still running end now
+        # the scheduler's thread decodes: the setup's thread (loading, calibration) lets its idle OpenMP
+        # workers go, which would otherwise make the scheduler's sleep between ops (`release_openmp_threads`)
+        release_openmp_threads()
 
     def begin_shutdown(self, grace: float) -> None:
         """Refuse new requests; let those in flight or queued finish for `grace` seconds, then end them."""
@@ -244,7 +248,15 @@ class Server:
         return self.batcher.running() if self.batcher else self.turns.running()
 
     def start(self, req) -> tuple[BatchJob | Job, list[int]]:
-        """Validate a request and queue its generation (errors here are 400s, before anything is sent)."""
+        """Validate a request and queue its generation (errors here are 400s, before anything is sent).
+        Checking a new set of settings runs the target here (in the event loop's thread): this thread's
+        OpenMP workers are let go after it, as the setup's are."""
+        try:
+            return self._start(req)
+        finally:
+            release_openmp_threads()
+
+    def _start(self, req) -> tuple[BatchJob | Job, list[int]]:
         req.refuse_unsupported()
         self.limits.check(req)
         ids = self.prompt_ids(req)
@@ -368,6 +380,7 @@ class Job:
         finally:
             steps.close()  # a generation stopped early ends here, in its decoding thread
             self.turns.leave(self.ticket)
+            release_openmp_threads()  # this thread decodes no more: its OpenMP workers go (the next one's stay awake)
 
     def close(self) -> None:
         """Stop: a decoding thread stops at its next step and then leaves the line; a queued request leaves

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..engine import Allocator, Generation, Row
+from ..threads import release_openmp_threads
 
 _END = object()  # a job's queue: no more chunks
 
@@ -93,6 +94,8 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self.changed:
+                if not self.waiting and not self.jobs:
+                    release_openmp_threads()  # idle: its OpenMP workers go, not to slow another thread's
                 while not self.waiting and not self.jobs:
                     self.changed.wait()
                 room = self.max_rows - len(self.jobs)

@@ -1,0 +1,61 @@
+"""`opttree.threads.release_openmp_threads`: a thread that hands decoding to another lets its OpenMP
+workers go (GNU OpenMP keeps a team per thread, and more teams than cores make every team's workers
+sleep between ops), and the server's threads do it."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from opttree.threads import release_openmp_threads
+
+linux_gomp = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP's thread teams (Linux)")
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settled(count, expected: int) -> int:
+    """The process's thread count once it reaches `expected` (workers end asynchronously), or after 2 s."""
+    deadline = time.monotonic() + 2
+    while count() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count()
+
+
+@linux_gomp
+def test_releasing_ends_the_calling_threads_openmp_workers_and_only_those():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs one intra-op thread: a team of two here
+    seen = {}
+
+    def worker():
+        before = _os_threads()
+        torch.ones(1 << 20).mul_(2)  # large enough to run in parallel: this thread's team starts
+        seen["team"] = _os_threads() - before
+        seen["released"] = release_openmp_threads()
+        seen["after"] = _settled(_os_threads, before) - before
+        torch.ones(1 << 20).mul_(2)  # a later parallel op of its own makes a new team, and is right
+        seen["again"] = _os_threads() - before
+
+    thread = threading.Thread(target=worker)
+    try:
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    if seen["team"] == 0:
+        pytest.skip("this torch runs its parallel ops without starting OpenMP workers here")
+    assert seen["released"] is True
+    assert seen["team"] == 1  # the calling thread is the team's first member
+    assert seen["after"] == 0
+    assert seen["again"] == seen["team"]
+
+
+def test_releasing_with_no_workers_is_harmless():
+    assert release_openmp_threads() in (True, False)
+    assert torch.equal(torch.arange(4) * 2, torch.tensor([0, 2, 4, 6]))
