@@ -161,3 +161,20 @@ def test_eager_attention_from_the_cli_without_progress_bars(model_dirs, capsys):
     ref = hf_greedy(tiny_model("llama", seed=1), ids, 12, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
     assert rc == 0 and json.loads(captured.out)["token_ids"] == ref.tolist()
     assert "Loading weights" not in captured.err
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_compile_where_eager_runs_packed_weights_says_it_is_slower(model_dirs, monkeypatch, capsys, packs):
+    """`--compile` on a CPU whose eager steps run packed bf16 weights (`opttree.packed`) says that the compiled
+    steps do not use them; elsewhere it says nothing. The models are only loaded and wrapped here."""
+    from opttree import packed
+    from opttree.cli import build_parser
+    from opttree.flags import load_pair
+
+    target, draft = model_dirs
+    monkeypatch.setattr(packed, "packing_applies", lambda model: packs)
+    args = build_parser().parse_args(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "a",
+                                      "--dtype", "float32", "--compile"])
+    load_pair(args)
+    said = "compiled steps do not" in capsys.readouterr().err
+    assert said is packs

@@ -276,6 +276,12 @@ def load_pair(args):
     if args.draft_quantize and draft is not None:
         draft = quantize(draft, args.draft_quantize)
     if args.compile:  # the fixed-shape steps of the static path, unless --no-static
+        from .packed import packing_applies
+
+        if packing_applies(target):  # compiled graphs run the plain kernels, not the packed weights
+            print("opttree: --compile: this CPU runs bf16 linear layers from packed weights when eager, which "
+                  "compiled steps do not; compiled measured slower on such a CPU (docs/USAGE.md, \"Static shapes "
+                  "and compiled steps\")", file=sys.stderr)
         static = getattr(args, "static", None) is not False
         target = compile_model(target, static=static)
         # the draft's too on a GPU (its layers in CUDA graphs); on a CPU its dynamic-shape compile measured
