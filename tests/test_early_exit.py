@@ -125,3 +125,17 @@ def test_the_exit_layer_is_loaded_once_per_target_and_folder(setup, monkeypatch,
     ExitLayer(target, 1).save(other, target)  # retrained: read again
     opttree.generate(target, torch.tensor([PROMPT]), drafter="early-exit", early_exit=other, max_new_tokens=4)
     assert [str(a[0]) for a in loads] == [str(folder), str(other), str(other)]
+
+
+@pytest.mark.parametrize("temperature,drafts_at", [(0.0, 0.4), (0.8, 1.0)])
+def test_the_exit_layer_drafts_at_its_calibrated_temperature_only_when_greedy(tmp_path, temperature, drafts_at):
+    """As the head (`drafting_temperature`): calibrated for greedy acceptance, its own distribution when sampling."""
+    target = tiny_model(seed=0, layers=3)
+    exit_layer = ExitLayer(target, 1)
+    exit_layer.temperature = 0.4
+    folder = exit_layer.save(tmp_path / "exit", target)
+    run = opttree.stream(target, torch.tensor([PROMPT]), tree="opt", drafter="early-exit", early_exit=folder,
+                         budget=4, max_new_tokens=4, temperature=temperature, seed=0)
+    next(iter(run))
+    drafter = run.drafter.first  # the sources' distribution source
+    assert isinstance(drafter, EarlyExitDrafter) and drafter.temperature == drafts_at

@@ -164,3 +164,23 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target(tmp_path):
     counts = sample_counts(target, None, prompt, 2, runs, tree="opt", drafter="head", head=folder, budget=6,
                            max_depth=2, temperature=1.0)
     assert chi_square_pvalue(counts, exact_joint(target, prompt, 2, temperature=1.0), runs) > 1e-3
+
+
+@pytest.mark.parametrize("temperature,drafts_at", [(0.0, 0.4), (0.7, 1.0), (1.0, 1.0)])
+def test_the_head_drafts_at_its_calibrated_temperature_only_when_greedy(tmp_path, temperature, drafts_at):
+    """The calibrated temperature fits greedy acceptance; when sampling, the head drafts from its own
+    distribution (temperature 1, then warped like the target's), which its training matched to the target's:
+    the root's draft log-probabilities are the LM head's over the head's output at that temperature."""
+    target = tiny_model(seed=0)
+    torch.manual_seed(0)
+    head = FeatureHead(head_config(target))
+    head.temperature = 0.4
+    folder = head.save(tmp_path / "head", target)
+    run = opttree.stream(target, torch.tensor([[1, 5, 7, 9]]), tree="opt", drafter="head", head=folder, budget=4,
+                         max_new_tokens=4, temperature=temperature, seed=0)
+    next(iter(run))
+    drafter = run.drafter.first  # the sources' distribution source
+    assert isinstance(drafter, HeadDrafter) and drafter.temperature == drafts_at
+    features = torch.randn(2, target.config.hidden_size)
+    expected = torch.log_softmax(target.get_output_embeddings()(features).float() / drafts_at, dim=-1)
+    assert torch.allclose(drafter._log_probs(features), expected, atol=1e-5)

@@ -28,7 +28,7 @@ from ...settings.declared import Declared
 from ..attention import key_positions
 from ..cache import cache_argument, new_cache, truncate
 from ..verify import Verification, attention_bias, masked_attention_kernels
-from .head import DraftLMHead
+from .head import DraftLMHead, drafting_temperature
 from .model import SlotTree
 
 
@@ -119,8 +119,9 @@ class EarlyExitDrafter(Declared):
 
     wants_hidden = True  # the layer-L states of the committed tokens: the prompt's, then each step's
 
-    def __init__(self, exit_layer: ExitLayer, target: PreTrainedModel, vocab: int):
+    def __init__(self, exit_layer: ExitLayer, target: PreTrainedModel, vocab: int, sampling: bool = False):
         self.exit, self.vocab = exit_layer, vocab
+        self.temperature = drafting_temperature(exit_layer.temperature, sampling)
         self.hidden_layer = exit_layer.exit_after  # transformers' numbering: the output of layer L-1
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab)
         self.networks = (exit_layer,)  # the target's layers and LM head are packed with the target
@@ -180,4 +181,4 @@ class EarlyExitDrafter(Declared):
         self.lower_cache = None  # the target's cache moved on
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(features, self.exit.temperature)
+        return self.lm_head(features, self.temperature)

@@ -131,7 +131,7 @@ def _trained(name: str, what: str, parts: Callable[[], tuple[Callable, type]]) -
         loaded = _LOADED.setdefault(context.target, {})
         if key not in loaded:
             loaded[key] = load(folder, context.target)
-        return drafter(loaded[key], context.target, context.vocab)
+        return drafter(loaded[key], context.target, context.vocab, sampling=context.config.temperature > 0)
 
     register_source(name, BUILTIN_SOURCE_KINDS[name])(factory)
 
