@@ -101,3 +101,27 @@ def test_the_greedy_choice_is_the_first_of_equal_maxima_as_argmax_takes_it():
         if trial % 2:
             logits = logits.to(torch.bfloat16)
         assert torch.equal(greedy_choice(logits), logits.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("starts,static", [([7], False), ([7], True), ([7, 7, 4], False), ([5, 7], False)])
+def test_keeping_a_count_equals_keeping_those_offsets(starts, static):
+    """`compact_rows` with a row's kept rows given as a count (the first K, known on the host: a row that
+    accepted nothing keeps its root) leaves the cache as the offsets 0..K-1 do, whether the row stays in
+    place (its start is the step's) or moves (a shorter row of a batch)."""
+    import copy
+
+    from opttree.step.cache import compact_rows, static_cache
+
+    model = tiny_model("llama", seed=3)
+    source, width = max(starts), 5
+    ids = torch.randint(0, 96, (len(starts), source + width), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = static_cache(model, 64) if static else new_cache()
+        model(input_ids=ids, **{cache_argument(model): cache})
+        counts, offsets = copy.deepcopy(cache), copy.deepcopy(cache)
+        chosen = [torch.tensor([0, 2, 3]) if b == 1 else 1 for b in range(len(starts))]  # row 1 keeps a path
+        compact_rows(counts, starts, source, chosen)
+        compact_rows(offsets, starts, source, [torch.arange(k) if isinstance(k, int) else k for k in chosen])
+    assert counts.get_seq_length() == offsets.get_seq_length()
+    for mine, theirs in zip(counts.layers, offsets.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)

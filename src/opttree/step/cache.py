@@ -152,32 +152,49 @@ def compact(cache: Cache, start: int, keep: torch.Tensor) -> None:
     compact_rows(cache, [start], start, [keep])
 
 
-def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch.Tensor]) -> None:
+def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch.Tensor | int]) -> None:
     """Per row b of the batch: keep positions [0, starts[b]) and the rows `source + keeps[b]`, moved to
     starts[b], starts[b] + 1, ...; drop the rest. The cache then ends at the longest row's end; a
     shorter row's positions past its own end are padding that its masks never attend to.
 
     source: where the step's rows begin (the longest row's prefix; = starts[0] for one sequence).
-    keeps: per row, (K_b,) long offsets relative to `source`, increasing. In place.
+    keeps: per row, (K_b,) long offsets relative to `source`, increasing; or the number K_b, for the
+    offsets 0..K_b - 1 (a row whose kept rows are known on the host to be the first: with starts[b] ==
+    source they stay where they are, and nothing of that row is copied). In place.
     """
-    end = max(start + keep.shape[0] for start, keep in zip(starts, keeps))
+    lengths = [keep if isinstance(keep, int) else keep.shape[0] for keep in keeps]
+    end = max(start + length for start, length in zip(starts, lengths))
+    in_place = [isinstance(keep, int) and start == source for keep, start in zip(keeps, starts)]
     if is_static(cache):  # one sequence, rows at its prefix; the indices made once for every layer
         assert len(starts) == 1 and source == starts[0], "a static cache holds one sequence"
-        rows = source + keeps[0]  # (K,)
-        dest = torch.arange(source, end, device=rows.device)  # (K,)
-        for layer in cache.layers:
-            layer.keep(rows, dest, end)
+        for layer in cache.layers if in_place[0] else ():
+            layer.truncate(end)
+        if not in_place[0]:
+            rows = source + keeps[0]  # (K,)
+            dest = torch.arange(source, end, device=rows.device)  # (K,)
+            for layer in cache.layers:
+                layer.keep(rows, dest, end)
         return
-    moves = [(row, start, source + keep) for row, (start, keep) in enumerate(zip(starts, keeps))]  # made once
+    moves = [(row, start, source + _offsets(keep, cache)) for row, (start, keep, stays)
+             in enumerate(zip(starts, keeps, in_place)) if not stays]  # made once, for every layer
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         for name, axis in sequence_tensors(layer):
             data = getattr(layer, name)  # (B, H, S, Dh) keys / values, (B, S, Di) indexer keys
             for row, start, rows in moves:
-                part = data if len(moves) == 1 else data[row:row + 1]  # one row
+                part = data if len(keeps) == 1 else data[row:row + 1]  # one row
                 part.narrow(axis, start, rows.shape[0]).copy_(part.index_select(axis, rows))  # the gather copies first
-            setattr(layer, name, data.narrow(axis, 0, end))
+            if data.shape[axis] != end:
+                setattr(layer, name, data.narrow(axis, 0, end))
+
+
+def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
+    """A row's kept offsets as a (K,) tensor on the cache's device (a count K: 0..K - 1)."""
+    if not isinstance(keep, int):
+        return keep
+    device = next((layer.keys.device for layer in cache.layers if layer.keys is not None), None)
+    return torch.arange(keep, device=device)
 
 
 def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
