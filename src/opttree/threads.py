@@ -86,7 +86,7 @@ def set_torch_threads() -> int:
     return threads
 
 
-_OPENMP_PAUSE: list = []  # [omp_pause_resource_all of GNU OpenMP, or None where torch does not use it], found once
+_OPENMP_PAUSE: list = []  # [a function that frees the calling thread's GNU OpenMP team, or None], found once
 
 
 def release_openmp_threads() -> bool:
@@ -98,17 +98,18 @@ def release_openmp_threads() -> bool:
     2-core VM: an elementwise op in a second thread 12 -> 150 us once the main thread had run one
     (loading a model does), the shipped pair's decoding in that thread 1.9x slower. So a thread that
     has done its torch work and hands decoding to another (a server's setup, its request threads)
-    calls this: its workers end (`omp_pause_resource_all(omp_pause_hard)`, which acts on the calling
-    thread's team only; a later parallel op of its own makes a new one). False where there is nothing
-    to free this way (another OpenMP runtime, or none)."""
+    calls this: its workers end (`omp_pause_resource(omp_pause_hard, the host)`, which in GNU OpenMP
+    frees the calling thread's team only; a later parallel op of its own makes a new one). False where
+    there is nothing to free this way (another OpenMP runtime, or none)."""
     if not _OPENMP_PAUSE:
         _OPENMP_PAUSE.append(_gnu_openmp_pause())
     pause = _OPENMP_PAUSE[0]
-    return pause is not None and pause(2) == 0  # 2 = omp_pause_hard
+    return pause is not None and pause() == 0
 
 
 def _gnu_openmp_pause():
-    """GNU OpenMP's omp_pause_resource_all, from the libgomp this process has loaded (torch's), or None."""
+    """A call of GNU OpenMP's omp_pause_resource for the host, from the libgomp this process has loaded
+    (torch's), or None."""
     import ctypes
 
     try:
@@ -118,9 +119,10 @@ def _gnu_openmp_pause():
         return None
     for path in sorted(paths):
         try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all
+            library = ctypes.CDLL(path)
+            pause, host = library.omp_pause_resource, library.omp_get_initial_device
         except (OSError, AttributeError):  # an old libgomp (before GCC 9) has no pause
             continue
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause
+        pause.argtypes, pause.restype, host.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int, ctypes.c_int
+        return lambda: pause(2, host())  # 2 = omp_pause_hard
     return None
