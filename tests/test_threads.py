@@ -1,6 +1,7 @@
-"""`opttree.threads.release_openmp_threads`: a thread that hands decoding to another lets its OpenMP
-workers go (GNU OpenMP keeps a team per thread, and more teams than cores make every team's workers
-sleep between ops), and the server's threads do it."""
+"""`opttree.threads`: a thread that hands decoding to another lets its OpenMP workers go
+(`release_openmp_threads`: GNU OpenMP keeps a team per thread, and more teams than cores make every
+team's workers sleep between ops), and a helper thread can run its ops with no team at all
+(`single_threaded_ops`)."""
 
 import os
 import sys
@@ -10,7 +11,7 @@ import time
 import pytest
 import torch
 
-from opttree.threads import release_openmp_threads
+from opttree.threads import release_openmp_threads, single_threaded_ops
 
 linux_gomp = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP's thread teams (Linux)")
 
@@ -59,3 +60,26 @@ def test_releasing_ends_the_calling_threads_openmp_workers_and_only_those():
 def test_releasing_with_no_workers_is_harmless():
     assert release_openmp_threads() in (True, False)
     assert torch.equal(torch.arange(4) * 2, torch.tensor([0, 2, 4, 6]))
+
+
+@linux_gomp
+def test_single_threaded_ops_start_no_team_in_that_thread_only():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = {}
+
+    def worker():
+        seen["set"] = single_threaded_ops()
+        before = _os_threads()
+        seen["result"] = torch.ones(1 << 20).mul_(2).sum().item()  # large enough to run in parallel
+        seen["team"] = _os_threads() - before
+        seen["threads"] = torch.get_num_threads()
+
+    thread = threading.Thread(target=worker)
+    try:
+        thread.start()
+        thread.join()
+        assert torch.get_num_threads() == 2  # the other threads keep theirs
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"set": True, "result": 2.0 * (1 << 20), "team": 0, "threads": 1}

@@ -44,7 +44,8 @@ Allocator = Callable[[list[DraftTree], list[bool]], list[DraftTree]]
 # Devices where each row drafts on its own even when its drafter could batch its forwards with the other rows'
 # (`drafters.together`): on a CPU the rows' threads cost more than the batched forwards save. Measured on a
 # 2-core bf16 Xeon (`scripts/draft_together.py`: shipped pair, draft model, budget 8, 16 HumanEval prompts): together
-# ran 0.93x each row alone at 8 rows and 0.87x at 4 (docs/BENCHMARKS.md, "Batches sized for their rows").
+# ran 0.93x each row alone at 8 rows and 0.87x at 4 (docs/BENCHMARKS.md, "Batches sized for their rows"); with
+# the rows' threads running their ops without OpenMP teams of their own (`threads.single_threaded_ops`), 0.95x.
 DRAFT_ALONE_ON = frozenset({"cpu"})
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")

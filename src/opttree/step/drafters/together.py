@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ...threads import single_threaded_ops
 from ..cache import cache_len, stack_rows
 from ..verify import masked_forward
 
@@ -84,6 +85,7 @@ class Round:
 
     def _row(self, index: int, build: Callable[[], object], results: list, errors: list) -> None:
         _here.round, _here.row = self, index
+        single_threaded_ops()  # a row's own ops are small; a team per row thread would slow every op (CPU)
         try:
             with torch.inference_mode():
                 results[index] = build()
