@@ -144,10 +144,11 @@ def cache_len(cache: Cache) -> int:
     return int(cache.get_seq_length())  # a static layer keeps its length as a tensor
 
 
-def compact(cache: Cache, start: int, keep: torch.Tensor) -> None:
+def compact(cache: Cache, start: int, keep: torch.Tensor | int) -> None:
     """Keep positions [0, start) and the rows `start + keep` (moved to start, start + 1, ...); drop the rest.
 
-    keep: (K,) long offsets relative to `start`, increasing. In place; the cache ends at start + K.
+    keep: (K,) long offsets relative to `start`, increasing, or the number K for the first K rows (they
+    stay where they are). In place; the cache ends at start + K.
     """
     compact_rows(cache, [start], start, [keep])
 

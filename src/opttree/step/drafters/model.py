@@ -143,11 +143,13 @@ class ModelDrafter(Declared):
         return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
     def observe(self, result: Verification) -> None:
-        slots = result.accepted_slots.to(self.device)
         drafted = next((i for i, slot in enumerate(result.readout.slots) if slot < 0), len(result.readout.slots))
-        kept = slots[:drafted]  # the drafted nodes of an accepted path form a prefix of it
+        # the drafted nodes of an accepted path form a prefix of it; their slots are known on the host: when
+        # they are the first slots (nothing accepted, or the first slot alone), they stay where they are
+        in_place = result.readout.slots[:drafted] == list(range(drafted))
+        kept = drafted if in_place else result.accepted_slots[:drafted].to(self.device)
         compact(self.cache, self.base, kept)
-        self.committed_len = self.base + kept.shape[0]
+        self.committed_len = self.base + drafted
 
 
 class StaticModelDrafter(ModelDrafter):
