@@ -4,11 +4,12 @@
     python scripts/serve_throughput.py --prompts ../shared/data/humaneval.jsonl --limit 16 --max-tokens 64 \
         --clients 1,8 --batches 1,8 --batch-budgets off,auto --rounds 2
 
-Each (max-batch, clients) cell sends the same prompts (temperature 0) from that many client threads
+Each (max-batch, clients) cell sends the same prompts (temperature 0, or --temperature with each prompt's
+index as its seed) from that many client threads
 over HTTP to a real uvicorn server (the shipped pair in float32 unless --target / --draft / --device /
 --dtype say otherwise) and prints the tokens per second
 over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
-first cell (greedy: they must). --batch-budgets: each request its own tree (off), each tree cut to the
+first cell (greedy in float32, and sampled with the draft model in float32: they must). --batch-budgets: each request its own tree (off), each tree cut to the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
 or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
 target's latency curve measured here first (auto).
@@ -48,11 +49,14 @@ def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:
     return f"http://127.0.0.1:{port}", uv, thread
 
 
-def load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[float, list[float], list[str], int]:
+def load(url: str, prompts: list[str], clients: int, max_tokens: int, temperature: float = 0.0,
+         seeded: bool = True) -> tuple[float, list[float], list[str], int]:
     """Every prompt once, from `clients` threads: (seconds, latencies, answers in prompt order, tokens)."""
     def ask(prompt: str) -> tuple[float, str, int]:
         began = time.perf_counter()
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+        if seeded:  # sampled: each prompt its own seed, the same in every cell
+            body["seed"] = prompts.index(prompt)
         out = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
         return time.perf_counter() - began, out["choices"][0]["text"], out["usage"]["completion_tokens"]
 
@@ -71,6 +75,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="--max-batch values to compare")
     parser.add_argument("--batch-budgets", default="off", help="off, sized, auto or node counts (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default: 0)")
+    parser.add_argument("--unseeded", action="store_true", help="sampled requests name no seed (the server picks "
+                        "one, and may let them decode plainly under load): their answers differ between cells")
+    parser.add_argument("--tree", default="opt", help="the tree policy (ar: plain decoding)")
     parser.add_argument("--drafter", default="recycling+lookup")
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--target", help="a model folder (default: the shipped target)")
@@ -87,7 +95,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(args.target) if args.target else tok
     target, draft = target.to(args.device), draft.to(args.device)
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
-    options = dict(tree="opt", drafter=args.drafter, budget=args.budget)
+    options = dict(tree=args.tree, drafter=args.drafter, budget=args.budget) if args.tree != "ar" else dict(tree="ar")
     allocators = {"off": None}
     for choice in args.batch_budgets.split(","):
         if choice == "auto":
@@ -107,10 +115,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
             for clients in map(int, args.clients.split(",")):
-                seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens)
+                seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens, args.temperature, not args.unseeded)
                 reference = reference or answers
                 table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference))
-    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature 0, opt:{args.drafter}@{args.budget}, "
+    method = f"{args.tree}:{args.drafter}@{args.budget}" if args.tree != "ar" else "plain decoding"
+    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
     print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n"
           "|---:|---|---:|---:|---:|---:|---|")

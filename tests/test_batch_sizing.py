@@ -129,3 +129,74 @@ def test_without_first_use_measurement_a_batch_keeps_the_budget(monkeypatch, tmp
     assert not list(tmp_path.iterdir())
     with pytest.raises(TypeError, match="'sized' or 'rows'"):
         opttree.Speculator(target, batch_budget="auto")
+
+
+def _rate(latency: BatchLatency, sized: SizedBudget, costs, plain: set[int]) -> float:
+    """Brute force: the batch's tokens per ms when the rows in `plain` decode plainly."""
+    drafting = [c for i, c in enumerate(costs) if i not in plain]
+    width = max([c.budget if c.sampled or not c.sized else min(c.budget, latency.sized_budget(len(costs), c.budget))
+                 for c in drafting], default=0)
+    return (sum(c.tokens for c in drafting) + len(plain)) / (sum(c.draft_ms for c in drafting)
+                                                             + latency.ms(len(costs), width + 1))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sampled_rows_decode_plainly_exactly_when_the_batch_is_faster_so(seed):
+    from opttree.stats import RowCost
+
+    g = torch.Generator().manual_seed(seed)
+    slope = torch.rand(3, generator=g).tolist()
+    latency = BatchLatency(table(lambda rows, w: 5 + 3 * slope[0] * rows + slope[1] * rows * w))
+    sized = SizedBudget(latency)
+    costs = [RowCost(sized=bool(torch.rand(1, generator=g) < 0.7), sampled=bool(torch.rand(1, generator=g) < 0.6),
+                     budget=int(torch.randint(2, 17, (1,), generator=g)), tokens=1 + 3 * float(torch.rand(1, generator=g)),
+                     draft_ms=8 * float(torch.rand(1, generator=g))) for _ in range(int(torch.randint(2, 6, (1,), generator=g)))]
+    chosen = {i for i, c in enumerate(costs) if c.sized and c.sampled}
+    plain = sized.plain(costs)
+    if plain:
+        assert set(plain) == chosen  # all of them or none; never a greedy row or one that keeps its seed's draws
+        assert _rate(latency, sized, costs, chosen) > _rate(latency, sized, costs, set()) * (1 + LARGER_BY)
+    else:
+        assert not chosen or _rate(latency, sized, costs, chosen) <= _rate(latency, sized, costs, set()) * (1 + LARGER_BY)
+
+
+def test_costly_sampled_trees_decode_plainly_under_load_and_never_before_they_drafted():
+    from opttree.stats import RowCost
+
+    sized = SizedBudget(BatchLatency(table(lambda rows, w: 4 + rows * (1 + 0.1 * w))))
+    costly = RowCost(sized=True, sampled=True, budget=8, tokens=2.1, draft_ms=3.0)
+    assert sized.plain([costly] * 8) == list(range(8))  # 8 rows: 24 ms of drafting for 9 tokens more
+    assert sized.plain([costly]) == []  # alone, the tree pays (and a single row is never sized)
+    assert sized.plain([costly, RowCost(True, True, 8, None, None)]) == []  # a row that has not drafted yet
+    cheap = RowCost(sized=True, sampled=True, budget=8, tokens=4.0, draft_ms=0.2)
+    assert sized.plain([cheap] * 8) == []
+    assert sized.plain([RowCost(sized=False, sampled=True, budget=8, tokens=2.1, draft_ms=3.0)] * 8) == []
+
+
+def test_a_sampled_row_without_a_seed_to_keep_may_decode_plainly_and_stays_exact():
+    """`Speculator.row(request, reproducible=False)`: a sampled row a sized batch may let decode plainly
+    (here on every step, by an allocator that always would): it drafts nothing and samples what plain
+    decoding samples from its seed; a greedy row beside it stays the target's greedy output, and a sampled
+    row that keeps its seed's draws (the default) is never sized."""
+    from opttree.engine import Generation
+
+    class AlwaysPlain(SizedBudget):
+        def plain(self, costs):
+            return [i for i, cost in enumerate(costs) if cost.sized and cost.sampled]
+
+    target, draft = tiny("llama", "sdpa", seed=1), tiny("llama", "sdpa", seed=2)
+    allocator = AlwaysPlain(BatchLatency(table(lambda rows, w: rows * w)))
+    spec = opttree.Speculator(target, draft, budget=4, max_new_tokens=12, eos_token_id=[], batch_budget=allocator)
+    g = torch.Generator().manual_seed(0)
+    greedy, hot, kept = [torch.randint(3, 24, (n,), generator=g) for n in (6, 9, 7)]
+    rows = [spec.row(opttree.Request(greedy)), spec.row(opttree.Request(hot, temperature=1.0, seed=5), reproducible=False),
+            spec.row(opttree.Request(kept, temperature=1.0, seed=6))]
+    assert [row.sized for row in rows] == [True, True, False]
+    for _ in Generation(target, rows, width=0, static=False, batch=True, allocator=allocator):
+        pass
+    assert torch.equal(rows[0].committed, hf_greedy(target, greedy[None], 12)[0])
+    assert rows[1].stats.drafted_tokens == 0 and rows[1].stats.steps == 12
+    plain = opttree.generate(target, hot[None], tree="ar", temperature=1.0, seed=5, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(rows[1].committed, plain.sequences[0])
+    assert rows[2].stats.drafted_tokens > 0
+    assert torch.equal(rows[2].committed, spec.generate(opttree.Request(kept, temperature=1.0, seed=6)).sequences[0])

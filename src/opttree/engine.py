@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -16,7 +16,7 @@ from .genconfig import shape_logits
 from .packed import PackedLinears, entered, packed_linears
 from .parallel import lockstep_for
 from .settings.config import SpecConfig
-from .stats import GenerationStats
+from .stats import GenerationStats, RowCost
 from .step.cache import (
     cache_argument,
     context_window,
@@ -39,8 +39,18 @@ from .step.tree import DraftTree
 from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
-# a batch's drafted trees and which rows' trees may be cut to a size chosen for the batch -> the trees it verifies
-Allocator = Callable[[list[DraftTree], list[bool]], list[DraftTree]]
+
+
+class Allocator(Protocol):
+    """How a batch's rows share a step (`policies.batch.BatchBudget`, `batch_sizing.SizedBudget`)."""
+
+    def plain(self, costs: list[RowCost]) -> list[int]:
+        """Before drafting: the rows (indices) that decode plainly this step, with no tree."""
+
+    def __call__(self, trees: list[DraftTree], sized: list[bool]) -> list[DraftTree]:
+        """After drafting: the trees the batch verifies (`sized[b]`: row b's tree may be cut for the batch)."""
+
+
 # Devices where each row drafts on its own even when its drafter could batch its forwards with the other rows'
 # (`drafters.together`): on a CPU the rows' threads cost more than the batched forwards save. Measured on a
 # 2-core bf16 Xeon (`scripts/draft_together.py`: shipped pair, draft model, budget 8, 16 HumanEval prompts): together
@@ -111,6 +121,8 @@ class Row:
                  stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device, sized: bool = False):
         self.drafter, self.policy, self.config, self.stopper, self.depth = drafter, policy, config, stopper, depth
         self.sized = sized  # its tree may be cut to the budget sized for the batch (`batch_sizing.SizedBudget`)
+        self.plain_step = False  # this step it decodes plainly (its batch's allocator chose so), no tree
+        self.drafting = [0, 0, 0.0]  # over its steps that drafted: steps, tokens emitted, seconds drafting
         self.processors = processors  # the generation_config's logits processors, applied per node
         self.drafter_reads = drafter is not None and drafter.wants_hidden  # a drafter that reads the target
         self.wants_hidden = self.drafter_reads or depth.wants_hidden
@@ -134,6 +146,12 @@ class Row:
         """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
         marks, self.observing = self.observing, None
         return phases.seconds(*marks) if marks else 0.0
+
+    def cost(self) -> RowCost:
+        """What a drafting step of this row gives and costs, as measured on its own steps so far."""
+        steps, tokens, seconds = self.drafting
+        return RowCost(self.sized, self.config.temperature > 0, self.config.budget, tokens / steps if steps else None,
+                       1e3 * seconds / steps if steps else None)
 
     def draft(self, depth_cap: int | None) -> DraftTree:
         """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`."""
@@ -170,6 +188,8 @@ class Row:
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.observe_step(drafted=drafted, accepted=readout.accepted, emitted=end)
+        if not self.plain_step:
+            self.drafting = [self.drafting[0] + 1, self.drafting[1] + end, self.drafting[2] + draft_s]
         return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)
 
 
@@ -430,6 +450,10 @@ class Generation:
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
         a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
+        plain = self.allocator.plain([row.cost() for row in rows]) if self.allocator is not None else []
+        for i, row in enumerate(rows):  # a row that decodes plainly this step drafts nothing
+            row.plain_step = i in plain
+            caps[i] = 0 if row.plain_step else caps[i]
         together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
         together = together if len(together) > 1 and self.device.type not in DRAFT_ALONE_ON else []
         trees, spans = [None] * len(rows), [None] * len(rows)

@@ -119,10 +119,12 @@ class Speculator:
         of its steps; returns its row index (its chunks come as (index, chunk) pairs)."""
         return run.admit(self.row(request))
 
-    def row(self, request: Request) -> Row:
+    def row(self, request: Request, reproducible: bool = True) -> Row:
         """`request`'s row, checked, for a batch it will join (`Generation.admit`): the dynamic path. Its
-        own budget: a sized batch cuts its tree, each step, for the rows decoding then (`SizedBudget`)."""
-        return self._row(request, True, None, None, None)[0]
+        own budget: a sized batch cuts its tree, each step, for the rows decoding then (`SizedBudget`).
+        `reproducible=False` (a sampled request that named no seed, e.g. a server's): its draws may depend on
+        the batch, so a sized batch may also let it decode plainly on the steps where that is faster."""
+        return self._row(request, True, None, None, None, reproducible=reproducible)[0]
 
     def _latency(self, rows: int) -> BatchLatency | None:
         """This machine's batch latency table covering `rows` rows where this speculator sizes a batch's trees
@@ -168,7 +170,7 @@ class Speculator:
         return config, policy
 
     def _row(self, request: Request, batch: bool, rules: Rules | None, depth: DepthControl | None, mask,
-             budget: int | None = None) -> tuple[Row, "_Shape"]:
+             budget: int | None = None, reproducible: bool = True) -> tuple[Row, "_Shape"]:
         """One request's row: its settings, policy, drafter and stop rule; `batch`: one of several rows
         (the dynamic path, unless static=True asks for a refusal); `budget`: the batch's sized one, for a greedy
         row (a sampled row keeps its own: the draws of its seed must not depend on what else is in the batch)."""
@@ -196,7 +198,8 @@ class Speculator:
             raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
         stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer)
         depth = depth or make_depth_control(config, target)  # how deep each step drafts
-        sized = self.sized and config.temperature == 0  # its tree may be cut for the batch (a sampled one keeps it)
+        # its tree may be sized for the batch (a sampled one only when its draws need not be reproducible)
+        sized = self.sized and (config.temperature == 0 or not reproducible)
         row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target), sized)
         return row, _Shape(tree_width(config, policy), static)
 

@@ -49,3 +49,16 @@ class GenerationStats:
         for name in ("mean_accepted_length", "acceptance_rate", "tokens_per_second", "overhead_s"):
             out[name] = getattr(self, name)
         return out
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """What one row of a batch gives and costs a step when it drafts, from its own earlier steps that
+    drafted: for an allocator that may let it decode plainly (`batch_sizing.SizedBudget.plain`)."""
+
+    sized: bool  # its settings and seed let the batch size its tree, or skip it
+    sampled: bool  # temperature > 0
+    budget: int  # its own draft-node budget
+    tokens: float | None  # tokens emitted per drafting step (None: it has not drafted yet)
+    draft_ms: float | None  # ms of drafting (and observing) per drafting step
+

@@ -273,7 +273,9 @@ class Server:
                 run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
                 return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now
             sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
-            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling))
+            # a sampled request that named no seed may decode plainly on the steps where the batch is faster so
+            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
+                                                                    reproducible=req.seed is not None)
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
         job = BatchJob(row, self.expired, self.batcher)

@@ -30,6 +30,10 @@ class BatchBudget:
         self.curve = None if curve is None else torch.tensor(list(curve), dtype=torch.float64)
         self.fixed = fixed
 
+    def plain(self, costs: list) -> list[int]:
+        """No row decodes plainly by choice: the budget itself shrinks the trees under load."""
+        return []
+
     def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
         """The trees the batch verifies (`sized` is not read: one budget binds every row)."""
         if self.fixed is not None:
