@@ -160,14 +160,16 @@ def test_sampled_rows_decode_plainly_exactly_when_the_batch_is_faster_so(seed):
         assert not chosen or _rate(latency, sized, costs, chosen) <= _rate(latency, sized, costs, set()) * (1 + LARGER_BY)
 
 
-def test_costly_sampled_trees_decode_plainly_under_load_and_never_before_they_drafted():
+def test_costly_sampled_trees_decode_plainly_under_load_and_not_before_one_of_them_drafted():
     from opttree.stats import RowCost
 
     sized = SizedBudget(BatchLatency(table(lambda rows, w: 4 + rows * (1 + 0.1 * w))))
     costly = RowCost(sized=True, sampled=True, budget=8, tokens=2.1, draft_ms=3.0)
     assert sized.plain([costly] * 8) == list(range(8))  # 8 rows: 24 ms of drafting for 9 tokens more
     assert sized.plain([costly]) == []  # alone, the tree pays (and a single row is never sized)
-    assert sized.plain([costly, RowCost(True, True, 8, None, None)]) == []  # a row that has not drafted yet
+    new = RowCost(True, True, 8, None, None)  # a row that has not drafted yet: like the others of its kind
+    assert sized.plain([costly] * 7 + [new]) == list(range(8))
+    assert sized.plain([new] * 8) == [] and sized.plain([RowCost(True, False, 8, 2.0, 0.1)] + [new] * 7) == []
     cheap = RowCost(sized=True, sampled=True, budget=8, tokens=4.0, draft_ms=0.2)
     assert sized.plain([cheap] * 8) == []
     assert sized.plain([RowCost(sized=False, sampled=True, budget=8, tokens=2.1, draft_ms=3.0)] * 8) == []

@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -107,9 +108,11 @@ class SizedBudget:
         drafting step and this machine's batch forward (a sampled tree cannot be cut: its nodes are draws
         for its budget; skipped, it costs nothing). Under load a sampled tree's drafting, row after row, costs
         more than its accepted tokens bring (measured: 8 clients at temperature 1 on a 2-core CPU, trees of 8
-        drafted nodes 266 tokens/s, plain decoding 395). None while a row has not drafted yet."""
+        drafted nodes 266 tokens/s, plain decoding 395). A row that has not drafted yet counts as the mean of
+        the rows of its kind (sampled or not) that have; none is chosen while no sampled row has drafted."""
         chosen = {i for i, cost in enumerate(costs) if cost.sized and cost.sampled}
-        if len(costs) < 2 or not chosen or any(cost.tokens is None for cost in costs):
+        costs = _measured_or_like(costs) if len(costs) > 1 and chosen else None
+        if costs is None:
             return []
         rows = len(costs)
 
@@ -134,6 +137,22 @@ class SizedBudget:
             return trees
         size = self._size(len(trees), max(len(trees[i]) for i in cut))
         return [top_nodes(tree, size) if i in cut and len(tree) > size else tree for i, tree in enumerate(trees)]
+
+
+def _measured_or_like(costs: list[RowCost]) -> list[RowCost] | None:
+    """Each row's cost, a row not measured yet given the mean of the measured rows of its kind (sampled or
+    not; a greedy row with none: its budget's `expected_length` and no drafting time); None when a sampled
+    row has none to go by."""
+    filled = []
+    for cost in costs:
+        if cost.tokens is None:
+            like = [c for c in costs if c.tokens is not None and c.sampled == cost.sampled]
+            if not like and cost.sampled:
+                return None
+            tokens = statistics.fmean(c.tokens for c in like) if like else expected_length(cost.budget)
+            cost = replace(cost, tokens=tokens, draft_ms=statistics.fmean(c.draft_ms for c in like) if like else 0.0)
+        filled.append(cost)
+    return filled
 
 
 _MEASURED: dict[Path, BatchLatency] = {}  # this process's tables, by file
