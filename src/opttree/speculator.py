@@ -66,7 +66,8 @@ class Speculator:
     batch's rows share the step: "sized" (the default when no `budget` is given): each greedy row drafts the budget
     that makes the batch's tokens per second largest on this machine, at most `budget`
     (`opttree.batch_sizing`: the first batch of a target times its forward once; a `SizedBudget` brings
-    its own latency table); "rows" (the default
+    its own latency table), and a sampled row that joins with `row(request, reproducible=False)` decodes
+    plainly on the steps where the batch is faster so; "rows" (the default
     with a `budget`): each row its `budget`; a number of nodes or a `policies.batch.BatchBudget`: one node
     budget a step for the whole batch (batch-level OPT-Tree)."""
 
