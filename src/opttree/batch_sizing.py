@@ -9,7 +9,8 @@ tokens per second largest, B * E(n) / T(B, n + 1), with the expected accepted le
 E(n) = 1 + ACCEPTED_PER_DOUBLING * log2(1 + n), at most the one-sequence budget.
 `SizedBudget` cuts each row's tree to that size for the rows running at each step (continuous batching);
 sampled trees are never cut (their nodes are draws for their budget), and a sampled row is sized only when
-it asks no seed to reproduce (`Speculator.row`): then it decodes plainly on the steps where that is faster.
+it asks no seed to reproduce (`Speculator.row`): it then decodes plainly on the steps where that makes the
+batch faster (`SizedBudget.plain`: its drafting costs more than its tokens bring).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ LARGER_BY = 0.03
 # E(n) - 1 grows by this many tokens for each doubling of n + 1: fitted to the mean accepted lengths measured
 # at budgets 2-16 on the shipped pair (0.56-0.71 with the draft model, 0.71-0.84 with recycling+lookup).
 ACCEPTED_PER_DOUBLING = 0.6
+# After this many steps decoded plainly in a row, a batch's sampled rows draft once, so that their measured tokens
+# and drafting time follow their text (sources warm up, text turns repetitive or not) and trees can come back.
+EXPLORE_EVERY = 32
 
 
 def expected_length(budget: int) -> float:
@@ -104,12 +108,14 @@ class SizedBudget:
 
     def plain(self, costs: list[RowCost]) -> list[int]:
         """The sampled rows that may be sized, all of them or none, to decode plainly this step: all when the
-        batch's tokens per second is larger so, from each row's measured tokens and drafting time per
-        drafting step and this machine's batch forward (a sampled tree cannot be cut: its nodes are draws
-        for its budget; skipped, it costs nothing). Under load a sampled tree's drafting, row after row, costs
-        more than its accepted tokens bring (measured: 8 clients at temperature 1 on a 2-core CPU, trees of 8
-        drafted nodes 266 tokens/s, plain decoding 395). A row that has not drafted yet counts as the mean of
-        the rows of its kind (sampled or not) that have; none is chosen while no sampled row has drafted."""
+        batch's tokens per second is larger so, from each row's measured tokens and drafting ms per drafting
+        step and this machine's batch forward. A sampled tree cannot be cut (its nodes are draws for its
+        budget), and under load its drafting, row after row, costs more than its tokens bring: 8 clients at
+        temperature 1 on a 2-core CPU, trees of 8 sampled nodes gave 266 tokens/s, plain decoding 395. (Greedy
+        rows keep their cut trees: this estimate, which counts a row's observing as drafting and the widest
+        tree as the step's width, chose plain decoding for cheap greedy trees that measured 1.17x it.) A row
+        not measured yet counts as the mean of the sampled rows that are (none is chosen while none is). Once
+        one of them has decoded plainly EXPLORE_EVERY steps in a row, they all draft a step, to be measured again."""
         chosen = {i for i, cost in enumerate(costs) if cost.sized and cost.sampled}
         costs = _measured_or_like(costs) if len(costs) > 1 and chosen else None
         if costs is None:
@@ -124,7 +130,9 @@ class SizedBudget:
             ms = sum(cost.draft_ms for cost in drafting) + self.latency.ms(rows, max(map(width, drafting), default=0) + 1)
             return (sum(cost.tokens for cost in drafting) + len(plain)) / ms
 
-        return sorted(chosen) if rate(chosen) > rate(set()) * (1 + LARGER_BY) else []
+        if max(costs[i].plain_run for i in chosen) >= EXPLORE_EVERY or rate(chosen) <= rate(set()) * (1 + LARGER_BY):
+            return []  # (all draft together, to be measured again: one drafting row widens every row's step)
+        return sorted(chosen)
 
     def _size(self, rows: int, cap: int) -> int:
         if (rows, cap) not in self.sizes:

@@ -57,6 +57,7 @@ class Allocator(Protocol):
 # ran 0.93x each row alone at 8 rows and 0.87x at 4 (docs/BENCHMARKS.md, "Batches sized for their rows"); with
 # the rows' threads running their ops without OpenMP teams of their own (`threads.single_threaded_ops`), 0.95x.
 DRAFT_ALONE_ON = frozenset({"cpu"})
+MEASURED_AFTER = 2  # a row's drafting steps before its tokens and drafting time per step count (`Row.cost`)
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")
 
@@ -122,6 +123,7 @@ class Row:
         self.drafter, self.policy, self.config, self.stopper, self.depth = drafter, policy, config, stopper, depth
         self.sized = sized  # its tree may be cut to the budget sized for the batch (`batch_sizing.SizedBudget`)
         self.plain_step = False  # this step it decodes plainly (its batch's allocator chose so), no tree
+        self.plain_run = 0  # steps decoded plainly in a row, up to the last one
         self.drafting = [0, 0, 0.0]  # over its steps that drafted: steps, tokens emitted, seconds drafting
         self.processors = processors  # the generation_config's logits processors, applied per node
         self.drafter_reads = drafter is not None and drafter.wants_hidden  # a drafter that reads the target
@@ -148,10 +150,12 @@ class Row:
         return phases.seconds(*marks) if marks else 0.0
 
     def cost(self) -> RowCost:
-        """What a drafting step of this row gives and costs, as measured on its own steps so far."""
+        """What a drafting step of this row gives and costs, as measured on its own steps so far (from the
+        MEASURED_AFTER-th: its sources start cold)."""
         steps, tokens, seconds = self.drafting
-        return RowCost(self.sized, self.config.temperature > 0, self.config.budget, tokens / steps if steps else None,
-                       1e3 * seconds / steps if steps else None)
+        known = steps >= MEASURED_AFTER
+        return RowCost(self.sized, self.config.temperature > 0, self.config.budget, tokens / steps if known else None,
+                       1e3 * seconds / steps if known else None, self.plain_run)
 
     def draft(self, depth_cap: int | None) -> DraftTree:
         """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`."""
@@ -188,6 +192,7 @@ class Row:
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.observe_step(drafted=drafted, accepted=readout.accepted, emitted=end)
+        self.plain_run = self.plain_run + 1 if self.plain_step else 0
         if not self.plain_step:
             self.drafting = [self.drafting[0] + 1, self.drafting[1] + end, self.drafting[2] + draft_s]
         return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)

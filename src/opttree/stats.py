@@ -59,6 +59,7 @@ class RowCost:
     sized: bool  # its settings and seed let the batch size its tree, or skip it
     sampled: bool  # temperature > 0
     budget: int  # its own draft-node budget
-    tokens: float | None  # tokens emitted per drafting step (None: it has not drafted yet)
+    tokens: float | None  # tokens emitted per drafting step (None: not measured yet)
     draft_ms: float | None  # ms of drafting (and observing) per drafting step
+    plain_run: int = 0  # steps it has decoded plainly in a row, up to this one
 
