@@ -16,16 +16,17 @@ from opttree.threads import release_openmp_threads, single_threaded_ops
 linux_gomp = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP's thread teams (Linux)")
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads() -> set[str]:
+    """The process's OS thread ids now (other threads may start or end meanwhile: compare sets, not counts)."""
+    return set(os.listdir("/proc/self/task"))
 
 
-def _settled(count, expected: int) -> int:
-    """The process's thread count once it reaches `expected` (workers end asynchronously), or after 2 s."""
+def _gone(ids: set[str]) -> set[str]:
+    """Those of `ids` still alive once they end (workers end asynchronously), or after 2 s."""
     deadline = time.monotonic() + 2
-    while count() != expected and time.monotonic() < deadline:
+    while ids & _threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return count()
+    return ids & _threads()
 
 
 @linux_gomp
@@ -35,13 +36,14 @@ def test_releasing_ends_the_calling_threads_openmp_workers_and_only_those():
     seen = {}
 
     def worker():
-        before = _os_threads()
+        before = _threads()
         torch.ones(1 << 20).mul_(2)  # large enough to run in parallel: this thread's team starts
-        seen["team"] = _os_threads() - before
+        team = _threads() - before
+        seen["team"] = len(team)
         seen["released"] = release_openmp_threads()
-        seen["after"] = _settled(_os_threads, before) - before
+        seen["left"] = len(_gone(team))
         torch.ones(1 << 20).mul_(2)  # a later parallel op of its own makes a new team, and is right
-        seen["again"] = _os_threads() - before
+        seen["again"] = len(_threads() - before - team)
 
     thread = threading.Thread(target=worker)
     try:
@@ -53,7 +55,7 @@ def test_releasing_ends_the_calling_threads_openmp_workers_and_only_those():
         pytest.skip("this torch runs its parallel ops without starting OpenMP workers here")
     assert seen["released"] is True
     assert seen["team"] == 1  # the calling thread is the team's first member
-    assert seen["after"] == 0
+    assert seen["left"] == 0
     assert seen["again"] == seen["team"]
 
 
@@ -70,9 +72,9 @@ def test_single_threaded_ops_start_no_team_in_that_thread_only():
 
     def worker():
         seen["set"] = single_threaded_ops()
-        before = _os_threads()
+        before = _threads()
         seen["result"] = torch.ones(1 << 20).mul_(2).sum().item()  # large enough to run in parallel
-        seen["team"] = _os_threads() - before
+        seen["team"] = len(_threads() - before)
         seen["threads"] = torch.get_num_threads()
 
     thread = threading.Thread(target=worker)
