@@ -511,3 +511,25 @@ def test_only_the_scheduler_keeps_openmp_workers_while_it_decodes(pair, monkeypa
         time.sleep(0.01)
     assert "opttree-batch" in released  # idle: its workers went
     assert len([name for name in released if name != "opttree-batch"]) == 1  # the request's check, in its thread
+
+
+def test_only_a_sampled_request_without_a_seed_may_decode_plainly_in_a_sized_batch(pair, monkeypatch):
+    """The server builds each request's row with `reproducible=False` only when it is sampled and names no seed:
+    a sized batch may then let it decode plainly; a seeded one keeps its seed's draws whatever the load."""
+    from opttree.batch_sizing import WIDTHS, BatchLatency, SizedBudget
+    from opttree.server.app import CompletionRequest
+    from opttree.speculator import Speculator
+
+    built = []
+    row = Speculator.row
+    monkeypatch.setattr(Speculator, "row", lambda self, request, reproducible=True: (
+        built.append((request.temperature, reproducible)), row(self, request, reproducible))[1])
+    target, draft, tok = pair
+    sizing = SizedBudget(BatchLatency({1: [1.0] * len(WIDTHS), 2: [2.0] * len(WIDTHS)}))
+    server = Server(target, draft, tok, TREE, model_name="demo", max_batch=2, batch_budget=sizing)
+    jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0]
+            for ask in ({"temperature": 1.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0})]
+    for job in jobs:
+        assert 1 <= sum(len(chunk) for chunk in job.chunks()) <= 3  # (a sampled text may end early: its EOS)
+    assert built == [(1.0, False), (1.0, True), (0.0, False)]  # greedy: no draws, the same text either way
+    assert [job.row.sized for job in jobs] == [True, False, True]  # greedy rows are sized as before
