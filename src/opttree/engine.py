@@ -124,7 +124,7 @@ class Row:
         self.sized = sized  # its tree may be cut to the budget sized for the batch (`batch_sizing.SizedBudget`)
         self.plain_step = False  # this step it decodes plainly (its batch's allocator chose so), no tree
         self.plain_run = 0  # steps decoded plainly in a row, up to the last one
-        self.drafting = [0, 0, 0.0]  # over its steps that drafted: steps, tokens emitted, seconds drafting
+        self.drafted_steps, self.drafted_emitted, self.drafted_s = 0, 0, 0.0  # over its steps that drafted
         self.processors = processors  # the generation_config's logits processors, applied per node
         self.drafter_reads = drafter is not None and drafter.wants_hidden  # a drafter that reads the target
         self.wants_hidden = self.drafter_reads or depth.wants_hidden
@@ -152,10 +152,11 @@ class Row:
     def cost(self) -> RowCost:
         """What a drafting step of this row gives and costs, as measured on its own steps so far (from the
         MEASURED_AFTER-th: its sources start cold)."""
-        steps, tokens, seconds = self.drafting
+        steps = self.drafted_steps
         known = steps >= MEASURED_AFTER
-        return RowCost(self.sized, self.config.temperature > 0, self.config.budget, tokens / steps if known else None,
-                       1e3 * seconds / steps if known else None, self.plain_run)
+        return RowCost(self.sized, self.config.temperature > 0, self.config.budget,
+                       self.drafted_emitted / steps if known else None, 1e3 * self.drafted_s / steps if known else None,
+                       self.plain_run)
 
     def draft(self, depth_cap: int | None) -> DraftTree:
         """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`."""
@@ -194,7 +195,9 @@ class Row:
         self.stats.observe_step(drafted=drafted, accepted=readout.accepted, emitted=end)
         self.plain_run = self.plain_run + 1 if self.plain_step else 0
         if not self.plain_step:
-            self.drafting = [self.drafting[0] + 1, self.drafting[1] + end, self.drafting[2] + draft_s]
+            self.drafted_steps += 1
+            self.drafted_emitted += end
+            self.drafted_s += draft_s
         return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)
 
 
@@ -455,7 +458,8 @@ class Generation:
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
         a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
-        plain = self.allocator.plain([row.cost() for row in rows]) if self.allocator is not None else []
+        plain = self.allocator.plain([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
+            else []  # (one row always drafts: its tree pays alone, or its settings chose plain decoding)
         for i, row in enumerate(rows):  # a row that decodes plainly this step drafts nothing
             row.plain_step = i in plain
             caps[i] = 0 if row.plain_step else caps[i]
