@@ -125,3 +125,79 @@ def test_keeping_a_count_equals_keeping_those_offsets(starts, static):
     assert counts.get_seq_length() == offsets.get_seq_length()
     for mine, theirs in zip(counts.layers, offsets.layers):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def _same_cache(mine, theirs) -> None:
+    assert mine.get_seq_length() == theirs.get_seq_length()
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_growing_layers_hold_what_transformers_layers_hold(monkeypatch):
+    """`new_cache`'s layers (written in place) against transformers' `DynamicLayer` (concatenated) through
+    what a generation does to them: a prefill, tree forwards, compaction, truncation, a batch made from
+    copies and reordered, and growth past the first buffer. Equal keys, values and logits after each."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from opttree.step.cache import GrowingLayer, compact_rows, truncate
+
+    monkeypatch.setattr(GrowingLayer, "HEADROOM", 4)  # buffers made again and again
+    model = tiny_model("llama", seed=5)
+    g = torch.Generator().manual_seed(0)
+    mine, theirs = new_cache(), DynamicCache()
+
+    def forward(ids):
+        with torch.inference_mode():
+            out = [model(input_ids=ids, **{cache_argument(model): cache}).logits for cache in (mine, theirs)]
+        assert torch.equal(*out)
+        _same_cache(mine, theirs)
+
+    forward(torch.randint(0, 96, (1, 9), generator=g))
+    assert all(isinstance(layer, GrowingLayer) for layer in mine.layers)
+    rooms = set()
+    for step in range(30):
+        forward(torch.randint(0, 96, (1, 1 + step % 5), generator=g))
+        start = mine.get_seq_length() - 1 - step % 5
+        keep = torch.tensor([0, 2]) if step % 5 > 2 else (1 if step % 2 else torch.tensor([0]))
+        with torch.inference_mode():
+            for cache in (mine, theirs):
+                compact_rows(cache, [start], start, [keep])
+        _same_cache(mine, theirs)
+        rooms.add(mine.layers[0]._buffers[0].shape[2])
+        if step % 7 == 6:
+            for cache in (mine, theirs):
+                truncate(cache, cache.get_seq_length() - 2)
+            _same_cache(mine, theirs)
+    assert len(rooms) >= 3, rooms
+    twin = copy.copy(mine.layers[0])  # a copy writes into buffers of its own
+    for cache in (mine, theirs):
+        cache.reorder_cache(torch.tensor([0, 0, 0]))  # a batch of three copies
+    forward(torch.randint(0, 96, (3, 2), generator=g))
+    assert twin._buffers is None and twin.keys.shape[0] == 1
+
+
+def test_growing_layers_write_in_place_and_keep_earlier_views():
+    """Decoding writes into the same buffer, an update concatenates nothing, and a view taken before an
+    update keeps its values (a saved state stays valid)."""
+    from opttree.step.cache import GrowingLayer
+
+    model = tiny_model("llama", seed=6)
+    cache = new_cache()
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 96, (1, 12), generator=g), **{cache_argument(model): cache})
+        layer = cache.layers[0]
+        before, saved = layer.keys.untyped_storage().data_ptr(), layer.keys.clone()
+        view = layer.keys
+        for _ in range(8):
+            model(input_ids=torch.randint(0, 96, (1, 1), generator=g), **{cache_argument(model): cache})
+        assert layer.keys.untyped_storage().data_ptr() == before and layer.keys.shape[2] == 20
+        assert torch.equal(view, saved)
+        alone = GrowingLayer()
+        with torch.profiler.profile() as prof:
+            for length in (5, 1, 1, 3):
+                alone.update(torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4))
+    assert alone.keys.shape == (1, 2, 10, 4)
+    assert "aten::cat" not in {event.key for event in prof.key_averages()}

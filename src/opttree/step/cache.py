@@ -32,17 +32,80 @@ def has_indexed_attention(model: PreTrainedModel) -> bool:
     return INDEXED in (getattr(model.config.get_text_config(), "layer_types", None) or [])
 
 
+class GrowingLayer(DynamicLayer):
+    """transformers' dynamic layer without its copy per forward. `DynamicLayer.update` concatenates, so
+    every forward copies the layer's whole cache: with a 1,536-token prompt that was a third of a plain
+    decoding step on a 2-core CPU, more than the linear layers (docs/BENCHMARKS.md, "Long prompts").
+    Here keys and values live in buffers with room to grow (a quarter more than needed, at least
+    `HEADROOM` positions), new states are written after the cached ones in place, and `.keys` /
+    `.values` are views of the buffers' first positions, so everything that reads or narrows them (crop,
+    compaction) works as on transformers' layer. Where something else replaced them (`reorder_cache`,
+    batch stacking or selection), the next update moves the new tensors into buffers of their own.
+    Writes land only past the cached length, so a view taken before an update keeps its values."""
+
+    HEADROOM = 64
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, capacity, Dh) keys, values
+
+    def __copy__(self):
+        """A copy shares no buffer with this layer (it would write into this layer's): it gets its own at
+        its next update."""
+        twin = type(self).__new__(type(self))
+        vars(twin).update(vars(self))
+        twin._buffers = None
+        return twin
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._writes_in_place(key_states, length + new):
+            self._rebuffer(key_states, value_states, length + new)
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            buffer.narrow(2, length, new).copy_(states)
+        self.keys, self.values = (buffer.narrow(2, 0, length + new) for buffer in self._buffers)
+        return self.keys, self.values
+
+    def _writes_in_place(self, states: torch.Tensor, needed: int) -> bool:
+        """Whether `.keys` / `.values` are still views of this layer's buffers (host metadata only) and
+        `needed` positions fit in them."""
+        if self._buffers is None or self._buffers[0].shape[2] < needed:
+            return False
+        return all(view is not None and view.dim() == 4 and view.storage_offset() == 0
+                   and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                   and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2] == states.shape[:2]
+                   and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
+                   for view, buffer in zip((self.keys, self.values), self._buffers))
+
+    def _rebuffer(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        """New buffers with room for `needed` positions and more, holding the cached states."""
+        length = self.get_seq_length()
+        room = needed + max(self.HEADROOM, needed // 4)
+        buffers = []
+        for cached, states in zip((self.keys, self.values), (key_states, value_states)):
+            buffer = states.new_empty((*states.shape[:2], room, states.shape[3]))  # (B, H, room, Dh)
+            if length:
+                buffer.narrow(2, 0, length).copy_(cached)
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+
+
 def new_cache(model: PreTrainedModel | None = None, layer_types: list[str] | None = None) -> DynamicCache:
-    """A cache of plain full-attention layers. Sliding and chunked layers keep every key too: their
-    windows are applied by the masks (`opttree.step.attention`), so the cache rolls back like any other.
-    A model with indexed sparse attention gets, for those layers, transformers' layer that also keeps
-    the indexer's keys (one per position, compacted with the rest: `sequence_tensors`). `layer_types`:
-    those of a part of a model (e.g. an early-exit layer's copy of one target layer) instead of a model's."""
+    """A cache of plain full-attention layers (`GrowingLayer`: transformers' dynamic layer, written in
+    place). Sliding and chunked layers keep every key too: their windows are applied by the masks
+    (`opttree.step.attention`), so the cache rolls back like any other. A model with indexed sparse
+    attention gets, for those layers, transformers' layer that also keeps the indexer's keys (one per
+    position, compacted with the rest: `sequence_tensors`). `layer_types`: those of a part of a model
+    (e.g. an early-exit layer's copy of one target layer) instead of a model's."""
     cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
     if layer_types is None and model is not None and has_indexed_attention(model):
         layer_types = model.config.get_text_config().layer_types
     if layer_types and INDEXED in layer_types:
-        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else DynamicLayer() for kind in layer_types]
+        cache.layers = [DynamicIndexedLayer() if kind == INDEXED else GrowingLayer() for kind in layer_types]
     return cache
 
 
