@@ -165,7 +165,7 @@ def test_growing_layers_hold_what_transformers_layers_hold(monkeypatch):
             for cache in (mine, theirs):
                 compact_rows(cache, [start], start, [keep])
         _same_cache(mine, theirs)
-        rooms.add(mine.layers[0]._buffers[0].shape[2])
+        rooms.add(mine.layers[0]._store[0].shape[2])
         if step % 7 == 6:
             for cache in (mine, theirs):
                 truncate(cache, cache.get_seq_length() - 2)
@@ -175,7 +175,7 @@ def test_growing_layers_hold_what_transformers_layers_hold(monkeypatch):
     for cache in (mine, theirs):
         cache.reorder_cache(torch.tensor([0, 0, 0]))  # a batch of three copies
     forward(torch.randint(0, 96, (3, 2), generator=g))
-    assert twin._buffers is None and twin.keys.shape[0] == 1
+    assert twin._store is None and twin.keys.shape[0] == 1
 
 
 def test_growing_layers_write_in_place_and_keep_earlier_views():

@@ -34,8 +34,9 @@ def has_indexed_attention(model: PreTrainedModel) -> bool:
 
 class GrowingLayer(DynamicLayer):
     """transformers' dynamic layer without its copy per forward. `DynamicLayer.update` concatenates, so
-    every forward copies the layer's whole cache: with a 1,536-token prompt that was a third of a plain
-    decoding step on a 2-core CPU, more than the linear layers (docs/BENCHMARKS.md, "Long prompts").
+    every forward copies the layer's whole cache: with a 1,536-token prompt, torch.profiler counted that
+    copy at a third of a plain decoding step on a 2-core CPU, more than the linear layers
+    (docs/BENCHMARKS.md, "Long prompts").
     Here keys and values live in buffers with room to grow (a quarter more than needed, at least
     `HEADROOM` positions), new states are written after the cached ones in place, and `.keys` /
     `.values` are views of the buffers' first positions, so everything that reads or narrows them (crop,
@@ -47,14 +48,14 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, capacity, Dh) keys, values
+        self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, capacity, Dh) keys, values
 
     def __copy__(self):
         """A copy shares no buffer with this layer (it would write into this layer's): it gets its own at
         its next update."""
         twin = type(self).__new__(type(self))
         vars(twin).update(vars(self))
-        twin._buffers = None
+        twin._store = None
         return twin
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -64,21 +65,21 @@ class GrowingLayer(DynamicLayer):
         length, new = self.get_seq_length(), key_states.shape[-2]
         if not self._writes_in_place(key_states, length + new):
             self._rebuffer(key_states, value_states, length + new)
-        for buffer, states in zip(self._buffers, (key_states, value_states)):
+        for buffer, states in zip(self._store, (key_states, value_states)):
             buffer.narrow(2, length, new).copy_(states)
-        self.keys, self.values = (buffer.narrow(2, 0, length + new) for buffer in self._buffers)
+        self.keys, self.values = (buffer.narrow(2, 0, length + new) for buffer in self._store)
         return self.keys, self.values
 
     def _writes_in_place(self, states: torch.Tensor, needed: int) -> bool:
         """Whether `.keys` / `.values` are still views of this layer's buffers (host metadata only) and
         `needed` positions fit in them."""
-        if self._buffers is None or self._buffers[0].shape[2] < needed:
+        if self._store is None or self._store[0].shape[2] < needed:
             return False
         return all(view is not None and view.dim() == 4 and view.storage_offset() == 0
                    and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                    and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2] == states.shape[:2]
                    and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
-                   for view, buffer in zip((self.keys, self.values), self._buffers))
+                   for view, buffer in zip((self.keys, self.values), self._store))
 
     def _rebuffer(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         """New buffers with room for `needed` positions and more, holding the cached states."""
@@ -90,7 +91,7 @@ class GrowingLayer(DynamicLayer):
             if length:
                 buffer.narrow(2, 0, length).copy_(cached)
             buffers.append(buffer)
-        self._buffers = tuple(buffers)
+        self._store = tuple(buffers)
 
 
 def new_cache(model: PreTrainedModel | None = None, layer_types: list[str] | None = None) -> DynamicCache:
