@@ -201,3 +201,38 @@ def test_growing_layers_write_in_place_and_keep_earlier_views():
                 alone.update(torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4))
     assert alone.keys.shape == (1, 2, 10, 4)
     assert "aten::cat" not in {event.key for event in prof.key_averages()}
+
+
+def test_stacked_and_selected_rows_stay_in_growing_buffers():
+    """A batch made of two sequences' caches (`stack_rows`, as rows join) holds each row padded with zeros
+    to the longest, in buffers with room, so the next forward writes in place; keeping some rows
+    (`select_rows`, as rows leave) too. The rows' logits equal those of each sequence alone."""
+    from opttree.step.cache import GrowingLayer, select_rows, stack_rows
+
+    model = tiny_model("llama", seed=7)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (1, length), generator=g) for length in (5, 9)]
+    alone = [new_cache() for _ in prompts]
+    with torch.inference_mode():
+        for ids, cache in zip(prompts, alone):
+            model(input_ids=ids, **{cache_argument(model): cache})
+        batch = stack_rows([(cache, [ids.shape[1]]) for ids, cache in zip(prompts, alone)])
+        for layer, short, long in zip(batch.layers, *(cache.layers for cache in alone)):
+            assert isinstance(layer, GrowingLayer) and layer.holds_views() and layer._store[0].shape[2] > 9
+            assert torch.equal(layer.keys[0, :, :5], short.keys[0]) and not layer.keys[0, :, 5:].any()
+            assert torch.equal(layer.keys[1], long.keys[0]) and torch.equal(layer.values[1], long.values[0])
+        stores = [layer._store[0].untyped_storage().data_ptr() for layer in batch.layers]
+        token = torch.randint(0, 96, (2, 1), generator=g)
+        allowed = torch.zeros(2, 1, 1, 10, dtype=torch.bool)
+        allowed[0, 0, 0, :5], allowed[0, 0, 0, 9], allowed[1] = True, True, True  # row 0's padding unseen
+        positions = torch.tensor([[5], [9]])
+        together = model(input_ids=token, position_ids=positions, attention_mask=allowed,
+                         **{cache_argument(model): batch}).logits
+        assert [layer._store[0].untyped_storage().data_ptr() for layer in batch.layers] == stores  # in place
+        for b, cache in enumerate(alone):
+            own = model(input_ids=token[b:b + 1], position_ids=positions[b:b + 1],
+                        **{cache_argument(model): cache}).logits
+            assert torch.allclose(together[b], own[0], atol=1e-5)
+        select_rows(batch, [1], [10])
+        for layer, long in zip(batch.layers, alone[1].layers):
+            assert layer.holds_views() and torch.allclose(layer.keys, long.keys, atol=1e-5)

@@ -71,20 +71,34 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def _writes_in_place(self, states: torch.Tensor, needed: int) -> bool:
-        """Whether `.keys` / `.values` are still views of this layer's buffers (host metadata only) and
-        `needed` positions fit in them."""
+        """Whether `needed` positions fit in this layer's buffers and `.keys` / `.values` are still views of
+        them (host metadata only) for a batch of `states`' shape."""
         if self._store is None or self._store[0].shape[2] < needed:
             return False
-        return all(view is not None and view.dim() == 4 and view.storage_offset() == 0
-                   and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-                   and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2] == states.shape[:2]
-                   and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
-                   for view, buffer in zip((self.keys, self.values), self._store))
+        return self.holds_views() and self._store[0].shape[:2] == states.shape[:2]
+
+    def holds_views(self) -> bool:
+        """Whether `.keys` / `.values` are views of this layer's buffers' first positions."""
+        return self._store is not None and all(
+            view is not None and view.dim() == 4 and view.storage_offset() == 0
+            and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2]
+            and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
+            for view, buffer in zip((self.keys, self.values), self._store))
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take these (B, H, capacity, Dh) tensors as the buffers, the first `length` positions cached."""
+        self._store = (keys, values)
+        self.keys, self.values = keys.narrow(2, 0, length), values.narrow(2, 0, length)
+
+    @classmethod
+    def room(cls, needed: int) -> int:
+        """Positions a buffer gets when `needed` must fit: a quarter more, at least HEADROOM."""
+        return needed + max(cls.HEADROOM, needed // 4)
 
     def _rebuffer(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         """New buffers with room for `needed` positions and more, holding the cached states."""
-        length = self.get_seq_length()
-        room = needed + max(self.HEADROOM, needed // 4)
+        length, room = self.get_seq_length(), self.room(needed)
         buffers = []
         for cached, states in zip((self.keys, self.values), (key_states, value_states)):
             buffer = states.new_empty((*states.shape[:2], room, states.shape[3]))  # (B, H, room, Dh)
@@ -265,25 +279,36 @@ def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
 def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
     """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
     length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
-    to the longest; the padding is never attended to (the tree masks)."""
+    to the longest with zeros; the padding is never attended to (the tree masks). Each tensor is copied
+    once, into a growing layer's buffers where the layer is one."""
     longest = max(length for _, lengths in parts for length in lengths)
     filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
         return new_cache()
+    count = sum(len(lengths) for _, lengths in parts)
     layers = []
     for i, layer in enumerate(filled[0].layers):
         stacked = copy.copy(layer)  # the same kind of layer; a layer that shares another's keys stays empty
         if layer.keys is not None and layer.keys.numel():
+            growing = isinstance(layer, GrowingLayer)
+            stacks = {}
             for name, axis in sequence_tensors(layer):
                 like = getattr(layer, name)  # (b, H, T, Dh) keys / values, (b, T, Di) indexer keys
-                blocks = []
+                shape = [count, *like.shape[1:]]
+                shape[axis] = GrowingLayer.room(longest) if growing else longest
+                stack = like.new_zeros(shape)  # (B, ..., room, ...)
+                row = 0
                 for cache, lengths in parts:
-                    states = getattr(cache.layers[i], name) if max(lengths) else like.new_zeros(
-                        (len(lengths), *like.shape[1:axis], 0, *like.shape[axis + 1:]))
-                    pad = list(states.shape)
-                    pad[axis] = longest - states.shape[axis]
-                    blocks.append(torch.cat([states, states.new_zeros(pad)], dim=axis))  # padded to the longest
-                setattr(stacked, name, torch.cat(blocks))  # (B, ..., longest, ...)
+                    if max(lengths):
+                        states = getattr(cache.layers[i], name)
+                        stack[row:row + len(lengths)].narrow(axis, 0, states.shape[axis]).copy_(states)
+                    row += len(lengths)
+                stacks[name] = stack
+            if growing:
+                stacked.hold(stacks["keys"], stacks["values"], longest)
+            else:
+                for name, stack in stacks.items():
+                    setattr(stacked, name, stack)
         layers.append(stacked)
     cache = DynamicCache()
     cache.layers = layers
@@ -292,12 +317,15 @@ def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
 
 def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
     """Keep the batch rows `rows` (their positions: `lengths`), in that order; the cache then ends at the
-    longest of them. In place."""
+    longest of them. In place (a growing layer keeps buffers with room: one copy)."""
     end = max(lengths)
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         index = torch.tensor(rows, device=layer.keys.device)
+        if isinstance(layer, GrowingLayer) and layer.holds_views():
+            layer.hold(*(buffer.index_select(0, index) for buffer in layer._store), end)
+            continue
         for name, axis in sequence_tensors(layer):
             setattr(layer, name, getattr(layer, name).index_select(0, index).narrow(axis, 0, end))
 
