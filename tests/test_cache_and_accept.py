@@ -236,3 +236,24 @@ def test_stacked_and_selected_rows_stay_in_growing_buffers():
         select_rows(batch, [1], [10])
         for layer, long in zip(batch.layers, alone[1].layers):
             assert layer.holds_views() and torch.allclose(layer.keys, long.keys, atol=1e-5)
+
+
+def test_a_compiled_forward_over_growing_layers_has_no_graph_break():
+    """A forward compiled with dynamic shapes (`compile_model(model, static=False)`) traces the growing
+    layer's update as transformers' concatenation: one graph (fullgraph=True raises at a break), the
+    same logits as eager."""
+    import torch._dynamo
+
+    model = tiny_model("llama", seed=8)
+    compiled = torch.compile(model.forward, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    eager_cache, compiled_cache = new_cache(), new_cache()
+    try:
+        with torch.inference_mode():
+            for length in (6, 1, 3):
+                ids = torch.randint(0, 96, (1, length), generator=g)
+                want = model(input_ids=ids, **{cache_argument(model): eager_cache}).logits
+                got = compiled(input_ids=ids, **{cache_argument(model): compiled_cache}).logits
+                assert torch.allclose(got, want, atol=1e-5)
+    finally:
+        torch._dynamo.reset()

@@ -42,7 +42,8 @@ class GrowingLayer(DynamicLayer):
     `.values` are views of the buffers' first positions, so everything that reads or narrows them (crop,
     compaction) works as on transformers' layer. Where something else replaced them (`reorder_cache`,
     batch stacking or selection), the next update moves the new tensors into buffers of their own.
-    Writes land only past the cached length, so a view taken before an update keeps its values."""
+    Writes land only past the cached length, so a view taken before an update keeps its values. Inside a
+    torch.compile'd forward the update concatenates as transformers' does (one graph, no break)."""
 
     HEADROOM = 64
 
@@ -60,6 +61,8 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # a compiled forward (dynamic shapes) concatenates, in its graph:
+            return super().update(key_states, value_states)  # the checks below read storage, a graph break
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
