@@ -9,6 +9,7 @@
 #   scripts/gpu_figures.sh batch   OUT_DIR   # a batch of BATCH prompts against one at a time and transformers' batched generate, 1B
 #   scripts/gpu_figures.sh defaults OUT_DIR  # no flags (first-use choices on this GPU), shipped pair
 #   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
+#   scripts/gpu_figures.sh long    OUT_DIR   # decoding by prompt length: the KV cache written in place vs concatenated
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
 #   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
 #   scripts/gpu_figures.sh rows    OUT_DIR   # check, defaults at T=0 and T=1, compiled steps with the delta stop on the
@@ -95,6 +96,9 @@ curves)  # latency curves and the per-step time split (scripts/gpu_profile.py), 
     inflated
     python3 scripts/gpu_profile.py --target $shipped_target --draft $shipped_draft
     python3 scripts/gpu_profile.py --target $big --draft $shipped_draft
+    ;;
+long)  # scripts/long_prompts.py on the GPU, shipped pair
+    python3 scripts/long_prompts.py --device cuda --prompts "$humaneval" --rounds 2 --per-length 2 | tee "$out/long.txt"
     ;;
 calibrate)  # the full calibration grid of the shipped pair (~7 min on an H100)
     opttree calibrate --device cuda --dtype bfloat16 --max-tokens 256 --budgets 8,16,32,48,64,96 \

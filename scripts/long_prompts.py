@@ -4,6 +4,7 @@ transformers' own `generate` beside them. Interleaved: every round runs every (l
 
     python scripts/long_prompts.py                                  # shipped pair, bf16, 64 .. 1536 tokens
     python scripts/long_prompts.py --lengths 256,1024 --methods ar,opt --rounds 2 --dtype float32
+    python scripts/long_prompts.py --device cuda                    # (scripts/gpu_figures.sh long)
 
 Prompts: windows of the HumanEval prompts laid end to end (`--prompts`), `--per-length` of them per
 length. A method is `ar`, a tree policy with the calibrated settings (`opt`), `POLICY:DRAFTER`, or
@@ -22,6 +23,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 import opttree
+from opttree.device import synchronize
 from opttree.step.cache import GrowingLayer
 
 IN_PLACE = GrowingLayer.update
@@ -36,15 +38,18 @@ def windows(path: Path, tokenizer, length: int, count: int) -> list[torch.Tensor
 
 def run(method: str, target, draft, prompt: torch.Tensor, new: int) -> tuple[int, float, int]:
     """(new tokens, seconds, steps) of one greedy generation."""
+    synchronize(prompt.device)
     start = time.perf_counter()
     if method == "hf-ar":
         out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False)
+        synchronize(prompt.device)
         return out.shape[1] - prompt.shape[1], time.perf_counter() - start, out.shape[1] - prompt.shape[1]
     policy, _, drafter = method.partition(":")
     options = {"drafter": drafter} if drafter else {}
     uses_draft = policy != "ar" and (not drafter or "model" in drafter)
     result = opttree.generate(target, prompt, draft if uses_draft else None, tree=policy, max_new_tokens=new, **options)
+    synchronize(prompt.device)
     return result.stats.new_tokens, time.perf_counter() - start, result.stats.steps
 
 
@@ -57,13 +62,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompts", type=Path, default=Path(__file__).parents[2] / "shared/data/humaneval.jsonl")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
+    target, draft = target.to(args.device), draft.to(args.device)
     lengths, methods = [int(x) for x in args.lengths.split(",")], args.methods.split(",")
     caches = {"in place": IN_PLACE, "concatenated": DynamicLayer.update}
     cells = [(length, method, cache) for length in lengths for method in methods
              for cache in (caches if method != "hf-ar" else ["transformers"])]
-    prompts = {length: windows(args.prompts, tokenizer, length, args.per_length) for length in lengths}
+    prompts = {length: [ids.to(args.device) for ids in windows(args.prompts, tokenizer, length, args.per_length)]
+               for length in lengths}
     speeds: dict[tuple, list[float]] = {cell: [] for cell in cells}
     step_ms: dict[tuple, list[float]] = {cell: [] for cell in cells}
     for method in methods:  # warm-up: packing checks, calibration, first-call costs

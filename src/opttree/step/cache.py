@@ -83,11 +83,9 @@ class GrowingLayer(DynamicLayer):
     def holds_views(self) -> bool:
         """Whether `.keys` / `.values` are views of this layer's buffers' first positions."""
         return self._store is not None and all(
-            view is not None and view.dim() == 4 and view.storage_offset() == 0
-            and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-            and view.stride() == buffer.stride() and view.shape[:2] == buffer.shape[:2]
-            and view.shape[3] == buffer.shape[3] and view.dtype == buffer.dtype
-            for view, buffer in zip((self.keys, self.values), self._store))
+            view is not None and view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
+            and view.dim() == 4 and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
+            and view.dtype == buffer.dtype for view, buffer in zip((self.keys, self.values), self._store))
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Take these (B, H, capacity, Dh) tensors as the buffers, the first `length` positions cached."""
