@@ -16,6 +16,7 @@ from ..device import static_step
 from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
+from .lean import lean_forward
 from .sampling import PositionNoise, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 
@@ -111,7 +112,8 @@ def masked_forward(
 
     input_ids: (Q,), positions: (Q,), allowed: (Q, K) bool, True = attend, K = cache_len + Q (or a
     static cache's capacity); None = causal (the model's own mask). `forward`: what runs the model
-    (default: the model itself). `keys`: returns the (K,) positions of the keys, for layers with a
+    (default: the model's own forward, or the same computation without transformers' wrapping where
+    `lean.lean_forward` reproduces it). `keys`: returns the (K,) positions of the keys, for layers with a
     window (`opttree.step.attention`); default: the cache holds positions 0..K-Q-1 and the new rows follow.
     A batch: input_ids and positions (B, Q), allowed (B, Q, K), `keys` returns (B, K).
     Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)); a batch
@@ -130,7 +132,7 @@ def masked_forward(
             row_keys = [keys] * count
         bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
     with masked_attention_kernels(ids.device):
-        out = (forward or model)(
+        out = (forward or lean_forward(model, bias, hidden) or model)(
             input_ids=ids,
             position_ids=where,
             attention_mask=bias,

@@ -1,0 +1,93 @@
+"""The tree forward without transformers' wrapping (`opttree.step.lean`): the model's own logits and cache,
+bit for bit, and the model's own forward wherever something could hang on the wrapping."""
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from opttree.counters import StepCounter
+from opttree.step.cache import cache_argument, new_cache
+from opttree.step.lean import lean_forward
+from opttree.step.verify import attention_bias
+
+
+def mha_model(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.2)
+    return LlamaForCausalLM._from_config(config, attn_implementation=attn).eval()
+
+
+def tree_inputs(model, rows: int, prefix: int, seed: int):
+    """A cached prefix per row, then 5 tree tokens (a root with two branches) under a 4D mask as
+    `masked_forward` builds it."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1, 0, 0, 1, 2]  # node i's parent among the new tokens (-1: the prefix only)
+    allowed = torch.zeros(5, prefix + 5, dtype=torch.bool)
+    allowed[:, :prefix] = True
+    depth = []
+    for i, parent in enumerate(parents):
+        allowed[i, prefix + i] = True
+        if parent >= 0:
+            allowed[i, prefix:] |= allowed[parent, prefix:]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    positions = torch.tensor([prefix + d for d in depth])
+    mask = torch.cat([attention_bias(model, allowed, positions)] * rows)  # (rows, 1, 5, prefix + 5)
+    return (torch.randint(0, 96, (rows, prefix), generator=g), torch.randint(0, 96, (rows, 5), generator=g),
+            positions.expand(rows, 5), mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("rows,grouped", [(1, True), (2, True), (1, False)])
+def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, rows, grouped):
+    model = tiny_model("llama", seed=4, attn=attn) if grouped else mha_model(attn)  # tiny_model: 4 heads, 2 KV heads
+    model = model.to(dtype)
+    prefix, tokens, positions, mask = tree_inputs(model, rows, 7, seed=1)
+    caches = [new_cache(), new_cache()]
+    with torch.inference_mode():
+        for cache in caches:
+            model(input_ids=prefix, **{cache_argument(model): cache})
+        runner = lean_forward(model, mask, hidden=False)
+        assert runner is not None
+        kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True)
+        want = model(**kwargs, **{cache_argument(model): caches[0]}).logits
+        got = runner(**kwargs, **{cache_argument(model): caches[1]}).logits
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for mine, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_the_models_own_forward_runs_wherever_something_hangs_on_it():
+    model = tiny_model("llama", seed=5)
+    _, _, _, mask = tree_inputs(model, 1, 4, seed=2)
+    assert lean_forward(model, mask, hidden=False) is not None
+    assert lean_forward(model, mask, hidden=True) is None  # hidden states asked
+    assert lean_forward(model, {"full_attention": mask}, hidden=False) is None  # masks by layer type
+    assert lean_forward(tiny_model("qwen2"), mask, hidden=False) is None  # an architecture not listed
+    handle = model.model.layers[1].register_forward_hook(lambda module, args, output: None)
+    assert lean_forward(model, mask, hidden=False) is None  # a hook on a skipped forward
+    handle.remove()
+    attention = model.model.layers[0].self_attn
+    attention.forward = attention.forward  # a replaced forward (as accelerate's hooks and compile_model do)
+    assert lean_forward(model, mask, hidden=False) is None
+    del attention.forward
+    assert lean_forward(model, mask, hidden=False) is not None
+    model.train()
+    assert lean_forward(model, mask, hidden=False) is None
+
+
+def test_the_lean_forwards_ops_count_as_a_models():
+    """`opttree.counters` counts ops inside models' forwards apart from the step's machinery: the lean
+    forward's own ops (residuals, reshapes, rotary) are a model's too."""
+    model = tiny_model("llama", seed=6)
+    prefix, tokens, positions, mask = tree_inputs(model, 1, 5, seed=3)
+    cache = new_cache()
+    with torch.inference_mode():
+        model(input_ids=prefix, **{cache_argument(model): cache})
+        runner = lean_forward(model, mask, hidden=False)
+        with StepCounter() as counter:
+            runner(input_ids=tokens, position_ids=positions, attention_mask=mask, **{cache_argument(model): cache})
+    assert counter.ops > 50 and counter.machinery_ops == 0
