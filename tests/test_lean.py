@@ -60,7 +60,7 @@ def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn,
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
-def test_the_models_own_forward_runs_wherever_something_hangs_on_it():
+def test_the_models_own_forward_runs_wherever_something_hangs_on_it(monkeypatch):
     model = tiny_model("llama", seed=5)
     _, _, _, mask = tree_inputs(model, 1, 4, seed=2)
     assert lean_forward(model, mask, hidden=False) is not None
@@ -75,6 +75,9 @@ def test_the_models_own_forward_runs_wherever_something_hangs_on_it():
     assert lean_forward(model, mask, hidden=False) is None
     del attention.forward
     assert lean_forward(model, mask, hidden=False) is not None
+    monkeypatch.setenv("OPTTREE_LEAN", "0")  # turned off
+    assert lean_forward(model, mask, hidden=False) is None
+    monkeypatch.delenv("OPTTREE_LEAN")
     model.train()
     assert lean_forward(model, mask, hidden=False) is None
 

@@ -11,11 +11,13 @@ ops on the same operands in the same order, so the logits are the model's bit fo
 `model(...)` in float32 and bfloat16, with and without grouped-query attention). Only the wrapping is
 skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES`, no hooks
 or replaced `forward` on the modules whose forward it does not call, not training, a 4D mask tensor, no
-hidden states asked. Anything else runs the model's forward.
+hidden states asked. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
+`python scripts/lean_forward.py`).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from types import SimpleNamespace
 
@@ -51,7 +53,7 @@ def lean_forward(model: torch.nn.Module, attention_mask, hidden: bool) -> LeanFo
     """What runs `model` on a tree forward: a `LeanForward` where it reproduces the model's own forward
     (module docstring), else None (the model's forward)."""
     modeling = LEAN_ARCHITECTURES.get(type(model))
-    if modeling is None or hidden or model.training or not isinstance(attention_mask, torch.Tensor) \
+    if modeling is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or hidden or model.training or not isinstance(attention_mask, torch.Tensor) \
             or attention_mask.dim() != 4 or model.config._attn_implementation not in ("sdpa", "eager"):
         return None
     inner = model.model
