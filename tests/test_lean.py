@@ -41,9 +41,9 @@ def tree_inputs(model, rows: int, prefix: int, seed: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("rows,grouped", [(1, True), (2, True), (1, False)])
-def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, rows, grouped):
-    model = tiny_model("llama", seed=4, attn=attn) if grouped else mha_model(attn)  # tiny_model: 4 heads, 2 KV heads
+@pytest.mark.parametrize("arch,rows", [("llama", 1), ("llama", 2), ("mha", 1), ("qwen2", 1), ("mistral", 2)])
+def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, arch, rows):
+    model = mha_model(attn) if arch == "mha" else tiny_model(arch, seed=4, attn=attn)  # tiny_model: 4 heads, 2 KV heads
     model = model.to(dtype)
     prefix, tokens, positions, mask = tree_inputs(model, rows, 7, seed=1)
     caches = [new_cache(), new_cache()]
@@ -66,7 +66,7 @@ def test_the_models_own_forward_runs_wherever_something_hangs_on_it(monkeypatch)
     assert lean_forward(model, mask, hidden=False) is not None
     assert lean_forward(model, mask, hidden=True) is None  # hidden states asked
     assert lean_forward(model, {"full_attention": mask}, hidden=False) is None  # masks by layer type
-    assert lean_forward(tiny_model("qwen2"), mask, hidden=False) is None  # an architecture not listed
+    assert lean_forward(tiny_model("phi3"), mask, hidden=False) is None  # an architecture not listed
     handle = model.model.layers[1].register_forward_hook(lambda module, args, output: None)
     assert lean_forward(model, mask, hidden=False) is None  # a hook on a skipped forward
     handle.remove()

@@ -9,9 +9,9 @@ submodules (embedding, rotary embedding, norms, projections, MLP), the same func
 modeling file (`apply_rotary_pos_emb`, the attention interface the model is configured with), the same
 ops on the same operands in the same order, so the logits are the model's bit for bit (tested against
 `model(...)` in float32 and bfloat16, with and without grouped-query attention). Only the wrapping is
-skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES`, no hooks
-or replaced `forward` on the modules whose forward it does not call, not training, a 4D mask tensor, no
-hidden states asked. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
+skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES` (Llama, Qwen2,
+Mistral: layers wired alike), no hooks or replaced `forward` on the modules whose forward it does not
+call, not training, a 4D mask tensor, no hidden states asked. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
 `python scripts/lean_forward.py`).
 """
 
@@ -24,9 +24,17 @@ from types import SimpleNamespace
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
 
-# Architectures whose forward `_decode` reproduces, with the modeling file that holds their functions.
-LEAN_ARCHITECTURES = {modeling_llama.LlamaForCausalLM: modeling_llama}
+# Architectures whose forward `_decode` reproduces: the modeling file that holds their functions, and what
+# their attention module passes its attention function besides Llama's arguments.
+LEAN_ARCHITECTURES = {
+    modeling_llama.LlamaForCausalLM: (modeling_llama, lambda attention: {}),
+    modeling_qwen2.Qwen2ForCausalLM: (modeling_qwen2, lambda attention: {"sliding_window": attention.sliding_window}),
+    modeling_mistral.MistralForCausalLM: (
+        modeling_mistral, lambda attention: {"sliding_window": getattr(attention.config, "sliding_window", None)}),
+}
 
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeanForward]" = weakref.WeakKeyDictionary()
 
@@ -36,15 +44,15 @@ class LeanForward(torch.nn.Module):
     `attention_mask`, the cache by either keyword); returns an object with `.logits`. A module itself, so
     that what counts ops inside models' forwards (`opttree.counters`) counts these too."""
 
-    def __init__(self, model: torch.nn.Module, modeling):
+    def __init__(self, model: torch.nn.Module, architecture: tuple):
         super().__init__()
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
-        self.modeling = modeling
+        self.architecture = architecture
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False):
         model = self._model()
-        logits = _decode(model, self.modeling, input_ids, position_ids, attention_mask,
+        logits = _decode(model, *self.architecture, input_ids, position_ids, attention_mask,
                          cache if cache is not None else past_key_values)
         return SimpleNamespace(logits=logits)
 
@@ -52,8 +60,8 @@ class LeanForward(torch.nn.Module):
 def lean_forward(model: torch.nn.Module, attention_mask, hidden: bool) -> LeanForward | None:
     """What runs `model` on a tree forward: a `LeanForward` where it reproduces the model's own forward
     (module docstring), else None (the model's forward)."""
-    modeling = LEAN_ARCHITECTURES.get(type(model))
-    if modeling is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or hidden or model.training or not isinstance(attention_mask, torch.Tensor) \
+    architecture = LEAN_ARCHITECTURES.get(type(model))
+    if architecture is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or hidden or model.training or not isinstance(attention_mask, torch.Tensor) \
             or attention_mask.dim() != 4 or model.config._attn_implementation not in ("sdpa", "eager"):
         return None
     inner = model.model
@@ -62,13 +70,14 @@ def lean_forward(model: torch.nn.Module, attention_mask, hidden: bool) -> LeanFo
         return None
     runner = _RUNNERS.get(model)
     if runner is None:
-        runner = _RUNNERS[model] = LeanForward(model, modeling)
+        runner = _RUNNERS[model] = LeanForward(model, architecture)
     return runner
 
 
-def _decode(model, modeling, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache
-            ) -> torch.Tensor:
-    """LlamaForCausalLM.forward's computation (transformers 5.x): (B, Q) ids -> (B, Q, V) logits."""
+def _decode(model, modeling, attention_options, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor, cache) -> torch.Tensor:
+    """LlamaForCausalLM.forward's computation (transformers 5.x; Qwen2's and Mistral's are the same with
+    `attention_options`): (B, Q) ids -> (B, Q, V) logits."""
     inner, config = model.model, model.config
     hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
@@ -85,7 +94,8 @@ def _decode(model, modeling, input_ids: torch.Tensor, position_ids: torch.Tensor
         query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
-        out, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling, **extra)
+        out, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling,
+                        **attention_options(attention), **extra)
         hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous())
         residual = hidden
         hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
