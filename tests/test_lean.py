@@ -50,12 +50,15 @@ def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn,
     with torch.inference_mode():
         for cache in caches:
             model(input_ids=prefix, **{cache_argument(model): cache})
-        runner = lean_forward(model, mask, hidden=False)
+        runner = lean_forward(model, mask)
         assert runner is not None
-        kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True)
-        want = model(**kwargs, **{cache_argument(model): caches[0]}).logits
-        got = runner(**kwargs, **{cache_argument(model): caches[1]}).logits
-    assert got.dtype == want.dtype and torch.equal(got, want)
+        kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                      output_hidden_states=True)
+        want = model(**kwargs, **{cache_argument(model): caches[0]})
+        got = runner(**kwargs, **{cache_argument(model): caches[1]})
+    assert got.logits.dtype == want.logits.dtype and torch.equal(got.logits, want.logits)
+    assert len(got.hidden_states) == len(want.hidden_states) == len(model.model.layers) + 1
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(got.hidden_states, want.hidden_states))
     for mine, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
@@ -63,23 +66,22 @@ def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn,
 def test_the_models_own_forward_runs_wherever_something_hangs_on_it(monkeypatch):
     model = tiny_model("llama", seed=5)
     _, _, _, mask = tree_inputs(model, 1, 4, seed=2)
-    assert lean_forward(model, mask, hidden=False) is not None
-    assert lean_forward(model, mask, hidden=True) is None  # hidden states asked
-    assert lean_forward(model, {"full_attention": mask}, hidden=False) is None  # masks by layer type
-    assert lean_forward(tiny_model("phi3"), mask, hidden=False) is None  # an architecture not listed
+    assert lean_forward(model, mask) is not None
+    assert lean_forward(model, {"full_attention": mask}) is None  # masks by layer type
+    assert lean_forward(tiny_model("phi3"), mask) is None  # an architecture not listed
     handle = model.model.layers[1].register_forward_hook(lambda module, args, output: None)
-    assert lean_forward(model, mask, hidden=False) is None  # a hook on a skipped forward
+    assert lean_forward(model, mask) is None  # a hook on a skipped forward
     handle.remove()
     attention = model.model.layers[0].self_attn
     attention.forward = attention.forward  # a replaced forward (as accelerate's hooks and compile_model do)
-    assert lean_forward(model, mask, hidden=False) is None
+    assert lean_forward(model, mask) is None
     del attention.forward
-    assert lean_forward(model, mask, hidden=False) is not None
+    assert lean_forward(model, mask) is not None
     monkeypatch.setenv("OPTTREE_LEAN", "0")  # turned off
-    assert lean_forward(model, mask, hidden=False) is None
+    assert lean_forward(model, mask) is None
     monkeypatch.delenv("OPTTREE_LEAN")
     model.train()
-    assert lean_forward(model, mask, hidden=False) is None
+    assert lean_forward(model, mask) is None
 
 
 def test_the_lean_forwards_ops_count_as_a_models():
@@ -90,7 +92,7 @@ def test_the_lean_forwards_ops_count_as_a_models():
     cache = new_cache()
     with torch.inference_mode():
         model(input_ids=prefix, **{cache_argument(model): cache})
-        runner = lean_forward(model, mask, hidden=False)
+        runner = lean_forward(model, mask)
         with StepCounter() as counter:
             runner(input_ids=tokens, position_ids=positions, attention_mask=mask, **{cache_argument(model): cache})
     assert counter.ops > 50 and counter.machinery_ops == 0

@@ -8,10 +8,10 @@ draft's 1 ms. `lean_forward(model)` runs the same computation as the model's own
 submodules (embedding, rotary embedding, norms, projections, MLP), the same functions of the model's
 modeling file (`apply_rotary_pos_emb`, the attention interface the model is configured with), the same
 ops on the same operands in the same order, so the logits are the model's bit for bit (tested against
-`model(...)` in float32 and bfloat16, with and without grouped-query attention). Only the wrapping is
+`model(...)` in float32 and bfloat16, with and without grouped-query attention; the hidden states too). Only the wrapping is
 skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES` (Llama, Qwen2,
 Mistral: layers wired alike), no hooks or replaced `forward` on the modules whose forward it does not
-call, not training, a 4D mask tensor, no hidden states asked. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
+call, not training, a 4D mask tensor. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
 `python scripts/lean_forward.py`).
 """
 
@@ -52,17 +52,18 @@ class LeanForward(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False):
         model = self._model()
-        logits = _decode(model, *self.architecture, input_ids, position_ids, attention_mask,
-                         cache if cache is not None else past_key_values)
-        return SimpleNamespace(logits=logits)
+        logits, hidden = _decode(model, *self.architecture, input_ids, position_ids, attention_mask,
+                                 cache if cache is not None else past_key_values, output_hidden_states)
+        return SimpleNamespace(logits=logits, hidden_states=hidden)
 
 
-def lean_forward(model: torch.nn.Module, attention_mask, hidden: bool) -> LeanForward | None:
+def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
     """What runs `model` on a tree forward: a `LeanForward` where it reproduces the model's own forward
     (module docstring), else None (the model's forward)."""
     architecture = LEAN_ARCHITECTURES.get(type(model))
-    if architecture is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or hidden or model.training or not isinstance(attention_mask, torch.Tensor) \
-            or attention_mask.dim() != 4 or model.config._attn_implementation not in ("sdpa", "eager"):
+    if architecture is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or model.training \
+            or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 \
+            or model.config._attn_implementation not in ("sdpa", "eager"):
         return None
     inner = model.model
     skipped = [model, inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
@@ -75,11 +76,13 @@ def lean_forward(model: torch.nn.Module, attention_mask, hidden: bool) -> LeanFo
 
 
 def _decode(model, modeling, attention_options, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor, cache) -> torch.Tensor:
+            mask: torch.Tensor, cache, hidden_states: bool = False) -> tuple[torch.Tensor, tuple | None]:
     """LlamaForCausalLM.forward's computation (transformers 5.x; Qwen2's and Mistral's are the same with
-    `attention_options`): (B, Q) ids -> (B, Q, V) logits."""
+    `attention_options`): (B, Q) ids -> (B, Q, V) logits, and with `hidden_states` the model's: the
+    embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each)."""
     inner, config = model.model, model.config
     hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
+    kept = [hidden] if hidden_states else None
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, modeling.eager_attention_forward)
     extra = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention
@@ -99,5 +102,9 @@ def _decode(model, modeling, attention_options, input_ids: torch.Tensor, positio
         hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous())
         residual = hidden
         hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        if kept is not None:
+            kept.append(hidden)
     hidden = inner.norm(hidden)
-    return model.lm_head(hidden[:, slice(0, None), :])
+    if kept is not None:
+        kept[-1] = hidden
+    return model.lm_head(hidden[:, slice(0, None), :]), tuple(kept) if kept is not None else None

@@ -132,7 +132,7 @@ def masked_forward(
             row_keys = [keys] * count
         bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
     with masked_attention_kernels(ids.device):
-        out = (forward or lean_forward(model, bias, hidden) or model)(
+        out = (forward or lean_forward(model, bias) or model)(
             input_ids=ids,
             position_ids=where,
             attention_mask=bias,
