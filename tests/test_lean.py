@@ -69,6 +69,9 @@ def test_the_models_own_forward_runs_wherever_something_hangs_on_it(monkeypatch)
     assert lean_forward(model, mask) is not None
     assert lean_forward(model, {"full_attention": mask}) is None  # masks by layer type
     assert lean_forward(tiny_model("phi3"), mask) is None  # an architecture not listed
+    with torch.inference_mode():  # transformers' hooks that collect hidden states stay, inactive: no matter
+        model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert model.model.layers[0]._forward_hooks and lean_forward(model, mask) is not None
     handle = model.model.layers[1].register_forward_hook(lambda module, args, output: None)
     assert lean_forward(model, mask) is None  # a hook on a skipped forward
     handle.remove()

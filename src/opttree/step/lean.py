@@ -10,8 +10,8 @@ modeling file (`apply_rotary_pos_emb`, the attention interface the model is conf
 ops on the same operands in the same order, so the logits are the model's bit for bit (tested against
 `model(...)` in float32 and bfloat16, with and without grouped-query attention; the hidden states too). Only the wrapping is
 skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES` (Llama, Qwen2,
-Mistral: layers wired alike), no hooks or replaced `forward` on the modules whose forward it does not
-call, not training, a 4D mask tensor. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
+Mistral: layers wired alike), no hooks (but transformers' own inactive ones that collect hidden states) or
+replaced `forward` on the modules whose forward it does not call, not training, a 4D mask tensor. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
 `python scripts/lean_forward.py`).
 """
 
@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.utils import output_capturing
 
 # Architectures whose forward `_decode` reproduces: the modeling file that holds their functions, and what
 # their attention module passes its attention function besides Llama's arguments.
@@ -67,12 +68,20 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
         return None
     inner = model.model
     skipped = [model, inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
-    if any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module) for module in skipped):
+    if any(module._forward_pre_hooks or "forward" in vars(module)
+           or not all(_capturing(hook) for hook in module._forward_hooks.values()) for module in skipped):
         return None
     runner = _RUNNERS.get(model)
     if runner is None:
         runner = _RUNNERS[model] = LeanForward(model, architecture)
     return runner
+
+
+def _capturing(hook) -> bool:
+    """Whether a forward hook is one transformers installs on decoder layers to collect hidden states
+    (`transformers.utils.output_capturing`, on the first forward that asks for them): it records only
+    while that model's own forward collects, so a forward that does not call it loses nothing."""
+    return getattr(hook, "__module__", None) == output_capturing.__name__
 
 
 def _decode(model, modeling, attention_options, input_ids: torch.Tensor, position_ids: torch.Tensor,
