@@ -42,10 +42,15 @@ def tree_inputs(model, rows: int, prefix: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch,rows", [("llama", 1), ("llama", 2), ("mha", 1), ("qwen2", 1), ("mistral", 2)])
-def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, arch, rows):
+@pytest.mark.parametrize("new", ["tree", "one", "causal"])
+def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, arch, rows, new):
+    """A tree under its 4D mask, or with no mask (the model's own): one token (plain decoding), or three."""
     model = mha_model(attn) if arch == "mha" else tiny_model(arch, seed=4, attn=attn)  # tiny_model: 4 heads, 2 KV heads
     model = model.to(dtype)
     prefix, tokens, positions, mask = tree_inputs(model, rows, 7, seed=1)
+    if new != "tree":
+        width = 1 if new == "one" else 3
+        tokens, positions, mask = tokens[:, :width], torch.arange(7, 7 + width).expand(rows, width), None
     caches = [new_cache(), new_cache()]
     with torch.inference_mode():
         for cache in caches:

@@ -8,11 +8,12 @@ draft's 1 ms. `lean_forward(model)` runs the same computation as the model's own
 submodules (embedding, rotary embedding, norms, projections, MLP), the same functions of the model's
 modeling file (`apply_rotary_pos_emb`, the attention interface the model is configured with), the same
 ops on the same operands in the same order, so the logits are the model's bit for bit (tested against
-`model(...)` in float32 and bfloat16, with and without grouped-query attention; the hidden states too). Only the wrapping is
-skipped, and only where nothing hangs on it: an architecture listed in `LEAN_ARCHITECTURES` (Llama, Qwen2,
-Mistral: layers wired alike), no hooks (but transformers' own inactive ones that collect hidden states) or
-replaced `forward` on the modules whose forward it does not call, not training, a 4D mask tensor. Anything else runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it:
-`python scripts/lean_forward.py`).
+`model(...)` in float32 and bfloat16, with and without grouped-query attention; the hidden states too).
+Only the wrapping is skipped, and only where nothing hangs on it: an architecture listed in
+`LEAN_ARCHITECTURES` (Llama, Qwen2, Mistral: layers wired alike), no hooks (but transformers' own inactive
+ones that collect hidden states) or replaced `forward` on the modules whose forward it does not call, not
+training, a 4D mask tensor or none (then the model's own masks, made by its own functions). Anything else
+runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it: `python scripts/lean_forward.py`).
 """
 
 from __future__ import annotations
@@ -22,19 +23,40 @@ import weakref
 from types import SimpleNamespace
 
 import torch
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.utils import output_capturing
 
-# Architectures whose forward `_decode` reproduces: the modeling file that holds their functions, and what
-# their attention module passes its attention function besides Llama's arguments.
+
+def _llama_masks(model, **arguments) -> list:
+    """Each layer's mask as LlamaModel.forward makes it when given none (its own causal mask)."""
+    return [create_causal_mask(config=model.config, **arguments)] * model.config.num_hidden_layers
+
+
+def _mistral_masks(model, **arguments) -> list:
+    make = create_causal_mask if model.config.sliding_window is None else create_sliding_window_causal_mask
+    return [make(config=model.config, **arguments)] * model.config.num_hidden_layers
+
+
+def _qwen2_masks(model, **arguments) -> list:
+    by_type = {"full_attention": create_causal_mask(config=model.config, **arguments)}
+    if model.model.has_sliding_layers:
+        by_type["sliding_attention"] = create_sliding_window_causal_mask(config=model.config, **arguments)
+    return [by_type[kind] for kind in model.config.layer_types[: model.config.num_hidden_layers]]
+
+
+# Architectures whose forward `_decode` reproduces: the modeling file that holds their functions, what their
+# attention module passes its attention function besides Llama's arguments, and their model's own masks.
 LEAN_ARCHITECTURES = {
-    modeling_llama.LlamaForCausalLM: (modeling_llama, lambda attention: {}),
-    modeling_qwen2.Qwen2ForCausalLM: (modeling_qwen2, lambda attention: {"sliding_window": attention.sliding_window}),
+    modeling_llama.LlamaForCausalLM: (modeling_llama, lambda attention: {}, _llama_masks),
+    modeling_qwen2.Qwen2ForCausalLM: (
+        modeling_qwen2, lambda attention: {"sliding_window": attention.sliding_window}, _qwen2_masks),
     modeling_mistral.MistralForCausalLM: (
-        modeling_mistral, lambda attention: {"sliding_window": getattr(attention.config, "sliding_window", None)}),
+        modeling_mistral, lambda attention: {"sliding_window": getattr(attention.config, "sliding_window", None)},
+        _mistral_masks),
 }
 
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeanForward]" = weakref.WeakKeyDictionary()
@@ -63,7 +85,7 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
     (module docstring), else None (the model's forward)."""
     architecture = LEAN_ARCHITECTURES.get(type(model))
     if architecture is None or os.environ.get("OPTTREE_LEAN", "1") == "0" or model.training \
-            or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 \
+            or not (attention_mask is None or isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4) \
             or model.config._attn_implementation not in ("sdpa", "eager"):
         return None
     inner = model.model
@@ -84,18 +106,21 @@ def _capturing(hook) -> bool:
     return getattr(hook, "__module__", None) == output_capturing.__name__
 
 
-def _decode(model, modeling, attention_options, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor, cache, hidden_states: bool = False) -> tuple[torch.Tensor, tuple | None]:
+def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            mask: torch.Tensor | None, cache, hidden_states: bool = False) -> tuple[torch.Tensor, tuple | None]:
     """LlamaForCausalLM.forward's computation (transformers 5.x; Qwen2's and Mistral's are the same with
     `attention_options`): (B, Q) ids -> (B, Q, V) logits, and with `hidden_states` the model's: the
-    embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each)."""
+    embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each). `mask` None:
+    the model's own masks (`own_masks`, made as its forward makes them, before the cache grows)."""
     inner, config = model.model, model.config
     hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
     kept = [hidden] if hidden_states else None
+    masks = own_masks(model, inputs_embeds=hidden, attention_mask=None, cache=cache, position_ids=position_ids) \
+        if mask is None else [mask] * config.num_hidden_layers
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, modeling.eager_attention_forward)
     extra = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention
-    for layer in inner.layers[: config.num_hidden_layers]:
+    for layer, mask in zip(inner.layers[: config.num_hidden_layers], masks):
         attention = layer.self_attn
         residual = hidden
         hidden = layer.input_layernorm(hidden)
