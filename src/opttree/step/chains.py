@@ -33,6 +33,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from .attention import STATE_LAYER_TYPES
 from .cache import cache_argument, truncate
+from .lean import lean_forward
 from .own_state import OwnState, keeps_own_state, layer_attributes, own_state, put_back
 from .scan import continued_scans
 from .tree import DraftTree, leaf_paths
@@ -141,8 +142,9 @@ def forward_chains(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, p
     """(B, Q) tokens after the cache's `prefix_len` (one chain per cache row) -> logits (B, Q, V)."""
     positions = torch.arange(prefix_len, prefix_len + tokens.shape[1], device=tokens.device).expand_as(tokens)
     where = {"position_ids": positions} if _takes_positions(type(model)) else {}  # Mamba has none
+    run = lean_forward(model, None) or model  # the model's own forward, or the same without its wrapping
     with continued_scans(model):  # Mamba-1 mixers: the scan from the cached state, not from zero
-        return model(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
+        return run(input_ids=tokens, **where, **{cache_argument(model): cache}, use_cache=True, **options).logits
 
 
 @lru_cache(maxsize=None)

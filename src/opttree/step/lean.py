@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
@@ -72,11 +72,12 @@ class LeanForward(torch.nn.Module):
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         self.architecture = architecture
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False,
+                logits_to_keep: int = 0):
         model = self._model()
         logits, hidden = _decode(model, *self.architecture, input_ids, position_ids, attention_mask,
-                                 cache if cache is not None else past_key_values, output_hidden_states)
+                                 cache if cache is not None else past_key_values, output_hidden_states, logits_to_keep)
         return SimpleNamespace(logits=logits, hidden_states=hidden)
 
 
@@ -107,11 +108,13 @@ def _capturing(hook) -> bool:
 
 
 def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None, cache, hidden_states: bool = False) -> tuple[torch.Tensor, tuple | None]:
+            mask: torch.Tensor | None, cache, hidden_states: bool = False, logits_to_keep: int = 0
+            ) -> tuple[torch.Tensor, tuple | None]:
     """LlamaForCausalLM.forward's computation (transformers 5.x; Qwen2's and Mistral's are the same with
     `attention_options`): (B, Q) ids -> (B, Q, V) logits, and with `hidden_states` the model's: the
     embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each). `mask` None:
-    the model's own masks (`own_masks`, made as its forward makes them, before the cache grows)."""
+    the model's own masks (`own_masks`, made as its forward makes them, before the cache grows).
+    `logits_to_keep`: the model's argument (the last positions' logits only)."""
     inner, config = model.model, model.config
     hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
     kept = [hidden] if hidden_states else None
@@ -141,4 +144,4 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
     hidden = inner.norm(hidden)
     if kept is not None:
         kept[-1] = hidden
-    return model.lm_head(hidden[:, slice(0, None), :]), tuple(kept) if kept is not None else None
+    return model.lm_head(slice_logits_to_keep(hidden, logits_to_keep)), tuple(kept) if kept is not None else None
