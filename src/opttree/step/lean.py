@@ -71,6 +71,15 @@ class LeanForward(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         self.architecture = architecture
+        inner = model.model  # the modules whose forward `_decode` does not call (the model itself aside: weakly held)
+        object.__setattr__(self, "_skipped", (inner, *inner.layers, *(layer.self_attn for layer in inner.layers)))
+
+    def applies(self) -> bool:
+        """Whether nothing hangs on the skipped forwards: no hooks (but transformers' own inactive ones that
+        collect hidden states), no replaced `forward`."""
+        return not any(module._forward_pre_hooks or "forward" in vars(module)
+                       or not all(_capturing(hook) for hook in module._forward_hooks.values())
+                       for module in (self._model(), *self._skipped))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False,
@@ -89,15 +98,10 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
             or not (attention_mask is None or isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4) \
             or model.config._attn_implementation not in ("sdpa", "eager"):
         return None
-    inner = model.model
-    skipped = [model, inner, *inner.layers, *(layer.self_attn for layer in inner.layers)]
-    if any(module._forward_pre_hooks or "forward" in vars(module)
-           or not all(_capturing(hook) for hook in module._forward_hooks.values()) for module in skipped):
-        return None
     runner = _RUNNERS.get(model)
     if runner is None:
         runner = _RUNNERS[model] = LeanForward(model, architecture)
-    return runner
+    return runner if runner.applies() else None
 
 
 def _capturing(hook) -> bool:
