@@ -7,6 +7,9 @@ passed to the settings whose drafter uses it, the shipped feature head to those 
         'tree=opt budget=8' 'tree=opt budget=4 max_depth=4' 'tree=opt budget=8 draft_temperature=0.7'
     python scripts/tree_settings.py --prompts examples/heldout-code.jsonl --count 23 --max-new-tokens 128 \\
         --temperature 0 --dtype bfloat16 'drafter=lookup budget=16 delta=0.1' 'drafter=lookup budget=16 delta=0.6'
+    python scripts/tree_settings.py --temperature 1 'tree=opt budget=8' 'tree=opt budget=8 draft=runs/draft/final'
+
+`draft=FOLDER`: that setting drafts with the draft model saved there (loaded once) instead of the shipped one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import opttree
 from opttree.parts import shipped_part
@@ -27,7 +31,7 @@ def setting(text: str) -> dict:
     options = {}
     for item in text.split():
         key, _, value = item.partition("=")
-        options[key] = value if key in ("tree", "drafter", "children") else (float(value) if "." in value else int(value))
+        options[key] = value if key in ("tree", "drafter", "children", "draft") else (float(value) if "." in value else int(value))
     return options
 
 
@@ -43,16 +47,20 @@ def main() -> None:
     args = parser.parse_args()
     target, draft, tok = opttree.demo_models(getattr(torch, args.dtype))
     head = shipped_part("head", target)
+    drafts = {}  # folder -> the draft model saved there
 
     def call(options: dict) -> tuple:
         """The draft argument and the options of one setting, as generate takes them."""
+        folder = options.pop("draft", None)
+        if folder is not None and folder not in drafts:
+            drafts[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
         drafter = DrafterSpec.parse(options["drafter"]) if "drafter" in options else None
         uses_draft = options.get("tree") != "ar" and (drafter is None or drafter.uses_draft_model)
         extra = {"head": head} if drafter is not None and "head" in drafter else {}
-        return (draft if uses_draft else None), {**options, **extra}
+        return (drafts.get(folder, draft) if uses_draft else None), {**options, **extra}, folder
 
     runs = [call({"tree": "ar"})] + [call(setting(s)) for s in args.settings]
-    for run_draft, options in runs:  # probes and first calls out of the timing
+    for run_draft, options, _ in runs:  # probes and first calls out of the timing
         opttree.generate(target, tok("def f(x):", return_tensors="pt").input_ids, run_draft, max_new_tokens=8,
                          temperature=args.temperature, **options)
     lines = open(args.prompts).read().splitlines()[args.first : args.first + args.count]
@@ -60,7 +68,7 @@ def main() -> None:
     for j, line in enumerate(lines):
         ids = tok(json.loads(line)["prompt"], return_tensors="pt").input_ids
         for i in [(j + k) % len(runs) for k in range(len(runs))]:  # rotated order per prompt
-            run_draft, options = runs[i]
+            run_draft, options, _ = runs[i]
             start = time.perf_counter()
             out = opttree.generate(target, ids, run_draft, eos_token_id=[], seed=j, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, **options)
@@ -68,8 +76,8 @@ def main() -> None:
             totals[i] = [a + b for a, b in zip(totals[i], (stats.new_tokens, stats.steps, time.perf_counter() - start,
                                                             stats.draft_s))]
     plain = totals[0][0] / totals[0][2]
-    for (_, options), (new, steps, seconds, draft_s) in zip(runs, totals):
-        shown = {k: v for k, v in options.items() if k != "head"}
+    for (_, options, folder), (new, steps, seconds, draft_s) in zip(runs, totals):
+        shown = {k: v for k, v in options.items() if k != "head"} | ({"draft": folder} if folder else {})
         print(f"{shown}: MAL {new / steps:.2f}, {new / seconds:.1f} tokens/s, {new / seconds / plain:.2f}x, "
               f"draft {1e3 * draft_s / steps:.1f} ms/step")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opttree.train.corpus import encode_documents, load_texts, split_files, top_level_name
-from opttree.train.distill import evaluate_pair, make_distill_loss
+from opttree.train.distill import evaluate_pair, load_draft, make_distill_loss, train_draft
 from opttree.train.lm import (ModelShape, TrainConfig, build_llama, eval_windows, evaluate_lm, load_checkpoint,
                               lm_loss, lr_at, make_optimizer, save_final, train_loop, WindowSampler)
 from opttree.train.tokenizer import load_tokenizer, train_tokenizer
@@ -146,6 +146,28 @@ def test_distillation_reduces_kl_to_target(tmp_path, tokenizer, tokens):
     assert after["heldout_kl"] < 0.5 * before["heldout_kl"], (before, after)
     assert after["top1_agreement"] > before["top1_agreement"] + 0.2, (before, after)
     assert 0.0 <= after["top1_agreement"] <= 1.0
+
+
+def test_a_saved_draft_trains_further_from_its_own_weights(tmp_path, tokenizer, tokens):
+    """`train draft --init DIR`: the draft saved in DIR, its shape and weights, is trained further (its first
+    evaluation is the saved draft's own), and a draft with another vocabulary is refused by name."""
+    torch.manual_seed(0)
+    target = build_llama(ModelShape(64, 2, 2, 128), tokenizer, max_positions=64)
+    train_loop(target, lm_loss, tokens, lambda m: {}, _cfg(tmp_path / "t", steps=80))  # a confident target
+    target.eval().requires_grad_(False)
+    saved = build_llama(ModelShape(48, 1, 2, 96), tokenizer, max_positions=64)
+    save_final(saved, tokenizer, tmp_path / "saved")
+    windows = eval_windows(tokens, 32, 8)
+    first = evaluate_pair(target, load_draft(tmp_path / "saved", target), windows, bf16=False)
+    draft, metrics = train_draft(target, tokenizer, tokens, tokens, TINY, _cfg(tmp_path / "d", steps=20),
+                                 log=lambda _: None, init=tmp_path / "saved")
+    assert metrics["shape"] == {"hidden": 48, "layers": 1, "heads": 2, "intermediate": 96}  # its own, not TINY
+    assert metrics["heldout_kl"] < first["heldout_kl"], (first, metrics)
+    other = build_llama(TINY, tokenizer, max_positions=64)
+    other.resize_token_embeddings(len(tokenizer) + 8)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_draft(tmp_path / "other", target)
 
 
 def test_distill_loss_is_zero_for_identical_models(tokenizer, tokens):

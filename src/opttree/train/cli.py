@@ -128,7 +128,10 @@ def cmd_draft(args) -> None:
     target = load_target(args.target)
     train, heldout = _tokens(tok, args, args.cache_dir or args.run_dir / "data")
     shape = ModelShape.parse(args.shape) if args.shape else DRAFT_SHAPE
-    _, metrics = train_draft(target, tok, train, heldout, shape, _train_config(args), args.ce_weight, _log)
+    if args.init is not None and args.shape:
+        raise SystemExit("--init trains a saved draft further: its shape is its own, drop --shape")
+    _, metrics = train_draft(target, tok, train, heldout, shape, _train_config(args), args.ce_weight, _log,
+                             init=args.init)
     _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
 
 
@@ -396,6 +399,8 @@ def register(subparsers) -> None:
     p = sub.add_parser("draft", help="distil a small Llama draft from a target")
     p.add_argument("--target", type=Path, required=True, help="target model dir (with tokenizer)")
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of next-token CE vs KL")
+    p.add_argument("--init", type=Path, default=None, help="a saved draft (model dir) to train further instead of "
+                   "a fresh one, e.g. \"$(opttree models --path draft)\"")
     _add_train_args(p, lr=2e-3, batch_size=8)
     p.set_defaults(func=cmd_draft)
 

@@ -33,6 +33,17 @@ def load_target(path: Path):
     return target
 
 
+def load_draft(path: Path, target):
+    """A saved draft in fp32 weights to train further; its vocabulary must be the target's."""
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--init {path}: its vocabulary has {draft.config.vocab_size} tokens, the target's "
+                         f"{target.config.vocab_size}")
+    return draft.train()
+
+
 def make_distill_loss(target, ce_weight: float) -> Callable:
     if not 0.0 <= ce_weight <= 1.0:
         raise ValueError(f"ce_weight must be in [0, 1], got {ce_weight}")
@@ -75,12 +86,18 @@ def evaluate_pair(target, draft, windows: torch.Tensor, bf16: bool = True, batch
 
 
 def train_draft(target, tokenizer, train_tokens: np.ndarray, heldout_tokens: np.ndarray, shape: ModelShape,
-                cfg: TrainConfig, ce_weight: float = 0.1, log: Callable[[str], None] = print):
-    """Distil a fresh draft from ``target``; saves ``run_dir/final``; returns (draft, metrics)."""
+                cfg: TrainConfig, ce_weight: float = 0.1, log: Callable[[str], None] = print, init: Path | None = None):
+    """Distil a draft from ``target`` (a fresh one of ``shape``, or the draft saved in ``init`` trained further);
+    saves ``run_dir/final``; returns (draft, metrics)."""
     if len(tokenizer) != target.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, target vocab is {target.config.vocab_size}")
     torch.manual_seed(cfg.seed)
-    draft = build_llama(shape, tokenizer, max_positions=target.config.max_position_embeddings)
+    draft = build_llama(shape, tokenizer, max_positions=target.config.max_position_embeddings) if init is None \
+        else load_draft(init, target)
+    if init is not None:
+        c = draft.config
+        shape = ModelShape(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                           intermediate=c.intermediate_size)
     log(f"draft: {n_params(draft) / 1e6:.2f}M params, {shape}; target {n_params(target) / 1e6:.2f}M")
     windows = eval_windows(heldout_tokens, cfg.seq_len, cfg.eval_windows)
     metrics = train_loop(draft, make_distill_loss(target, ce_weight), train_tokens,
