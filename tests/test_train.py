@@ -170,6 +170,35 @@ def test_a_saved_draft_trains_further_from_its_own_weights(tmp_path, tokenizer, 
         load_draft(tmp_path / "other", target)
 
 
+def test_train_draft_command_trains_a_saved_draft_further_and_installs_it(tmp_path, tokenizer):
+    """`opttree train draft --init DIR --install-dir OUT`: the packed draft in OUT/draft unpacks to the trained
+    one, and OUT/metrics.json's draft entries are replaced while the target's stay."""
+    import json
+
+    from opttree.shipped import unpack_file
+    from opttree.train.cli import main
+
+    corpus = tmp_path / "corpus"
+    for name in ("alpha", "beta", "json"):  # json: a held-out module
+        (corpus / name).mkdir(parents=True)
+        (corpus / name / "__init__.py").write_text(CODE * 6)
+    torch.manual_seed(0)
+    save_final(build_llama(ModelShape(64, 2, 2, 128), tokenizer, max_positions=64), tokenizer, tmp_path / "target")
+    save_final(build_llama(ModelShape(48, 1, 2, 96), tokenizer, max_positions=64), tokenizer, tmp_path / "draft")
+    out = tmp_path / "models"
+    out.mkdir()
+    (out / "metrics.json").write_text(json.dumps({"target_heldout_loss": 1.5, "draft_heldout_kl": 9.0}))
+    main(["train", "draft", "--target", str(tmp_path / "target"), "--init", str(tmp_path / "draft"), "--run-dir",
+          str(tmp_path / "run"), "--steps", "3", "--seq-len", "32", "--eval-windows", "2", "--corpus", str(corpus),
+          "--no-bf16", "--install-dir", str(out)])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["target_heldout_loss"] == 1.5 and metrics["draft_heldout_kl"] != 9.0
+    assert metrics["draft_trained_further_steps"] == 3
+    manifest = json.loads((out / "draft" / "packed.json").read_text())
+    unpack_file(out / "draft" / "model.safetensors.xz", manifest["model.safetensors"], tmp_path / "unpacked")
+    assert (tmp_path / "unpacked").read_bytes() == (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
+
+
 def test_distill_loss_is_zero_for_identical_models(tokenizer, tokens):
     torch.manual_seed(0)
     model = build_llama(TINY, tokenizer, max_positions=64).eval()

@@ -133,6 +133,27 @@ def cmd_draft(args) -> None:
     _, metrics = train_draft(target, tok, train, heldout, shape, _train_config(args), args.ce_weight, _log,
                              init=args.init)
     _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
+    if args.install_dir is not None:
+        _install_draft(args, metrics, heldout)
+
+
+def _install_draft(args, run: dict, heldout) -> None:
+    """The trained draft replaces DIR/draft (packed), and DIR/metrics.json's draft entries are measured again
+    on the held-out split (the pair's evaluation: 256 windows); how it was trained is added to them."""
+    from ..shipped import pack_folder
+
+    out = Path(args.install_dir)
+    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+    pair = evaluate_shipped(args.target, args.run_dir / "final", heldout, args.seq_len, 256)
+    metrics.update({k: v for k, v in pair.items() if k.startswith("draft_") or k == "heldout_tokens_evaluated"})
+    latency = metrics.setdefault("one_token_latency_prefix200", {})
+    latency.update({k: v for k, v in pair["one_token_latency_prefix200"].items() if k.startswith("draft_")})
+    key = "draft_trained_further" if args.init is not None else "draft_train"
+    metrics[f"{key}_minutes"] = round(run.get("elapsed_min", 0.0), 2)
+    metrics[f"{key}_steps"], metrics[f"{key}_tokens_seen"] = run.get("step"), run.get("tokens_seen")
+    pack_folder(args.run_dir / "final", out / "draft")  # weights lzma-packed, unpacked on first use
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    _log(f"installed the draft into {out / 'draft'} (packed); {out / 'metrics.json'} updated")
 
 
 def _written(target, tok, args) -> dict:
@@ -401,6 +422,8 @@ def register(subparsers) -> None:
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of next-token CE vs KL")
     p.add_argument("--init", type=Path, default=None, help="a saved draft (model dir) to train further instead of "
                    "a fresh one, e.g. \"$(opttree models --path draft)\"")
+    p.add_argument("--install-dir", type=Path, default=None, help="then replace DIR/draft with it (packed) and "
+                   "update DIR/metrics.json's draft entries, e.g. src/opttree/models (default: install nothing)")
     _add_train_args(p, lr=2e-3, batch_size=8)
     p.set_defaults(func=cmd_draft)
 
