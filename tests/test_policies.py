@@ -14,7 +14,8 @@ from opttree.alignment import paired_logits
 from opttree.settings.config import SpecConfig
 from opttree.step.policies import make_policy, sequoia
 from opttree.step.policies.eagle2 import top_k as eagle2_top_k
-from opttree.step.policies.shapes import ChildPicker, Shape, kary_paths, ranked_paths
+from opttree.step.policies.shapes import (DEFAULT_ACCEPTANCE, ChildPicker, Shape, kary_paths, rank_log_acceptance,
+                                         ranked_paths)
 from opttree.step.policies.static import DEFAULT_RANK_WEIGHTS, register_static_tree
 from opttree.step.sampling import sample_without_replacement
 from opttree.step.tree import ancestor_mask
@@ -215,7 +216,8 @@ def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(mon
 
 def check_tree(tree, drafter, n, max_depth):
     """Connected, sorted by depth, within budget and depth, distinct siblings, and scores equal to
-    the draft's path log-probabilities (so every node was run with the right parent slot)."""
+    the draft's path log-probabilities (so every node was run with the right parent slot); sampled children
+    valued by draw rank (`tree.keys` kept): their p-hat, the parent's times that of the rank."""
     assert 1 <= len(tree) <= n and tree.max_depth <= max_depth
     assert bool((tree.parents < torch.arange(len(tree))).all())
     parent_depth = torch.where(tree.parents >= 0, tree.depths[tree.parents.clamp(min=0)], 0)
@@ -223,8 +225,14 @@ def check_tree(tree, drafter, n, max_depth):
     paths = [path_of(tree, i) for i in range(len(tree))]
     assert len(set(paths)) == len(paths)
     for i, path in enumerate(paths):
-        logp = sum(float(drafter.logq(path[:d])[path[d]]) for d in range(len(path)))
-        assert float(tree.scores[i]) == pytest.approx(logp, abs=1e-4)
+        if tree.keys is None:
+            logp = sum(float(drafter.logq(path[:d])[path[d]]) for d in range(len(path)))
+            assert float(tree.scores[i]) == pytest.approx(logp, abs=1e-4)
+        else:  # the draw's rank among its siblings (they are kept in draw order)
+            parent, rank = int(tree.parents[i]), tree.parents[:i].tolist().count(int(tree.parents[i]))
+            above = float(tree.scores[parent]) if parent >= 0 else 0.0
+            assert float(tree.scores[i]) == pytest.approx(above + float(rank_log_acceptance(DEFAULT_ACCEPTANCE,
+                                                                                           rank + 1)[rank]), abs=1e-5)
     assert bool(ancestor_mask(tree.parents).diagonal().all())
 
 

@@ -140,13 +140,14 @@ def load_profile(target, draft) -> dict:
 
 def profile_options(target, draft, tree: str, temperature: float) -> dict:
     """The SpecConfig fields this pair's profile (`find_profile`) sets for a tree policy: the draft
-    temperature, and Sequoia's acceptance vector. {} without a profile (the defaults apply)."""
+    temperature, and the acceptance vector by draw rank (Sequoia's tree; when sampling, the p-hat of the
+    sampled children of `opt` and `eagle2` too). {} without a profile (the defaults apply)."""
     if draft is None or find_profile(target, draft) is None:
         return {}
     profile = load_profile(target, draft)
     options = {"draft_temperature": profile_draft_temperature(profile, temperature)}
     vector = sequoia.profile_vector(profile, greedy=temperature == 0)
-    if tree == "sequoia" and vector:
+    if vector and (tree == "sequoia" or (temperature > 0 and tree in ("opt", "eagle2"))):
         options["acceptance"] = vector
     return options
 

@@ -69,7 +69,7 @@ class SpecConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
-    acceptance: tuple[float, ...] | None = None  # sequoia: positional acceptance vector (None = built-in default)
+    acceptance: tuple[float, ...] | None = None  # by draw rank: sequoia, sampled children's p-hat (None: default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
     children: str = "auto"  # at temperature > 0: "top" | "sampled" | "auto" (CHILDREN)
     depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.step.depth)

@@ -89,27 +89,3 @@ def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Gene
 def policy_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A tree policy's own RNG: reproducible from the generation seed, a different stream from the verifier's."""
     return torch.Generator(device=device).manual_seed((seed + 0x9E3779B97F4A7C15) % 2**63)
-
-
-def perturbed_children(parent_keys: torch.Tensor, logq: torch.Tensor, k: int, generator: torch.Generator | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stochastic beam search's step (Kool et al. 2019): each parent's k first children in a draw without
-    replacement from its distribution, with their perturbed path scores.
-
-    parent_keys: (R,) the parents' perturbed scores (0 for the root); logq: (R, V) log of the distribution
-    the children are drawn from (-inf = impossible). Every token gets log q + Gumbel noise; the row's top k
-    in that order are k successive draws without replacement (Gumbel-top-k), and their scores are then
-    shifted so that the row's largest equals the parent's key and all are below it (a monotone map:
-    the draw order is kept). So a child never scores above its parent, the n best scores of a whole tree
-    are a tree, and, given the draws before it, a child's score does not depend on which token it drew.
-    Returns (tokens (R, k'), keys (R, k')) in draw order, k' = min(k, V); keys -inf past a row's support.
-    """
-    u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=torch.finfo(torch.float32).tiny)
-    raw = logq.float() - torch.log(-torch.log(u))  # (R, V) log q + Gumbel
-    top = raw.topk(min(k, raw.shape[-1]), dim=-1)  # (R, k') in draw order
-    g, z = top.values, top.values[:, :1]  # (R, k'), (R, 1): z = the row's largest
-    # key = -log(exp(-parent) - exp(-z) + exp(-g)), computed stably (Kool et al. 2019, appendix B)
-    v = parent_keys[:, None] - g + torch.log1p(-torch.exp((g - z).clamp(max=0)))  # (R, k'), -inf for the top draw
-    keys = parent_keys[:, None] - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
-    keys = torch.where(torch.isfinite(g), keys, float("-inf"))  # tokens outside the support
-    return top.indices, keys

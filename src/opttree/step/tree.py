@@ -19,12 +19,12 @@ class DraftTree:
     tokens: torch.Tensor  # (N,) long: drafted token ids
     parents: torch.Tensor  # (N,) long: index of the parent node, -1 for children of the root
     depths: torch.Tensor  # (N,) long: 1 for children of the root
-    scores: torch.Tensor  # (N,) float: log p-hat, the draft's path log-probability
+    scores: torch.Tensor  # (N,) float: log p-hat, the estimated probability that the node is accepted
     draft_slots: torch.Tensor  # (N,) long: the drafter's KV slot of the node this step, -1 if never run
     # Draft distributions the candidates were *sampled* from, for recursive rejection sampling:
     # (N + 1, V), row 0 = root, row i + 1 = node i. None for deterministic (top-k) candidate sets.
     draft_probs: torch.Tensor | None = None
-    # With draft_probs: (N,) the perturbed path scores that ranked the sampled nodes (-inf for a node that is
+    # With draft_probs: (N,) the p-hat that ranked the sampled nodes (`ChildPicker.ranked`; -inf for a node that is
     # not a draw of its parent's distribution), and (N,) bool, the deterministic candidates among the nodes
     # (a node may be both). None: every node is a draw (keys not kept) / none is deterministic.
     keys: torch.Tensor | None = None

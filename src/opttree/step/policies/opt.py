@@ -13,11 +13,11 @@ CUDA graphs (docs/BENCHMARKS.md), the host stop is the faster one there too: 11.
 for `opt@16`, 12.6 against 20.5 ms for `recycling+lookup@16`. A read costs less than the layers it saves.
 
 Sampling (temperature > 0), children="sampled" (the default, "auto"): a node's children are draws
-without replacement from the draft's distribution warped like the target's, and the tree is the n
-nodes with the largest *perturbed* path score (stochastic beam search: `ChildPicker.ranked`), verified
-by recursive rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than p(x).
-Why that is exact: docs/METHODS.md, "OPT-Tree with sampled children". The stop still reads E(A) = the
-sum of p-hat of the best n nodes. children="top": the top-n tree, verified by matching.
+without replacement from the draft's distribution warped like the target's, verified by recursive
+rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than p(x). A drawn child's
+p-hat is then its parent's times the acceptance of its draw rank (`ChildPicker.ranked`), and the tree is
+the n nodes with the largest p-hat, with the same delta stop. Why that is exact: docs/METHODS.md, "OPT-Tree
+with sampled children". children="top": the top-n tree, verified by matching.
 """
 
 from __future__ import annotations
@@ -49,23 +49,20 @@ class OptTree:
         top = drafter.top_children and not picker.sampled  # the drafter lists each node's best children itself
         if top:
             tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)
-            keys, probs = scores, []
+            probs = []
         else:
             dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-            zero = torch.zeros(1, device=dist.device)
-            tokens, keys, scores = (x[0] for x in picker.ranked(zero, zero, dist, n))  # layer 1, (k,)
+            tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, n))  # layer 1, (k,)
             probs = [dist.exp()] if picker.sampled else []  # sampled: the distributions children were drawn from
         device = tokens.device
-        # A layer: (tokens, parents (candidate index, -1 = root), keys (what ranks them), log p-hat).
-        layers = [(tokens, torch.full_like(tokens, -1), keys, scores)]
+        # A layer: (tokens, parents (candidate index, -1 = root), log p-hat).
+        layers = [(tokens, torch.full_like(tokens, -1), scores)]
         offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
         gains = []  # on the device: () per layer, E_d - E_(d-1)
         # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
         for depth in range(1, max_depth + 1):
-            all_keys = torch.cat([layer[2] for layer in layers])
-            best = all_keys.topk(min(n, all_keys.shape[0]))  # sampled: keys rank, p-hat counts
-            best_scores = torch.cat([layer[3] for layer in layers])[best.indices] if picker.sampled else best.values
-            e_depth = best_scores.exp().sum()  # () E(A) of the best tree this deep
+            best = torch.cat([layer[2] for layer in layers]).topk(min(n, sum(layer[0].shape[0] for layer in layers)))
+            e_depth = best.values.exp().sum()  # () E(A) of the best tree this deep
             if depth == max_depth:
                 break
             if not self.stop_on_device:
@@ -75,35 +72,34 @@ class OptTree:
             else:
                 gains.append(e_depth - e_prev)
             e_prev = e_depth
-            tokens, parents, keys, scores = layers[-1]
+            tokens, parents, scores = layers[-1]
             if top:
                 child_tokens, child_scores = drafter.expand_top(tokens, parents, n)  # (k, k')
                 child_scores = scores[:, None] + child_scores
-                child_keys = child_scores
             else:
                 dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
                 if picker.sampled:
                     probs.append(dist.exp())
                 # only a row's n best children can make the layer's n best
-                child_tokens, child_keys, child_scores = picker.ranked(keys, scores, dist, n)
-            child_tokens, child_keys, child_scores = (x.flatten() for x in (child_tokens, child_keys, child_scores))
-            keys, flat = child_keys.topk(min(n, child_keys.shape[0]))
+                child_tokens, child_scores = picker.ranked(scores, dist, n)
+            child_tokens, child_scores = child_tokens.flatten(), child_scores.flatten()
+            scores, flat = child_scores.topk(min(n, child_scores.shape[0]))
             width = child_tokens.shape[0] // tokens.shape[0]
-            layers.append((child_tokens[flat], offset + flat // width, keys, child_scores[flat]))
+            layers.append((child_tokens[flat], offset + flat // width, scores))
             offset += tokens.shape[0]
         sizes = [layer[0].shape[0] for layer in layers]
         candidates = torch.arange(sum(sizes), device=device)
         slots = torch.where(candidates < offset, candidates, -1)  # the last layer was never run
         depths = torch.cat([torch.full((size,), d + 1, device=device) for d, size in enumerate(sizes)])
-        all_keys = torch.cat([layer[2] for layer in layers])
+        tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in range(3))
+        keys = scores
         if gains:  # the host-side rule, on the device: layers past the first small gain are masked out
             small = torch.stack(gains) <= self.delta  # (L - 1,): [d - 1] = stop before drafting layer d + 1
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
-            all_keys = all_keys.masked_fill(depths > stop, float("-inf"))
-        tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in (0, 1, 3))
-        if top:  # keys are the scores; a listed row may be short (-inf): those candidates are no children
-            return select_best(tokens, parents, depths, all_keys, slots, n, keys=all_keys)
-        if not picker.sampled:  # keys are the scores (masked past the stop)
-            return select_best(tokens, parents, depths, all_keys, slots, n)
+            keys = scores.masked_fill(depths > stop, float("-inf"))
+        if top:  # a listed row may be short (-inf): those candidates are no children
+            return select_best(tokens, parents, depths, keys, slots, n, keys=keys)
+        if not picker.sampled:  # masked past the stop
+            return select_best(tokens, parents, depths, keys, slots, n)
         probs.append(dist.new_zeros(sum(sizes) - offset, dist.shape[1]))  # the last layer drew nothing
-        return select_best(tokens, parents, depths, scores, slots, n, keys=all_keys, probs=torch.cat(probs))
+        return select_best(tokens, parents, depths, scores, slots, n, keys=keys, probs=torch.cat(probs))

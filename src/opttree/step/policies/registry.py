@@ -15,7 +15,7 @@ from ..tree import DraftTree
 
 class TreePolicy(Protocol):
     needs_drafter: bool
-    # At temperature > 0 its trees of sampled children carry the perturbed keys that chose them
+    # At temperature > 0 its trees of sampled children carry the p-hat that chose them
     # (`DraftTree.keys`), so a candidate source's trie can join them under one budget, exactly (`MergedPolicy`).
     sampled_keys: bool
 

@@ -32,9 +32,7 @@ from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, Shape, grow
-
-DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
+from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, Shape, grow
 
 PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
 

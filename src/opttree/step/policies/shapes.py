@@ -21,10 +21,25 @@ import torch
 
 from ...settings.config import SpecConfig
 from ..drafters import Drafter
-from ..sampling import perturbed_children, policy_generator, sample_without_replacement, warp_logits
+from ..sampling import policy_generator, sample_without_replacement, warp_logits
 from ..tree import DraftTree
 
 Path = tuple[int, ...]
+
+# acc[k] = P(a node's (k+1)-th sampled child is the one accepted), when no calibration measured it (Sequoia's
+# tree; the p-hat of sampled children): measured on the shipped pair at T=1, 0.66, 0.09, 0.04, 0.03, ...
+DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
+
+
+def rank_log_acceptance(acc: Sequence[float], width: int) -> torch.Tensor:
+    """(width,) log of acc by rank, made strictly decreasing (each at most 0.999 of the one before; ranks past
+    the vector halve): siblings never tie, so ranking by value keeps them in draw order."""
+    values, last = [], 1.0
+    for k in range(width):
+        value = min(acc[k] if k < len(acc) else last / 2, 0.999 * last)
+        values.append(max(value, 1e-30))
+        last = values[-1]
+    return torch.tensor(values).log()
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,8 @@ class ChildPicker:
     Sampled (temperature > 0 and children="sampled", or "auto" for a policy that samples by default):
     successive draws without replacement from q = the draft's distribution warped like the target's
     (same temperature / top-k / top-p); the tree then carries q for recursive rejection sampling, which
-    needs exactly the distribution the children were drawn from.
+    needs exactly the distribution the children were drawn from. A sampled child's p-hat is its parent's
+    times the acceptance of its draw rank (`config.acceptance`, calibrated, else DEFAULT_ACCEPTANCE).
     """
 
     def __init__(self, config: SpecConfig, sampled: bool):
@@ -77,7 +93,9 @@ class ChildPicker:
         self.sampled = chosen and config.temperature > 0
         self.warp = (config.temperature, config.top_k, config.top_p)
         self.seed = config.seed
+        self.acceptance = config.acceptance or DEFAULT_ACCEPTANCE
         self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
+        self.log_acceptance = torch.empty(0)  # rank_log_acceptance, made on the drafter's device, widened on demand
 
     def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
         """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
@@ -95,21 +113,24 @@ class ChildPicker:
         tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
-    def ranked(self, keys: torch.Tensor, scores: torch.Tensor, log_dist: torch.Tensor, k: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's k best children for a policy that keeps the best-keyed nodes (opt, eagle2).
+    def ranked(self, scores: torch.Tensor, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k best children for a policy that keeps the best nodes by p-hat (opt, eagle2).
 
-        keys, scores: (R,) the parents' ranking keys and log p-hat; log_dist: (R, V) from `log_dist`.
-        Returns children (tokens, keys, log p-hat), each (R, k'), in rank / draw order. Deterministic:
-        the top-ranked tokens, keyed by log p-hat. Sampled: draws without replacement, keyed by their
-        perturbed path score (stochastic beam search, `perturbed_children`): the n best keys of a tree
-        are then a tree whose children are samples of the draft, so rejection sampling verifies it."""
+        scores: (R,) the parents' log p-hat; log_dist: (R, V) from `log_dist`. Returns children (tokens,
+        log p-hat), each (R, k'), in rank / draw order. Deterministic: the top-ranked tokens, p-hat = the
+        path's draft probability (a top child is accepted with about its probability). Sampled: draws
+        without replacement, p-hat = the parent's times the acceptance of the draw's rank: a drawn child is
+        accepted with min(1, p(x) / q(x)), which hardly depends on q(x) (docs/METHODS.md), and a p-hat that
+        never looks at the drawn token keeps rejection sampling exact. -inf past a row's support."""
         if not self.sampled:
             child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
-            child_scores = scores[:, None] + child_scores
-            return tokens, child_scores, child_scores
-        tokens, child_keys = perturbed_children(keys, log_dist, k, self._generator(log_dist.device))
-        return tokens, child_keys, scores[:, None] + log_dist.gather(1, tokens)
+            return tokens, scores[:, None] + child_scores
+        tokens, valid = sample_without_replacement(log_dist, k, self._generator(log_dist.device))  # (R, k')
+        width = tokens.shape[1]
+        if self.log_acceptance.shape[0] < width or self.log_acceptance.device != scores.device:
+            self.log_acceptance = rank_log_acceptance(self.acceptance, max(width, 8)).to(scores.device)
+        child_scores = scores[:, None] + self.log_acceptance[:width]  # (R, k') strictly decreasing by rank
+        return tokens, child_scores.masked_fill(~valid, float("-inf"))
 
 
 def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
@@ -229,8 +250,8 @@ def select_best(
 
     Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
     child never has a larger key than its parent, the chosen set is a connected tree containing the root.
-    Sampled children (`ChildPicker.ranked`): `keys` are their perturbed path scores, and candidates keyed
-    -inf (past a distribution's support) are never chosen; `probs` (C + 1, V) are the draft distributions
+    Sampled children (`ChildPicker.ranked`): `keys` are their scores, kept as the tree's keys, and candidates
+    scored -inf (past a distribution's support) are never chosen; `probs` (C + 1, V) are the draft distributions
     at [root] + candidates (zero rows where none was drawn from), kept as the tree's `draft_probs`.
     """
     ranking = scores if keys is None else keys
