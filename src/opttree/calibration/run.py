@@ -24,6 +24,7 @@ from ..profiles import (
     save_profile,
 )
 from ..step.cache import context_window
+from ..step.policies import sequoia
 from .estimate import fitted_overhead, grid_rows, recommend, recommend_drafter
 from .measure import (
     alignment_entry,
@@ -89,8 +90,10 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], 2 * budgets[-1]), chosen["delta"],
                           options, progress, draft_temperature)
     sampled_temperature = profile_draft_temperature(alignment, SAMPLED_TEMPERATURE)
+    acceptance = sequoia.profile_vector(alignment, greedy=False)  # sampled children's p-hat, as generate takes it
     sampled = drafter_run(target, draft, prompts, sampled_runs(chosen["budget"]), chosen["delta"],
-                          dict(options, temperature=SAMPLED_TEMPERATURE), progress, sampled_temperature)
+                          dict(options, temperature=SAMPLED_TEMPERATURE, acceptance=acceptance), progress,
+                          sampled_temperature)
     probe_after = probe_ms(target, cached)
     return {
         "version": PROFILE_VERSION,
