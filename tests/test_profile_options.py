@@ -76,3 +76,24 @@ def test_no_profile_or_no_draft_gives_nothing(pair):
     assert opttree.profile_options(target, draft) == {}
     write_profile(target, draft, tree="opt", drafter="model", drafter_budget=8, why="fastest measured")
     assert opttree.profile_options(target, None) == {}
+
+
+def test_sampling_takes_the_measured_acceptance_by_draw_rank(pair):
+    """A profile's acceptance vector for sampling reaches the policies that value sampled children by it (opt,
+    eagle2) at temperature > 0, and Sequoia at either temperature; greedy OPT-Tree never takes it."""
+    from opttree.step.policies import sequoia
+
+    target, draft = pair
+    write_profile(target, draft)
+    path = profiles.profile_path(target, draft)
+    profile = __import__("json").loads(path.read_text())
+    profile[sequoia.PROFILE_FIELD] = {"greedy": [0.8, 0.1], "sampled": [0.6, 0.2, 0.1]}
+    profiles.save_profile(profile)
+    assert profiles.profile_options(target, draft, "opt", 1.0)["acceptance"] == (0.6, 0.2, 0.1)
+    assert profiles.profile_options(target, draft, "eagle2", 0.7)["acceptance"] == (0.6, 0.2, 0.1)
+    assert profiles.profile_options(target, draft, "sequoia", 0.0)["acceptance"] == (0.8, 0.1)
+    assert "acceptance" not in profiles.profile_options(target, draft, "opt", 0.0)
+    assert "acceptance" not in profiles.profile_options(target, draft, "dyspec", 1.0)
+    out = opttree.generate(target, torch.tensor([[1, 5, 9]]), draft, max_new_tokens=8, temperature=1.0, seed=0,
+                           **opttree.profile_options(target, draft, temperature=1.0))
+    assert out.stats.new_tokens == 8
