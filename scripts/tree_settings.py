@@ -9,7 +9,8 @@ passed to the settings whose drafter uses it, the shipped feature head to those 
         --temperature 0 --dtype bfloat16 'drafter=lookup budget=16 delta=0.1' 'drafter=lookup budget=16 delta=0.6'
     python scripts/tree_settings.py --temperature 1 'tree=opt budget=8' 'tree=opt budget=8 draft=runs/draft/final'
 
-`draft=FOLDER`: that setting drafts with the draft model saved there (loaded once) instead of the shipped one.
+`draft=FOLDER`: that setting drafts with the draft model saved there (loaded once) instead of the shipped one;
+`draft_dtype=float32` (or bfloat16): with the draft (that one or the shipped one) in that dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def setting(text: str) -> dict:
     options = {}
     for item in text.split():
         key, _, value = item.partition("=")
-        options[key] = value if key in ("tree", "drafter", "children", "draft") else (float(value) if "." in value else int(value))
+        options[key] = value if key in ("tree", "drafter", "children", "draft", "draft_dtype") else (float(value) if "." in value else int(value))
     return options
 
 
@@ -52,8 +53,14 @@ def main() -> None:
     def call(options: dict) -> tuple:
         """The draft argument and the options of one setting, as generate takes them."""
         folder = options.pop("draft", None)
-        if folder is not None and folder not in drafts:
-            drafts[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
+        dtype = options.pop("draft_dtype", args.dtype)
+        if folder is None and dtype != args.dtype:
+            folder = str(opttree.shipped_path("draft"))
+        if folder is not None:
+            folder = f"{folder}@{dtype}"
+            if folder not in drafts:
+                drafts[folder] = AutoModelForCausalLM.from_pretrained(folder.rpartition("@")[0],
+                                                                      dtype=getattr(torch, dtype)).eval()
         drafter = DrafterSpec.parse(options["drafter"]) if "drafter" in options else None
         uses_draft = options.get("tree") != "ar" and (drafter is None or drafter.uses_draft_model)
         extra = {"head": head} if drafter is not None and "head" in drafter else {}
