@@ -27,7 +27,7 @@ from ..tree import DraftTree
 Path = tuple[int, ...]
 
 # acc[k] = P(a node's (k+1)-th sampled child is the one accepted), when no calibration measured it (Sequoia's
-# tree; the p-hat of sampled children): measured on the shipped pair at T=1, 0.66, 0.09, 0.04, 0.03, ...
+# tree; the p-hat of sampled children); of the form measured on the shipped pair at T=1: 0.66, 0.10, 0.06, 0.04, ...
 DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
 
 
