@@ -10,7 +10,8 @@ passed to the settings whose drafter uses it, the shipped feature head to those 
     python scripts/tree_settings.py --temperature 1 'tree=opt budget=8' 'tree=opt budget=8 draft=runs/draft/final'
 
 `draft=FOLDER`: that setting drafts with the draft model saved there (loaded once) instead of the shipped one;
-`draft_dtype=float32` (or bfloat16): with the draft (that one or the shipped one) in that dtype.
+`draft_dtype=float32` (or bfloat16): with the draft (that one or the shipped one) in that dtype;
+`acceptance=0.66,0.1,0.06`: the acceptance vector by draw rank (Sequoia's, and sampled children's p-hat).
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ def setting(text: str) -> dict:
     options = {}
     for item in text.split():
         key, _, value = item.partition("=")
-        options[key] = value if key in ("tree", "drafter", "children", "draft", "draft_dtype") else (float(value) if "." in value else int(value))
+        if key == "acceptance":  # acceptance=0.66,0.1,0.06: by draw rank
+            options[key] = tuple(float(v) for v in value.split(","))
+        else:
+            options[key] = value if key in ("tree", "drafter", "children", "draft", "draft_dtype") else \
+                (float(value) if "." in value else int(value))
     return options
 
 
