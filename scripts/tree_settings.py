@@ -53,23 +53,20 @@ def main() -> None:
     args = parser.parse_args()
     target, draft, tok = opttree.demo_models(getattr(torch, args.dtype))
     head = shipped_part("head", target)
-    drafts = {}  # folder -> the draft model saved there
+    drafts = {}  # (folder, dtype) -> the draft model saved there, in that dtype
 
     def call(options: dict) -> tuple:
-        """The draft argument and the options of one setting, as generate takes them."""
-        folder = options.pop("draft", None)
-        dtype = options.pop("draft_dtype", args.dtype)
-        if folder is None and dtype != args.dtype:
-            folder = str(opttree.shipped_path("draft"))
-        if folder is not None:
-            folder = f"{folder}@{dtype}"
-            if folder not in drafts:
-                drafts[folder] = AutoModelForCausalLM.from_pretrained(folder.rpartition("@")[0],
-                                                                      dtype=getattr(torch, dtype)).eval()
+        """The draft argument and the options of one setting, as generate takes them, and which draft it is."""
+        folder, dtype = options.pop("draft", None), options.pop("draft_dtype", args.dtype)
+        chosen = None  # the shipped draft in --dtype
+        if folder is not None or dtype != args.dtype:
+            chosen = (folder or str(opttree.shipped_path("draft")), dtype)
+            if chosen not in drafts:
+                drafts[chosen] = AutoModelForCausalLM.from_pretrained(chosen[0], dtype=getattr(torch, dtype)).eval()
         drafter = DrafterSpec.parse(options["drafter"]) if "drafter" in options else None
         uses_draft = options.get("tree") != "ar" and (drafter is None or drafter.uses_draft_model)
         extra = {"head": head} if drafter is not None and "head" in drafter else {}
-        return (drafts.get(folder, draft) if uses_draft else None), {**options, **extra}, folder
+        return (drafts.get(chosen, draft) if uses_draft else None), {**options, **extra}, chosen
 
     runs = [call({"tree": "ar"})] + [call(setting(s)) for s in args.settings]
     for run_draft, options, _ in runs:  # probes and first calls out of the timing
@@ -88,8 +85,8 @@ def main() -> None:
             totals[i] = [a + b for a, b in zip(totals[i], (stats.new_tokens, stats.steps, time.perf_counter() - start,
                                                             stats.draft_s))]
     plain = totals[0][0] / totals[0][2]
-    for (_, options, folder), (new, steps, seconds, draft_s) in zip(runs, totals):
-        shown = {k: v for k, v in options.items() if k != "head"} | ({"draft": folder} if folder else {})
+    for (_, options, chosen), (new, steps, seconds, draft_s) in zip(runs, totals):
+        shown = {k: v for k, v in options.items() if k != "head"} | ({"draft": "@".join(chosen)} if chosen else {})
         print(f"{shown}: MAL {new / steps:.2f}, {new / seconds:.1f} tokens/s, {new / seconds / plain:.2f}x, "
               f"draft {1e3 * draft_s / steps:.1f} ms/step")
 

@@ -92,9 +92,10 @@ def train_draft(target, tokenizer, train_tokens: np.ndarray, heldout_tokens: np.
     if len(tokenizer) != target.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, target vocab is {target.config.vocab_size}")
     torch.manual_seed(cfg.seed)
-    draft = build_llama(shape, tokenizer, max_positions=target.config.max_position_embeddings) if init is None \
-        else load_draft(init, target)
-    if init is not None:
+    if init is None:
+        draft = build_llama(shape, tokenizer, max_positions=target.config.max_position_embeddings)
+    else:  # its own shape
+        draft = load_draft(init, target)
         c = draft.config
         shape = ModelShape(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
                            intermediate=c.intermediate_size)
