@@ -1,9 +1,13 @@
-"""What the lean tree forward (`opttree.step.lean`) gains: each method with it and without it
-(`OPTTREE_LEAN=0`), interleaved prompt by prompt, the same tokens either way (checked), and transformers'
-own greedy decoding beside them.
+"""What a forward with fewer ops gains: each method with it and without it, interleaved prompt by prompt,
+and transformers' own greedy decoding beside them. `--switch lean`: the lean tree forward of target and
+draft (`opttree.step.lean`, off: `OPTTREE_LEAN=0`), the same tokens either way (checked); `--switch draft`:
+the draft's own (`opttree.step.draft_forward`, off: `OPTTREE_DRAFT_FORWARD=0`), the same tokens at
+temperature 0 (checked; when sampling, other draws of the same distribution). When sampling, a method that
+drafts with the draft model takes the pair's profile settings (`opttree.profile_options`) unless given.
 
     python scripts/lean_forward.py                       # shipped pair, bf16, HumanEval 20, 128 new tokens
     python scripts/lean_forward.py --limit 10 --temperature 1 --methods ar,opt:model@16
+    python scripts/lean_forward.py --switch draft --limit 40 --temperature 1 --methods ar,opt@8
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import opttree
 from opttree.bench.prompts import load_prompts
 
 
+SWITCHES = {"lean": "OPTTREE_LEAN", "draft": "OPTTREE_DRAFT_FORWARD"}
+
+
 def run(method: str, target, draft, ids: torch.Tensor, args) -> tuple[list[int], float, int]:
     """(new tokens, seconds, steps) of one generation."""
     start = time.perf_counter()
@@ -28,10 +35,15 @@ def run(method: str, target, draft, ids: torch.Tensor, args) -> tuple[list[int],
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start, out.shape[1] - ids.shape[1]
     name, _, budget = method.partition("@")
     policy, _, drafter = name.partition(":")
-    options = dict(tree=policy, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
-    if drafter:
-        options.update(drafter=drafter, budget=int(budget or 16))
     uses_draft = policy != "ar" and (not drafter or "model" in drafter)
+    options = {}
+    if uses_draft and args.temperature > 0:
+        options.update(opttree.profile_options(target, draft, tree=policy, temperature=args.temperature))
+    options.update(tree=policy, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
+    if drafter:
+        options.update(drafter=drafter)
+    if budget or drafter:
+        options.update(budget=int(budget or 16))
     result = opttree.generate(target, ids, draft if uses_draft else None, **options)
     return result.new_tokens.tolist(), time.perf_counter() - start, result.stats.steps
 
@@ -44,7 +56,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--switch", default="lean", choices=list(SWITCHES), help="which forward is turned on and off")
     args = parser.parse_args()
+    variable = SWITCHES[args.switch]
     target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
     methods = args.methods.split(",")
@@ -59,7 +73,7 @@ def main() -> None:
         outputs = {}
         order = cells if i % 2 == 0 else cells[::-1]
         for method, lean in order:
-            os.environ["OPTTREE_LEAN"] = "0" if lean == "off" else "1"
+            os.environ[variable] = "0" if lean == "off" else "1"
             out, s, k = run(method, target, draft, ids, args)
             outputs[method, lean] = out
             tokens[method, lean] += len(out)
@@ -69,8 +83,8 @@ def main() -> None:
             if method != "hf-ar" and outputs[method, "on"] != outputs[method, "off"]:
                 differ[method] += 1
         print(f"prompt {i + 1}/{len(prompts)}", flush=True)
-    os.environ.pop("OPTTREE_LEAN")
-    print("\n| method | lean forward | tokens/s | ms per step | on / off | outputs that differ |")
+    os.environ.pop(variable)
+    print(f"\n| method | {args.switch} forward | tokens/s | ms per step | on / off | outputs that differ |")
     print("|---|---|---:|---:|---:|---:|")
     for method, lean in cells:
         rate = tokens[method, lean] / seconds[method, lean]

@@ -157,6 +157,23 @@ def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int,
     return _LINEAR(flat, packed, layer.bias, "none", [], "").view(*x.shape[:-1], -1)
 
 
+class PackedMatmul:
+    """x (..., in) -> x W^T + b (..., out), through a packed copy of W where `packed` (a bf16 CPU weight, on a
+    CPU with the bf16 kernels: `packing_applies`), else `F.linear`. For a draft's own stacked weights
+    (`opttree.step.draft_forward`): the packed kernel is not checked against the plain one here, as it is for
+    `PackedLinears`, since a draft's roundings never reach the output; it runs at any row count."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
+        self.weight, self.bias = weight, bias  # (out, in), (out,)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if packed and weight.dtype == torch.bfloat16 \
+            else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return _LINEAR(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "").view(*x.shape[:-1], -1)
+
+
 def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:
     """The largest r <= MAX_ROWS such that the packed kernel's output equals the plain one's, bit for bit,
     at every row count 1..r (random inputs)."""

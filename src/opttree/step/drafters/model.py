@@ -32,6 +32,7 @@ from ..cache import (
     truncate,
 )
 from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
+from ..draft_forward import draft_forward
 from ..verify import Verification, masked_forward
 from .together import current_round
 
@@ -70,6 +71,7 @@ class SlotTree:
 
 class ModelDrafter(Declared):
     forwards_together = True  # in a batch, its forwards run with the other rows' (`drafters.together`)
+    runs_draft_forward = True  # runs the model by `draft_forward` where that applies (over a dynamic cache, as trees)
 
     def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
         """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
@@ -85,6 +87,8 @@ class ModelDrafter(Declared):
         self.cache = new_cache(self.model)
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
+        # fewer ops than the model's forward where it applies (None: the model's own)
+        self.forward = draft_forward(model) if self.runs_draft_forward else None
         self._open_tree()
 
     def _open_tree(self) -> None:
@@ -125,6 +129,9 @@ class ModelDrafter(Declared):
         if together is not None:  # one forward with the other rows' (`drafters.together`)
             positions = torch.arange(self.committed_len, end, device=self.device)
             return together.submit(self.model, self.cache, new, positions, None)[-1]
+        if self.forward is not None:
+            positions = torch.arange(self.committed_len, end, device=self.device)[None]  # (1, R)
+            return self.forward(input_ids=new[None], position_ids=positions, cache=self.cache, logits_to_keep=1).logits[0, -1]
         return forward_chains(self.model, self.cache, new[None], self.committed_len,
                               **last_logits_only(self.model))[0, -1]
 
@@ -133,7 +140,7 @@ class ModelDrafter(Declared):
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
             return together.submit(self.model, self.cache, tokens, positions, allowed, keys)
-        return masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)
+        return masked_forward(self.model, self.cache, tokens, positions, allowed, forward=self.forward, keys=keys)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
@@ -169,6 +176,7 @@ class StaticModelDrafter(ModelDrafter):
     keys are dropped."""
 
     forwards_together = False  # one preallocated sequence
+    runs_draft_forward = False  # its fixed-shape step (`static_step`) runs it
 
     def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None, positions: int = 0,
                  root_rows: int = 1):
@@ -268,6 +276,7 @@ class ChainDrafter(ModelDrafter):
     and a copy of the cache per node where a tree forward costs K tokens."""
 
     forwards_together = False  # its chains replicate its own cache: one row at a time
+    runs_draft_forward = False  # chains, over state caches
 
     def _open_tree(self) -> None:
         super()._open_tree()

@@ -23,6 +23,7 @@ import torch
 
 from ...threads import single_threaded_ops
 from ..cache import cache_len, stack_rows
+from ..draft_forward import draft_forward
 from ..verify import masked_forward
 
 _here = threading.local()  # the round (and the row index) of a drafting thread
@@ -133,7 +134,8 @@ def forward_together(forwards: list[_Forward]) -> None:
         allowed[b, pad[size:], longest + pad[size:]] = True  # padding queries see themselves only
         row_keys = f.keys() if f.keys is not None else torch.cat([torch.arange(length, device=device), f.positions])
         keys[b, :length], keys[b, longest:longest + size] = row_keys[:length], row_keys[length:]
-    logits = masked_forward(model, stacked, tokens, positions, allowed, keys=lambda: keys)  # (B, Q, V)
+    logits = masked_forward(model, stacked, tokens, positions, allowed, forward=draft_forward(model),
+                            keys=lambda: keys)  # (B, Q, V)
     for b, (f, size) in enumerate(zip(forwards, sizes)):
         for i, layer in enumerate(stacked.layers):
             if layer.keys is not None and layer.keys.numel():
