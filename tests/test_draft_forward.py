@@ -103,7 +103,7 @@ def test_it_applies_only_where_it_computes_the_models_function(monkeypatch):
     assert draft_forward(model) is not None
     assert draft_forward(tiny_model("mistral", seed=5)) is None  # a sliding window
     assert draft_forward(tiny_model("phi3", seed=5)) is None  # an architecture it does not know
-    dynamic = tiny_model("llama", seed=5, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic = tiny_model("llama", seed=5, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     assert draft_forward(dynamic) is None  # cos / sin that depend on the length
     handle = model.model.layers[1].register_forward_hook(lambda module, args, output: None)
     assert draft_forward(model) is None  # a hook it would skip

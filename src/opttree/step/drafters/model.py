@@ -131,7 +131,8 @@ class ModelDrafter(Declared):
             return together.submit(self.model, self.cache, new, positions, None)[-1]
         if self.forward is not None:
             positions = torch.arange(self.committed_len, end, device=self.device)[None]  # (1, R)
-            return self.forward(input_ids=new[None], position_ids=positions, cache=self.cache, logits_to_keep=1).logits[0, -1]
+            out = self.forward(input_ids=new[None], position_ids=positions, cache=self.cache, logits_to_keep=1)
+            return out.logits[0, -1]
         return forward_chains(self.model, self.cache, new[None], self.committed_len,
                               **last_logits_only(self.model))[0, -1]
 
