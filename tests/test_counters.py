@@ -51,7 +51,7 @@ CEILINGS = {("opt", "model", 16, 0.0, "host"): 4.0, ("opt", "recycling+lookup", 
             # sampled children (the default at temperature > 0): rejection sampling walks the tree on the host,
             # one read for the tree, one per node visited (its coins), one per child tried (p(x), q(x)): more as more
             # is accepted (model+lookup: 13.7 at 19 steps for 64 tokens since sampled children are valued by rank)
-            ("opt", "model", 16, 1.0, "device", "sampled"): 13.0, ("eagle2", "model", 16, 1.0, "device", "sampled"): 11.0,
+            ("opt", "model", 16, 1.0, "device", "sampled"): 13.0, ("eagle2", "model", 16, 1.0, "device", "sampled"): 12.0,
             ("opt", "model+lookup", 16, 1.0, "device", "sampled"): 14.5}
 
 

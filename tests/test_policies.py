@@ -236,6 +236,41 @@ def check_tree(tree, drafter, n, max_depth):
     assert bool(ancestor_mask(tree.parents).diagonal().all())
 
 
+def test_draws_without_replacement_are_exact_and_short_only_where_the_draws_repeat():
+    """`sample_without_replacement` on 5 tokens, one of which can never be drawn, 60,000 rows at once: the first
+    draw follows q, each next one q without the earlier ones, whenever it exists (a row whose draws repeat gets
+    fewer children, always its last ones, and whether it does never depends on the missing child's token).
+    Tested per history: b given a among rows with a second child, c given (a, b) among rows with a third; the
+    same test refuses those counts against a 1.5 % bias in the expected ones."""
+    from scipy.stats import chisquare
+
+    q = torch.tensor([0.4, 0.25, 0.2, 0.15, 0.0])
+    rows = 60_000
+    tokens, valid = sample_without_replacement(q.log().expand(rows, 5), 3, torch.Generator().manual_seed(0))
+    assert valid[:, 0].all() and (tokens[valid] != 4).all()
+    assert (valid[:, 1:].long() <= valid[:, :-1].long()).all() and 0.9 * rows < valid[:, 2].sum() < rows
+    assert (tokens[:, 0] != tokens[:, 1])[valid[:, 1]].all() and (tokens[:, 2] != tokens[:, :2].T).all(0)[valid[:, 2]].all()
+    observed, expected = [], []
+    for history in [()] + [(a,) for a in range(4)] + [(a, b) for a in range(4) for b in range(4) if a != b]:
+        depth = len(history)
+        rows_here = valid[:, depth] & (tokens[:, :depth] == torch.tensor(history, dtype=torch.long)).all(1)
+        drawn = Counter(tokens[rows_here, depth].tolist())
+        rest = 1 - float(q[list(history)].sum())
+        for x in range(4):
+            if x not in history:
+                observed.append(drawn.get(x, 0))
+                expected.append(int(rows_here.sum()) * float(q[x]) / rest)
+    observed, expected = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    strata = 1 + 4 + 12
+    assert chisquare(observed, expected, ddof=strata - 1, sum_check=False).pvalue > 1e-3
+    biased = expected.clone()
+    biased[0], biased[1] = expected[0] + 0.015 * rows, expected[1] - 0.015 * rows  # 1.5 % moved between first draws
+    assert chisquare(observed, biased, ddof=strata - 1, sum_check=False).pvalue < 1e-4
+    peaked = torch.tensor([[0.999, 0.001, 0.0, 0.0, 0.0]]).log()
+    _, valid = sample_without_replacement(peaked.expand(1000, 5), 3, torch.Generator().manual_seed(1))
+    assert not valid[:, 2].any() and valid[:, 0].all() and 0 < valid[:, 1].sum() < 100  # 1 - 0.999^12 = 1.2 %
+
+
 @pytest.mark.parametrize("tree_name", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("n,depth,temperature", [(1, 3, 0.0), (7, 3, 0.0), (30, 5, 0.0), (10, 4, 1.0)])

@@ -107,7 +107,8 @@ def draw_first_two(config: SpecConfig, draws: int, mixed: bool = False, seed: in
             biased[(planted, cell[1]) if float(torch.rand((), generator=bug)) < BIAS else cell] += 1
             seen["accepted"] += int(length) > 0
             seen["deep"] += tree.max_depth >= 2
-            seen["full depth"] += tree.max_depth == config.max_depth
+            # a root with fewer children (its draws held fewer distinct tokens) may leave room for another layer
+            seen["full depth"] += tree.max_depth == config.max_depth and int((tree.parents == -1).sum()) == config.budget
             seen["branching"] += bool(torch.bincount(tree.parents + 1).max() >= 2)
             if tree.proposed is not None:  # mixed: a node of both kinds, and deterministic nodes accepted
                 seen["both"] += bool((tree.proposed & torch.isfinite(tree.keys)).any())
@@ -131,7 +132,7 @@ def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True
     # the trees branch and go deeper than one layer, and verification both accepts and rejects
     assert seen["deep"] > draws // 10 and seen["branching"] > draws // 10, seen
     assert draws // 20 < seen["accepted"] < draws - draws // 20, seen
-    if config.delta > 0 and config.tree == "opt":  # the stop cuts the trees short
+    if config.delta > 0 and config.tree == "opt":  # the stop cuts the trees short (those with a full first layer)
         assert seen["full depth"] == 0, seen
     if mixed:
         assert seen["both"] > draws // 50 and seen["proposed accepted"] > draws // 10, seen
@@ -170,12 +171,15 @@ def rank_paths(tree: DraftTree) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("tree,budget,depth", [("opt", 10, 4), ("opt", 6, 6), ("eagle2", 9, 3)])
-def test_sampled_trees_take_the_best_nodes_by_draw_rank(tree, budget, depth):
+def test_sampled_trees_take_the_best_nodes_by_draw_rank(tree, budget, depth, monkeypatch):
     """Sampled children's p-hat is the product of the acceptance of their draw ranks, so OPT-Tree (no stop) builds
     the tree of most expected accepted tokens under that model, Sequoia's optimum; EAGLE-2 at most that. The tree
-    never looks at the drawn tokens: every step has the same shape, and siblings stay in draw order."""
+    never looks at the drawn tokens: every step has the same shape (with draws enough that every node gets all
+    the children asked for), and siblings stay in draw order."""
+    from opttree.step import sampling
     from opttree.step.policies.sequoia import optimal_tree, tree_value
 
+    monkeypatch.setattr(sampling, "DRAWS_PER_CHILD", 200)
     acc = (0.6, 0.25, 0.1, 0.04)
     config = SpecConfig(tree=tree, budget=budget, delta=0.0, max_depth=depth, temperature=1.0, children="sampled",
                         acceptance=acc)

@@ -106,7 +106,7 @@ class DraftForward(torch.nn.Module):
         self.dtype = model.dtype
         self._sources = [p for p in model.parameters()]
         self._versions = self._weights()
-        with torch.inference_mode():
+        with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode
             self.layers = [_Layer(layer, packed) for layer in inner.layers[: model.config.num_hidden_layers]]
             self.final_norm = (inner.norm.weight.detach().float(), inner.norm.variance_epsilon)
             self.head = _stacked([model.lm_head], packed)
@@ -131,6 +131,7 @@ class DraftForward(torch.nn.Module):
         rope = self.rope.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1).transpose(1, 2)
         return rope.chunk(2, dim=-1)  # (B, 1, Q, Dh) each
 
+    @torch.no_grad()  # a draft's guesses take no gradient
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False,
                 logits_to_keep: int = 0):

