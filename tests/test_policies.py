@@ -184,10 +184,11 @@ def rejection_sampling_pvalue(vocab, width, p_support, q_support, runs=6000) -> 
                 probs.append(torch.zeros(vocab))  # leaves: never read
                 targets.append(target((a, b)))
         n = len(tokens)
-        tree = opttree.DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.zeros(n, dtype=torch.long),
+        depths = torch.tensor([1 if parent < 0 else 2 for parent in parents])
+        tree = opttree.DraftTree(torch.tensor(tokens), torch.tensor(parents), depths,
                                  torch.zeros(n), torch.arange(n), draft_probs=torch.stack(probs))
-        accepted, bonus = accept_rejection_sampling(tree, torch.stack(targets), g)
-        emitted = [tokens[i] for i in accepted.tolist()] + [int(bonus)]
+        path, length, bonus = accept_rejection_sampling(tree, torch.stack(targets), g)
+        emitted = [tokens[i] for i in path[: int(length)].tolist()] + [int(bonus)]
         if len(emitted) == 1:
             emitted.append(int(torch.multinomial(target((emitted[0],)), 1, generator=g)))
         counts[tuple(emitted[:2])] += 1

@@ -134,6 +134,7 @@ class Row:
         self.stats = GenerationStats()
         self.generator = seeded_generator(config.seed, device)
         self.noise = PositionNoise(self.generator, device)  # the sampled verifier's noise, by position
+        self.siblings: int | None = None  # the most sampled children of a node in its trees so far (None: none yet)
         self.feature: torch.Tensor | None = None  # (H,) the target's last-layer state at the last token it ran
         self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
         self.finished = False
@@ -172,7 +173,7 @@ class Row:
         """3. The longest branch the target agrees with, plus its bonus token: (path (N,), length (), bonus ())
         on the device. logits: (N + 1, V) at [root] + nodes."""
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
-        return accept_path(tree, logits, self.config, self.generator, self.noise, self.prefix_len)
+        return accept_path(tree, logits, self.config, self.generator, self.noise, self.prefix_len, self.siblings)
 
     def learn(self, result: Verification, phases: PhaseClock) -> None:
         """The drafter learns what the target did (its cache, its estimates), after compaction."""
@@ -189,6 +190,8 @@ class Row:
         emitted chunk (C,), whether the row ends with it, what its depth control observes)."""
         end, finished = self.stopper.cut(readout.emitted)
         chunk = emitted[:end]
+        if readout.siblings > (self.siblings or 0):  # rejection sampling tries this many from the next step on
+            self.siblings = readout.siblings
         self.committed = torch.cat([self.committed, chunk])
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s

@@ -39,6 +39,11 @@ class DraftTree:
         return ancestor_mask(self.parents)
 
     @property
+    def drawn(self) -> torch.Tensor:
+        """(N,) bool: the nodes drawn from their parent's draft distribution (all, for a tree without keys)."""
+        return torch.isfinite(self.keys) if self.keys is not None else torch.ones_like(self.tokens, dtype=torch.bool)
+
+    @property
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
 

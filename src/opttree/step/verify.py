@@ -29,11 +29,12 @@ class StepReadout:
     emitted: list[int]  # the accepted tokens and the bonus
     slots: list[int]  # the drafter's slots of the accepted nodes (-1 = never run by the drafter)
     depth: int  # the tree's depth (0 for an empty tree)
+    siblings: int = 0  # the most sampled children of one node (0: none sampled): rejection sampling's next bound
 
     @staticmethod
     def read(tree: DraftTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> "StepReadout":
-        """One `.tolist()` of (length, depth, bonus, tokens and slots along the path). path: (N,) from
-        `accept_path`, its first `length` entries the accepted nodes."""
+        """One `.tolist()` of (length, depth, bonus, most sampled siblings, tokens and slots along the path).
+        path: (N,) from `accept_path`, its first `length` entries the accepted nodes."""
         return StepReadout.read_rows([(tree, path, length, bonus)])[0]
 
     @staticmethod
@@ -42,14 +43,22 @@ class StepReadout:
         parts = []
         for tree, path, length, bonus in rows:
             depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
-            parts += [length.view(1), depth, bonus.view(1), tree.tokens[path], tree.draft_slots[path]]
+            parts += [length.view(1), depth, bonus.view(1), _most_siblings(tree), tree.tokens[path], tree.draft_slots[path]]
         values, out, at = torch.cat(parts).tolist(), [], 0
         for tree, *_ in rows:
-            n, (a, depth, bonus) = len(tree), values[at : at + 3]
-            row = values[at + 3 : at + 3 + 2 * n]
-            out.append(StepReadout(a, row[:a] + [bonus], row[n : n + a], depth))
-            at += 3 + 2 * n
+            n, (a, depth, bonus, siblings) = len(tree), values[at : at + 4]
+            row = values[at + 4 : at + 4 + 2 * n]
+            out.append(StepReadout(a, row[:a] + [bonus], row[n : n + a], depth, siblings))
+            at += 4 + 2 * n
         return out
+
+
+def _most_siblings(tree: DraftTree) -> torch.Tensor:
+    """(1,) long: the most sampled (drawn) children of one node of a tree with draft distributions, else 0."""
+    if tree.draft_probs is None or len(tree) == 0:
+        return tree.parents.new_zeros(1)
+    counts = torch.zeros(len(tree) + 1, dtype=torch.long, device=tree.parents.device)
+    return counts.index_add_(0, tree.parents + 1, tree.drawn.long()).max().view(1)
 
 
 @dataclass(frozen=True)
@@ -269,24 +278,29 @@ def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, 
     the device, nothing read back.
 
     choice: (N + 1,) the target's token at [root] + nodes (argmax for greedy, one sample per node for
-    stochastic verification of deterministic candidates). A node is reached when it and every ancestor
-    match; siblings carry distinct tokens, so the reached nodes form one path, and its deepest node is
-    the accepted leaf. Returns (path (N,): accepted node indices root->leaf in the first `length`
-    entries, the rest 0; length () long; bonus token ()).
+    stochastic verification of deterministic candidates). Siblings carry distinct tokens, so a node has at
+    most one matching child (`_reached_path`). Returns (path (N,): accepted node indices root->leaf in the
+    first `length` entries, the rest 0; length () long; bonus token ()).
     """
-    n = len(tree)
-    if n == 0:
+    if len(tree) == 0:
         return tree.parents, torch.zeros((), dtype=torch.long, device=choice.device), choice[0]
-    match = tree.tokens == choice[tree.parents + 1]  # (N,) the token the target chose at the parent
+    path, length, row = _reached_path(tree, tree.tokens == choice[tree.parents + 1])  # a child matches its parent's choice
+    return path, length, choice[row]
+
+
+def _reached_path(tree: DraftTree, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chosen: (N,) bool, at most one chosen child per node. A node is reached when it and every ancestor
+    are chosen: the reached nodes form one path from the root, and its deepest node is the accepted leaf.
+    Returns (path (N,): its nodes root->leaf in the first `length` entries, the rest 0; length () long; the
+    leaf's row () among [root] + nodes, 0 = the root), on the device."""
+    n, device = len(tree), chosen.device
     ancestors = tree.ancestors  # (N, N), shared with the verify mask
-    reached = ~(ancestors & ~match[None, :]).any(dim=1)  # (N,) every node on the root->node path matches
+    reached = ~(ancestors & ~chosen[None, :]).any(dim=1)  # (N,) every node on the root->node path is chosen
     length, leaf = torch.where(reached, tree.depths, 0).max(dim=0)  # (), (): the deepest reached node
     on_path = ancestors[leaf] & (length > 0)  # (N,)
     slots = torch.where(on_path, tree.depths - 1, n)  # (N,) position on the path; n = off it
-    path = torch.zeros(n + 1, dtype=torch.long, device=choice.device).scatter_(
-        0, slots, torch.arange(n, device=choice.device))[:n]  # (N,)
-    bonus = choice[torch.where(length > 0, leaf + 1, 0)]
-    return path, length, bonus
+    path = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_(0, slots, torch.arange(n, device=device))[:n]
+    return path, length, torch.where(length > 0, leaf + 1, 0)
 
 
 def accept_sampled(
@@ -311,16 +325,17 @@ def accept_sampled(
 
 def accept_path(
     tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None,
-    noise: PositionNoise | None = None, root_position: int = 0,
+    noise: PositionNoise | None = None, root_position: int = 0, siblings: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier that is exact for the way the tree's candidates were chosen (docs/METHODS.md, "Tree policies").
     logits: (N + 1, V) at [root] + nodes; the root sits at `root_position`; `noise` serves sampled
-    verification of deterministic candidates (made from `generator` if not given). Returns (path (N,):
+    verification of deterministic candidates (made from `generator` if not given); `siblings`: how many
+    sampled children of a node rejection sampling tries (`accept_rejection_sampling`). Returns (path (N,):
     the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
-    Verification of deterministic candidates reads nothing back."""
+    Nothing is read back."""
     if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
         target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
-        return _as_path(len(tree), *accept_rejection_sampling(tree, target_p, generator))
+        return accept_rejection_sampling(tree, target_p, generator, siblings)
     if config.greedy:
         return matching_path(tree, greedy_choice(logits))
     noise = noise or PositionNoise(generator, logits.device)
@@ -336,10 +351,10 @@ def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch
 
 
 def accept_rejection_sampling(
-    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling for children *sampled* from the draft without replacement, with
-    deterministic candidates (`tree.proposed`) under the same nodes tried first.
+    deterministic candidates (`tree.proposed`) under the same nodes tried first; on the device, nothing read.
 
     target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
     tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
@@ -348,59 +363,70 @@ def accept_rejection_sampling(
     draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
     q <- norm(q). If no child is accepted, the bonus is sampled from p. (Why this is exact:
     docs/METHODS.md, "OPT-Tree with sampled children".)
+    Every node decides at once, each with coins of its own (a node's choice depends on its own p, q and
+    children only), one sibling rank a round; the accepted path is then followed from the root
+    (`_reached_path`): a node off the path used coins no emitted token depends on. `siblings`: how many
+    sampled children of a node are tried (host-known, so no read; default all); later ones count as never
+    drawn, which is exact as long as the bound does not depend on this step's draws (the engine passes the
+    most any earlier tree had: `StepReadout.siblings`).
     Sampled siblings must be stored in the order they were drawn; whether a node got another child may
     depend on its earlier children but never on the token drawn for it.
-    Returns (accepted node indices (A,), bonus token ()).
+    Returns (path (N,): the accepted nodes root -> leaf in its first `length` entries, length () long, bonus ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
-    proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
-    drawn = torch.isfinite(tree.keys) if tree.keys is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
-    tokens, parents, proposed, drawn = torch.stack([tree.tokens, tree.parents, proposed, drawn]).tolist()  # one read
-    children_of = _children_lists(parents)
-    accepted: list[int] = []
-    node = -1  # -1 = root
-    while True:
-        p, q = target_p[node + 1], tree.draft_probs[node + 1]  # (V,), (V,)
-        children = children_of[node + 1]
-        fixed = [child for child in children if proposed[child]]
-        if fixed:  # deterministic candidates: the target's own sample decides
-            y = int(torch.multinomial(p, 1, generator=generator))
-            hit = [child for child in fixed if tokens[child] == y]
-            if hit:
-                accepted.append(hit[0])
-                node = hit[0]
-                continue
-            p = p.index_fill(0, torch.tensor([tokens[c] for c in fixed], device=p.device), 0.0)
-            p = p / p.sum()
-        draws = [child for child in children if drawn[child]]
-        coins = torch.rand(len(draws), generator=generator, device=p.device).tolist()
-        for child, coin in zip(draws, coins):
-            x = tokens[child]
-            q_x, p_x = torch.stack([q[x], p[x]]).tolist()  # one read
-            if coin * q_x < p_x:  # accepted with probability min(1, p(x) / q(x))
-                accepted.append(child)
-                node = child
-                break
-            p, q = _rejected(p, q, x)
-        else:  # every child rejected (or none): the bonus comes from what is left of p
-            bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
-            return torch.tensor(accepted, dtype=torch.long, device=bonus.device), bonus
+    n, device = len(tree), target_p.device
+    p, q = target_p.float(), tree.draft_probs.float()  # (N+1, V) each
+    rows = tree.parents + 1  # (N,) each node's parent, as a row of p and q (0 = the root)
+    chosen = torch.zeros(n + 1, dtype=torch.bool, device=device)  # [i] node i is its parent's accepted child; [n] dump
+    decided = torch.zeros(n + 1, dtype=torch.bool, device=device)  # (N+1,) the row accepted a child
+    if tree.proposed is not None:  # deterministic candidates: the target's own draw decides
+        y = _draw(p, generator)  # (N+1,)
+        hit = tree.proposed & (tree.tokens == y[rows])  # (N,) at most one per row: siblings' tokens differ
+        chosen[:n] = hit
+        decided = torch.zeros(n + 1, device=device).index_add_(0, rows, hit.float()) > 0
+        fixed = torch.zeros_like(p).index_put_((rows, tree.tokens), tree.proposed.float(), accumulate=True) > 0
+        p = p.masked_fill(fixed, 0.0)
+        p = p / p.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
+    drawn = tree.drawn  # (N,)
+    width = n if siblings is None else min(siblings, n)
+    later = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j comes before i
+    rank = ((rows[:, None] == rows[None, :]) & later & drawn[None, :]).sum(dim=1)  # (N,) drawn siblings before it
+    column = torch.where(drawn & (rank < width), rank, width)  # (N,) width = not tried
+    child = torch.full((n + 1, width + 1), n, dtype=torch.long, device=device).index_put_(
+        (rows, column), torch.arange(n, device=device))[:, :width]  # (N+1, width) node of each rank, n = none
+    tokens = torch.cat([tree.tokens, tree.tokens.new_zeros(1)])  # (N+1,) [n]: a stand-in for "no child"
+    coins = torch.rand(n + 1, width, generator=generator, device=device)  # (N+1, width)
+    for j in range(width):
+        node = child[:, j]  # (N+1,)
+        x = tokens[node][:, None]  # (N+1, 1)
+        tried = (node < n) & ~decided
+        accepted = tried & (coins[:, j : j + 1] * q.gather(1, x) < p.gather(1, x)).squeeze(1)  # min(1, p(x) / q(x))
+        chosen[node] |= accepted  # the dump slot n collects the rows without a j-th child
+        decided |= accepted
+        rejected = (tried & ~accepted)[:, None]
+        p_next, q_next = _rejected(p, q, x)
+        p, q = torch.where(rejected, p_next, p), torch.where(rejected, q_next, q)
+    if n == 0:
+        return tree.parents, torch.zeros((), dtype=torch.long, device=device), _draw(p, generator)[0]
+    path, length, row = _reached_path(tree, chosen[:n])
+    bonus = _draw(p[row][None], generator)[0]  # what is left of p at the leaf, after its children were rejected
+    return path, length, bonus
 
 
-def _rejected(p: torch.Tensor, q: torch.Tensor, x: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """After rejecting draft token x: p <- norm(max(p - q, 0)) (the target mass q did not cover),
-    q <- norm(q without x) (the next child is drawn without replacement). (V,), (V,) -> same."""
+def _draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(R, V) distributions -> (R,) one draw from each, by the inverse of a float64 cumulative sum (one random
+    number a row; never a zero-probability token); nothing read back."""
+    cumulative = torch.cumsum(p, dim=-1, dtype=torch.float64)  # (R, V)
+    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=torch.float64) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, u, right=True).squeeze(1).clamp(max=p.shape[1] - 1)
+
+
+def _rejected(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After rejecting draft token x (R, 1) of each row: p <- norm(max(p - q, 0)) (the target mass q did not
+    cover), q <- norm(q without x) (the next child is drawn without replacement). (R, V), (R, V) -> same; a row
+    where p - q leaves nothing (p == q up to rounding, where a rejection has probability ~0) keeps its p."""
     rest = (p - q).clamp(min=0)
-    total = float(rest.sum())
-    if total > 0:  # total = 0 only if p == q up to rounding, where rejection has probability ~0
-        p = rest / total
-    q = q.index_fill(0, torch.tensor(x, device=q.device), 0.0)
-    return p, q / q.sum().clamp(min=torch.finfo(q.dtype).tiny)
-
-
-def _children_lists(parents: list[int]) -> list[list[int]]:
-    """children_of[i + 1] = node indices whose parent is i (index 0 = the root), in node order."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for child, parent in enumerate(parents):
-        children[parent + 1].append(child)
-    return children
+    total = rest.sum(dim=-1, keepdim=True)
+    p = torch.where(total > 0, rest / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+    q = q.scatter(1, x, 0.0)
+    return p, q / q.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
