@@ -187,7 +187,7 @@ def rejection_sampling_pvalue(vocab, width, p_support, q_support, runs=6000) -> 
         depths = torch.tensor([1 if parent < 0 else 2 for parent in parents])
         tree = opttree.DraftTree(torch.tensor(tokens), torch.tensor(parents), depths,
                                  torch.zeros(n), torch.arange(n), draft_probs=torch.stack(probs))
-        path, length, bonus = accept_rejection_sampling(tree, torch.stack(targets), g)
+        path, length, bonus = accept_rejection_sampling(tree, torch.stack(targets), g, siblings=width)
         emitted = [tokens[i] for i in path[: int(length)].tolist()] + [int(bonus)]
         if len(emitted) == 1:
             emitted.append(int(torch.multinomial(target((emitted[0],)), 1, generator=g)))
@@ -197,15 +197,21 @@ def rejection_sampling_pvalue(vocab, width, p_support, q_support, runs=6000) -> 
     return chi_square_pvalue(counts, exact, runs)
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("vocab,width,p_support,q_support", [(4, 3, 4, 4), (5, 2, 3, 5), (5, 4, 5, 2)])
-def test_rejection_sampling_emits_the_target_distribution(vocab, width, p_support, q_support):
-    """Including p and q of different supports (as top-k / top-p make them)."""
+def test_rejection_sampling_emits_the_target_distribution(vocab, width, p_support, q_support, where, monkeypatch):
+    """Including p and q of different supports (as top-k / top-p make them); walked on the host and decided on
+    the device (`verify.rejection_on_device`)."""
+    monkeypatch.setenv("OPTTREE_REJECTION", where)
     assert rejection_sampling_pvalue(vocab, width, p_support, q_support) > 1e-3
 
 
-def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(monkeypatch):
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(where, monkeypatch):
     """Test of the test: not removing a rejected token from q (drawing siblings as if with replacement)."""
     import opttree.step.verify
+
+    monkeypatch.setenv("OPTTREE_REJECTION", where)
 
     rejected = opttree.step.verify._rejected
     monkeypatch.setattr(opttree.step.verify, "_rejected", lambda p, q, x: (rejected(p, q, x)[0], q))

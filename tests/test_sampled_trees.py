@@ -155,8 +155,11 @@ def test_other_sampled_trees_emit_the_target_distribution(options, draws):
     check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)
 
 
-def test_mixed_trees_emit_the_target_distribution():
-    """Sampled children and deterministic candidates under the same nodes, verified by one rule."""
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_mixed_trees_emit_the_target_distribution(where, monkeypatch):
+    """Sampled children and deterministic candidates under the same nodes, verified by one rule, walked on the
+    host and decided on the device (`verify.rejection_on_device`; the drawing processes inherit the setting)."""
+    monkeypatch.setenv("OPTTREE_REJECTION", where)
     check(SpecConfig(tree="opt", budget=5, delta=0.0, max_depth=2, temperature=1.0, children="sampled"), 20_000,
           mixed=True)  # 20k draws: the planted bias is caught here too
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -350,11 +351,21 @@ def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch
     return path, torch.tensor(accepted.shape[0], device=accepted.device), bonus
 
 
+def rejection_on_device(device: torch.device) -> bool:
+    """Where recursive rejection sampling decides (`accept_rejection_sampling`): on the device (every node at
+    once, nothing read back) everywhere but on a CPU, where walking the accepted path on the host is the faster
+    (the walk visits ~A nodes, deciding every node costs N x V a sibling rank: 0.4 against 2.1 ms a step on
+    the shipped pair at temperature 1, budget 8, 2-core Xeon; docs/BENCHMARKS.md). `OPTTREE_REJECTION=device`
+    or `=host` forces one (tests run both)."""
+    forced = os.environ.get("OPTTREE_REJECTION", "auto")
+    return forced == "device" or (forced != "host" and device.type != "cpu")
+
+
 def accept_rejection_sampling(
     tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling for children *sampled* from the draft without replacement, with
-    deterministic candidates (`tree.proposed`) under the same nodes tried first; on the device, nothing read.
+    deterministic candidates (`tree.proposed`) under the same nodes tried first.
 
     target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
     tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
@@ -363,17 +374,70 @@ def accept_rejection_sampling(
     draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
     q <- norm(q). If no child is accepted, the bonus is sampled from p. (Why this is exact:
     docs/METHODS.md, "OPT-Tree with sampled children".)
-    Every node decides at once, each with coins of its own (a node's choice depends on its own p, q and
-    children only), one sibling rank a round; the accepted path is then followed from the root
-    (`_reached_path`): a node off the path used coins no emitted token depends on. `siblings`: how many
-    sampled children of a node are tried (host-known, so no read; default all); later ones count as never
-    drawn, which is exact as long as the bound does not depend on this step's draws (the engine passes the
-    most any earlier tree had: `StepReadout.siblings`).
     Sampled siblings must be stored in the order they were drawn; whether a node got another child may
-    depend on its earlier children but never on the token drawn for it.
+    depend on its earlier children but never on the token drawn for it. Decided on the host along the path
+    (`_walk`) or on the device for every node at once (`_decide`), as `rejection_on_device` says.
     Returns (path (N,): the accepted nodes root -> leaf in its first `length` entries, length () long, bonus ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
+    if rejection_on_device(target_p.device):
+        return _decide(tree, target_p, generator, siblings)
+    return _as_path(len(tree), *_walk(tree, target_p, generator))
+
+
+def _walk(tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_rejection_sampling` on the host: from the root, each visited node's children tried in order, one
+    read of the tree and one per child tried. Returns (accepted node indices (A,), bonus token ())."""
+    proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+    tokens, parents, proposed, drawn = torch.stack([tree.tokens, tree.parents, proposed, tree.drawn]).tolist()
+    children_of = _children_lists(parents)
+    accepted: list[int] = []
+    node = -1  # -1 = root
+    while True:
+        p, q = target_p[node + 1 : node + 2].float(), tree.draft_probs[node + 1 : node + 2].float()  # (1, V) each
+        children = children_of[node + 1]
+        fixed = [child for child in children if proposed[child]]
+        if fixed:  # deterministic candidates: the target's own sample decides
+            y = int(_draw(p, generator))
+            hit = [child for child in fixed if tokens[child] == y]
+            if hit:
+                accepted.append(hit[0])
+                node = hit[0]
+                continue
+            p = p.index_fill(1, torch.tensor([tokens[c] for c in fixed], device=p.device), 0.0)
+            p = p / p.sum()
+        draws = [child for child in children if drawn[child]]
+        coins = torch.rand(len(draws), generator=generator, device=p.device).tolist()
+        for child, coin in zip(draws, coins):
+            x = tokens[child]
+            q_x, p_x = torch.stack([q[0, x], p[0, x]]).tolist()  # one read
+            if coin * q_x < p_x:  # accepted with probability min(1, p(x) / q(x))
+                accepted.append(child)
+                node = child
+                break
+            p, q = _rejected(p, q, torch.tensor([[x]], device=p.device))
+        else:  # every child rejected (or none): the bonus comes from what is left of p
+            bonus = _draw(p, generator)[0]
+            return torch.tensor(accepted, dtype=torch.long, device=bonus.device), bonus
+
+
+def _children_lists(parents: list[int]) -> list[list[int]]:
+    """children_of[i + 1] = node indices whose parent is i (index 0 = the root), in node order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for child, parent in enumerate(parents):
+        children[parent + 1].append(child)
+    return children
+
+
+def _decide(
+    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`accept_rejection_sampling` on the device, nothing read: every node decides at once, each with coins of
+    its own (a node's choice depends on its own p, q and children only), one sibling rank a round; the accepted
+    path is then followed from the root (`_reached_path`), and a node off it used coins no emitted token
+    depends on. `siblings`: how many sampled children of a node are tried (host-known, so no read; default
+    all); later ones count as never drawn, which is exact as long as the bound does not depend on this step's
+    draws (the engine passes the most any of its earlier trees had: `StepReadout.siblings`)."""
     n, device = len(tree), target_p.device
     p, q = target_p.float(), tree.draft_probs.float()  # (N+1, V) each
     rows = tree.parents + 1  # (N,) each node's parent, as a row of p and q (0 = the root)
