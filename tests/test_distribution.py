@@ -42,12 +42,12 @@ def test_the_check_detects_a_biased_acceptance_rule(pair, monkeypatch):
     original = opttree.engine.accept_path
     coin = torch.Generator().manual_seed(0)
 
-    def biased(tree, logits, config, generator, noise, root_position):
+    def biased(tree, logits, config, generator, noise, root_position, siblings):
         if len(tree) and float(torch.rand((), generator=coin)) < 0.15:
             # take the top draft token as if the target had sampled it, then a correct bonus after it
             bonus = torch.multinomial(target_probs(logits[1], config.temperature, 0, 1.0), 1, generator=generator)
             return torch.zeros(len(tree), dtype=torch.long), torch.tensor(1), bonus.squeeze(0)
-        return original(tree, logits, config, generator, noise, root_position)
+        return original(tree, logits, config, generator, noise, root_position, siblings)
 
     monkeypatch.setattr(opttree.engine, "accept_path", biased)
     exact = exact_joint(target, prompt, STEPS, temperature=1.0)

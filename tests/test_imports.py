@@ -133,8 +133,9 @@ def test_the_torch_free_name_lists_match_the_registries():
 def test_the_layers_point_down():
     """settings <- the step's stages <- the engine and everything above: the settings import no stage and
     nothing above; the stages import the settings and the model plumbing below them (where a model lives,
-    trained parts' files, tensor parallelism, thread settings), never the engine, a front end or calibration."""
-    plumbing = {"opttree.device", "opttree.parts", "opttree.parallel", "opttree.threads"}
+    trained parts' files, tensor parallelism, thread settings, packed linear weights), never the engine, a front
+    end or calibration."""
+    plumbing = {"opttree.device", "opttree.parts", "opttree.parallel", "opttree.threads", "opttree.packed"}
     graph = import_graph()
     for module, imported in graph.items():
         imported = imported - {"opttree"}  # the package itself runs first for every module
