@@ -403,7 +403,8 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
         ids = tok(ask["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
         sampling = dict(temperature=ask["temperature"], seed=ask["seed"]) if ask["temperature"] else {}
         assert answer == reference(pair, ids, ask["max_tokens"], **sampling), ask
-        assert job.complete and job.stats.new_tokens == ask["max_tokens"]
+        assert job.complete and job.stats.new_tokens == len(answer)
+        assert len(answer) == ask["max_tokens"] or answer[-1] == tok.eos_token_id  # a draw may end the text
     assert max(n for n, _ in rows) == 4  # the batch filled up to --max-batch, never past it
     if batch_budget == "fixed":
         assert max(nodes for _, nodes in rows) == 3  # one budget for the batch, whatever each request's
