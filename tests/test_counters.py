@@ -70,7 +70,8 @@ def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_devi
 @pytest.mark.parametrize("case", ONE_SYNC)
 def test_one_host_sync_per_step(shipped, monkeypatch, case):
     monkeypatch.setenv("OPTTREE_REJECTION", "device")  # as on a GPU (on a CPU the walk on the host is faster)
-    costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=True, children=case[4] if len(case) > 4 else "top")
+    children = case[4] if len(case) > 4 else "top"
+    costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=True, children=children)
     assert costs.host_syncs == 1.0 and costs.shape_syncs == 0, where
 
 

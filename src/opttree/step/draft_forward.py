@@ -35,7 +35,7 @@ from ..packed import PackedMatmul, packing_applies
 from .attention import mask_layout
 from .lean import lean_forward
 
-MAX_COPY_BYTES = 256 * 2**20  # the stacked q/k/v and gate/up weights are copies: small drafts only
+MAX_COPY_BYTES = 256 * 2**20  # the stacked q/k/v and gate/up weights are copies: drafts whose layers hold at most this
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary embeddings whose cos / sin depend on the position alone
 
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, DraftForward]" = weakref.WeakKeyDictionary()
@@ -58,6 +58,7 @@ def _applies(model: torch.nn.Module) -> bool:
     rope = config.rope_parameters or {}
     linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     return (model.device.type == "cpu" and not mask_layout(config).windowed
+            and not any(isinstance(value, dict) for value in rope.values())  # one per layer type: not here
             and rope.get("rope_type", "default") in STATIC_ROPE
             and all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in linears)
             and sum(m.weight.numel() * m.weight.element_size() for m in linears) <= MAX_COPY_BYTES)
@@ -81,7 +82,8 @@ class _Layer:
 
 
 def _stacked(linears: list[torch.nn.Linear], packed: bool) -> PackedMatmul:
-    weight = torch.cat([m.weight.detach() for m in linears])  # (sum of outs, in)
+    """The linears' weights one above the other (a copy; one linear: its own weight), and their biases."""
+    weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
     biases = [m.bias for m in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])

@@ -44,7 +44,8 @@ class StepReadout:
         parts = []
         for tree, path, length, bonus in rows:
             depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
-            parts += [length.view(1), depth, bonus.view(1), _most_siblings(tree), tree.tokens[path], tree.draft_slots[path]]
+            parts += [length.view(1), depth, bonus.view(1), _most_siblings(tree), tree.tokens[path],
+                      tree.draft_slots[path]]
         values, out, at = torch.cat(parts).tolist(), [], 0
         for tree, *_ in rows:
             n, (a, depth, bonus, siblings) = len(tree), values[at : at + 4]
@@ -285,7 +286,8 @@ def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if len(tree) == 0:
         return tree.parents, torch.zeros((), dtype=torch.long, device=choice.device), choice[0]
-    path, length, row = _reached_path(tree, tree.tokens == choice[tree.parents + 1])  # a child matches its parent's choice
+    matches = tree.tokens == choice[tree.parents + 1]  # (N,) a child is its parent's choice
+    path, length, row = _reached_path(tree, matches)
     return path, length, choice[row]
 
 
@@ -333,7 +335,7 @@ def accept_path(
     verification of deterministic candidates (made from `generator` if not given); `siblings`: how many
     sampled children of a node rejection sampling tries (`accept_rejection_sampling`). Returns (path (N,):
     the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
-    Nothing is read back."""
+    Nothing is read back, but where rejection sampling walks the path on the host (on a CPU)."""
     if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
         target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
         return accept_rejection_sampling(tree, target_p, generator, siblings)
@@ -354,7 +356,7 @@ def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch
 def rejection_on_device(device: torch.device) -> bool:
     """Where recursive rejection sampling decides (`accept_rejection_sampling`): on the device (every node at
     once, nothing read back) everywhere but on a CPU, where walking the accepted path on the host is the faster
-    (the walk visits ~A nodes, deciding every node costs N x V a sibling rank: 0.4 against 2.1 ms a step on
+    (the walk visits ~A nodes, deciding every node costs N x V a sibling rank: 0.26 against 2.1 ms a step on
     the shipped pair at temperature 1, budget 8, 2-core Xeon; docs/BENCHMARKS.md). `OPTTREE_REJECTION=device`
     or `=host` forces one (tests run both)."""
     forced = os.environ.get("OPTTREE_REJECTION", "auto")
@@ -385,7 +387,8 @@ def accept_rejection_sampling(
     return _as_path(len(tree), *_walk(tree, target_p, generator))
 
 
-def _walk(tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _walk(tree: DraftTree, target_p: torch.Tensor,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`accept_rejection_sampling` on the host: from the root, each visited node's children tried in order, one
     read of the tree and one per child tried. Returns (accepted node indices (A,), bonus token ())."""
     proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
