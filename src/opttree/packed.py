@@ -151,10 +151,14 @@ class PackedLinears:
 
 
 def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-    if flat.shape[0] > max_rows or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+    if x.numel() // x.shape[-1] > max_rows or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
         return F.linear(x, layer.weight, layer.bias)
-    return _LINEAR(flat, packed, layer.bias, "none", [], "").view(*x.shape[:-1], -1)
+    return _run_packed(x, packed, layer.bias)
+
+
+def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(..., in) bf16 -> (..., out) through oneDNN's kernel on a packed weight."""
+    return _LINEAR(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "").view(*x.shape[:-1], -1)
 
 
 class PackedMatmul:
@@ -171,7 +175,7 @@ class PackedMatmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return _LINEAR(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "").view(*x.shape[:-1], -1)
+        return _run_packed(x, self.packed, self.bias)
 
 
 def _identical_rows(layer: torch.nn.Module, packed: torch.Tensor) -> int:

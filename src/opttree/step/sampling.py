@@ -74,6 +74,17 @@ class PositionNoise:
         return self.ring[(position + offsets) % self.ring.shape[0]]
 
 
+def inverse_cdf(p: torch.Tensor, draws: int, generator: torch.Generator | None) -> torch.Tensor:
+    """(R, V) distributions (unnormalised is fine) -> (R, draws) independent draws from each row, by the inverse
+    of a float64 cumulative sum: one random number a draw, nothing read back, never a zero-probability token
+    (a row with no mass at all gives V)."""
+    cumulative = torch.cumsum(p, dim=-1, dtype=torch.float64)  # (R, V)
+    total = cumulative[:, -1:].contiguous()  # (R, 1)
+    u = torch.rand(p.shape[0], draws, generator=generator, device=p.device, dtype=torch.float64)
+    last = torch.where(total > 0, torch.searchsorted(cumulative, total), p.shape[1])  # (R, 1) the last token with mass
+    return torch.minimum(torch.searchsorted(cumulative, u * total, right=True), last)  # u * total may round to total
+
+
 DRAWS_PER_CHILD = 4  # draws with replacement a row makes per child asked for (`sample_without_replacement`)
 
 
@@ -91,13 +102,12 @@ def sample_without_replacement(logp: torch.Tensor, k: int,
     on a 2-core Xeon.
 
     logp: (R, V) log-probabilities, -inf = impossible (never drawn). Returns tokens (R, k') and valid
-    (R, k'), k' = min(k, V): valid is False from the first child a row's draws could not fill.
+    (R, k'), k' = min(k, V): valid is False from the first child a row's draws could not fill (a row without
+    mass: none).
     """
     rows, vocab = logp.shape
     k = min(k, vocab)
-    cumulative = torch.cumsum(logp.exp(), dim=-1, dtype=torch.float64)  # (R, V)
-    u = torch.rand(rows, DRAWS_PER_CHILD * k, generator=generator, device=logp.device, dtype=torch.float64)
-    drawn = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)  # (R, L); V only if u rounds to 1
+    drawn = inverse_cdf(logp.exp(), DRAWS_PER_CHILD * k, generator)  # (R, L)
     ordered, order = drawn.sort(dim=-1, stable=True)  # equal tokens in draw order
     first = torch.ones_like(ordered, dtype=torch.bool)
     first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]

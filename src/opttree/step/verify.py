@@ -18,7 +18,7 @@ from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
 from .lean import lean_forward
-from .sampling import PositionNoise, race, target_probs, warp_logits
+from .sampling import PositionNoise, inverse_cdf, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 
 
@@ -56,8 +56,9 @@ class StepReadout:
 
 
 def _most_siblings(tree: DraftTree) -> torch.Tensor:
-    """(1,) long: the most sampled (drawn) children of one node of a tree with draft distributions, else 0."""
-    if tree.draft_probs is None or len(tree) == 0:
+    """(1,) long: the most sampled (drawn) children of one node of a tree with draft distributions, else 0 (and 0
+    where rejection sampling walks the path on the host, which needs no bound)."""
+    if tree.draft_probs is None or len(tree) == 0 or not rejection_on_device(tree.parents.device):
         return tree.parents.new_zeros(1)
     counts = torch.zeros(len(tree) + 1, dtype=torch.long, device=tree.parents.device)
     return counts.index_add_(0, tree.parents + 1, tree.drawn.long()).max().view(1)
@@ -481,11 +482,8 @@ def _decide(
 
 
 def _draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(R, V) distributions -> (R,) one draw from each, by the inverse of a float64 cumulative sum (one random
-    number a row; never a zero-probability token); nothing read back."""
-    cumulative = torch.cumsum(p, dim=-1, dtype=torch.float64)  # (R, V)
-    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device, dtype=torch.float64) * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, u, right=True).squeeze(1).clamp(max=p.shape[1] - 1)
+    """(R, V) distributions -> (R,) one draw from each (`sampling.inverse_cdf`)."""
+    return inverse_cdf(p, 1, generator).squeeze(1)
 
 
 def _rejected(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
