@@ -243,13 +243,18 @@ def check_tree(tree, drafter, n, max_depth):
     assert bool(ancestor_mask(tree.parents).diagonal().all())
 
 
-def test_draws_without_replacement_are_exact_and_short_only_where_the_draws_repeat():
+def test_draws_without_replacement_are_exact_and_short_only_where_the_draws_repeat(monkeypatch):
     """`sample_without_replacement` on 5 tokens, one of which can never be drawn, 60,000 rows at once: the first
     draw follows q, each next one q without the earlier ones, whenever it exists (a row whose draws repeat gets
     fewer children, always its last ones, and whether it does never depends on the missing child's token).
     Tested per history: b given a among rows with a second child, c given (a, b) among rows with a third; the
-    same test refuses those counts against a 1.5 % bias in the expected ones."""
+    same test refuses those counts against a 1.5 % bias in the expected ones. With 4 draws a child and no
+    floor (MIN_DRAWS), so that some rows do come short."""
     from scipy.stats import chisquare
+
+    from opttree.step import sampling
+
+    monkeypatch.setattr(sampling, "MIN_DRAWS", 0)
 
     q = torch.tensor([0.4, 0.25, 0.2, 0.15, 0.0])
     rows = 60_000

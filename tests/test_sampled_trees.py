@@ -198,3 +198,59 @@ def test_sampled_trees_take_the_best_nodes_by_draw_rank(tree, budget, depth, mon
     best = tree_value(acc, optimal_tree(acc, budget, depth))
     value = tree_value(acc, list(shapes.pop()))
     assert value == pytest.approx(best, rel=1e-6) if tree == "opt" else value <= best + 1e-9
+
+
+def _layer_rule(log_acc: list[float], n: int, delta: float, max_depth: int) -> list[float]:
+    """Brute force of OPT-Tree over draw-rank p-hat: every rank path up to max_depth enumerated; the depth is the
+    first whose n best nodes gain no more than delta over the depth before; the tree's values, best first."""
+    import itertools
+    import math
+
+    def best(depth):
+        values = [sum(log_acc[r] for r in path) for d in range(1, depth + 1)
+                  for path in itertools.product(range(len(log_acc)), repeat=d)]
+        return sorted(values, reverse=True)[:n]
+
+    e_prev = 0.0
+    for depth in range(1, max_depth + 1):
+        values = best(depth)
+        e_depth = sum(math.exp(v) for v in values)
+        if depth == max_depth or e_depth - e_prev <= delta:
+            return values
+        e_prev = e_depth
+
+
+@pytest.mark.parametrize("acc", [(0.66, 0.1, 0.06, 0.04), (0.9, 0.05), (0.3, 0.25, 0.2, 0.1, 0.05)])
+@pytest.mark.parametrize("n,delta,max_depth", [(1, 0.0, 3), (4, 0.0, 3), (8, 0.6, 4), (8, 0.25, 4), (12, 0.4, 3),
+                                               (6, float("-inf"), 2)])
+def test_the_sampled_tree_is_opt_trees_layer_rule_over_draw_ranks(acc, n, delta, max_depth):
+    """`drawn_paths` (the tree of sampled children, made once on the host) is the layer-by-layer rule's tree:
+    the n best draw-rank paths, as deep as the delta stop lets it go; a tree whose siblings take ranks 0, 1, ..."""
+    from opttree.step.policies.shapes import drawn_paths, rank_log_acceptance
+
+    log_acc = rank_log_acceptance(acc, n)
+    nodes = drawn_paths(log_acc, n, delta, max_depth)
+    assert sorted((v for _, v in nodes), reverse=True) == pytest.approx(_layer_rule(log_acc, n, delta, max_depth))
+    paths = [path for path, _ in nodes]
+    assert all(len(p) == 1 or p[:-1] in paths for p in paths)  # a tree
+    assert all(p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths for p in paths)  # siblings take the first ranks
+    assert [len(p) for p in paths] == sorted(len(p) for p in paths)  # by depth
+
+
+def test_a_draw_a_peaked_row_could_not_make_leaves_its_node_and_subtree_undrawn():
+    """The root's distribution puts all its mass on token 1: its first child is 1, the later ones cannot be
+    drawn. They stay in the tree with key -inf (never tried by rejection sampling), and so do their subtrees;
+    the tree carries the distribution each node's children were drawn from, zeros where none were."""
+    logq = {(): torch.tensor([0.0, 1.0, 0.0, 0.0]).log()}
+    drafter = TableDrafter(lambda path: logq.get(path, torch.full((VOCAB,), 0.25).log()))
+    policy = make_policy(SpecConfig(tree="opt", budget=6, delta=0.0, max_depth=2, temperature=1.0,
+                                    acceptance=(0.5, 0.3, 0.1)))
+    tree = policy.build(drafter, torch.tensor([0]), 2)
+    paths = rank_paths(tree)
+    drawn = tree.drawn.tolist()
+    assert tree.tokens[paths.index((0,))] == 1 and drawn[paths.index((0,))]
+    assert [drawn[i] for i, p in enumerate(paths) if p[0] > 0] == [False] * sum(p[0] > 0 for p in paths) != []
+    assert torch.equal(tree.draft_probs[0], logq[()].exp())
+    for i, path in enumerate(paths):
+        expanded = any(p[:-1] == path for p in paths)
+        assert tree.draft_probs[i + 1].sum() == pytest.approx(1.0 if expanded else 0.0)

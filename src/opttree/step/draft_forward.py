@@ -5,8 +5,8 @@ On a CPU a small draft's forward is mostly overhead: the shipped draft (one Llam
 `DraftForward` computes the same function with q, k and v in one matrix product and gate and up in one
 (their weights stacked once: 4 products a layer instead of 7), the rotary cos / sin looked up in a table
 the model's own rotary embedding filled (not recomputed each forward), RMSNorm as a few tensor ops, no
-module of the model called but the embedding and the activation, the residual stream in float32, the
-model's own KV cache (`cache.update`), sdpa: 0.6-0.75 ms a forward there. `python scripts/lean_forward.py
+module of the model called but the embedding and the activation, the residual stream in float32 and the
+small products too (from float32 copies of their weights, `_Product`), the model's own KV cache (`cache.update`), sdpa: 0.6-0.75 ms a forward there. `python scripts/lean_forward.py
 --switch draft` measures what it gains in a generation.
 
 It is not the model's forward bit for bit (the roundings differ: log-probabilities move by ~0.05 in
@@ -35,6 +35,7 @@ from ..packed import PackedMatmul, packing_applies
 from .attention import mask_layout
 from .lean import lean_forward
 
+FLOAT32_COPY_BYTES = 2 * 2**20  # a stacked weight this small in float32 runs from a float32 copy (`_Product`)
 MAX_COPY_BYTES = 256 * 2**20  # the stacked q/k/v and gate/up weights are copies: drafts whose layers hold at most this
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary embeddings whose cos / sin depend on the position alone
 
@@ -81,13 +82,37 @@ class _Layer:
                       for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
 
 
-def _stacked(linears: list[torch.nn.Linear], packed: bool) -> PackedMatmul:
+def _stacked(linears: list[torch.nn.Linear], packed: bool) -> "_Product":
     """The linears' weights one above the other (a copy; one linear: its own weight), and their biases."""
     weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
     biases = [m.bias for m in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, linears)])
-    return PackedMatmul(weight, bias, packed)
+    return _Product(weight, bias, packed)
+
+
+class _Product:
+    """x (..., in) in any float dtype -> x W^T + b (..., out) in float32. A weight of at most FLOAT32_COPY_BYTES
+    in float32 runs from a transposed float32 copy: a product of a few rows by it is overhead-bound, and the
+    float32 kernel has less of it than the bf16 one (packed or not): on a 2-core Xeon with AMX, 8 rows by the
+    shipped draft's 768 x 256 q/k/v weight take 10 us against 29 us packed in bf16 with the casts. Larger weights
+    run in the model's dtype (`PackedMatmul`), where reading them costs more than the overhead: 8 rows by the
+    8192 x 256 head take 112 us so against 180 in float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
+        self.small = weight.numel() * 4 <= FLOAT32_COPY_BYTES
+        if self.small:
+            self.transposed = weight.float().t().contiguous()  # (in, out)
+            self.bias = None if bias is None else bias.float()
+        else:
+            self.dtype, self.matmul = weight.dtype, PackedMatmul(weight, bias, packed)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.small:
+            return self.matmul(x.to(self.dtype)).float()
+        flat = x.float().reshape(-1, x.shape[-1])  # (R, in)
+        out = torch.mm(flat, self.transposed) if self.bias is None else torch.addmm(self.bias, flat, self.transposed)
+        return out.view(*x.shape[:-1], -1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +124,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class DraftForward(torch.nn.Module):
     """The draft's forward as the module docstring says, called like the model (`input_ids`, `position_ids`,
     `attention_mask`, the cache by either keyword, `logits_to_keep`); returns an object with `.logits` in
-    the model's dtype. A module itself, so that what counts ops inside models' forwards counts these too."""
+    float32. A module itself, so that what counts ops inside models' forwards counts these too."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -149,7 +174,7 @@ class DraftForward(torch.nn.Module):
         for layer in self.layers:
             (first, eps1), (second, eps2) = layer.norms
             heads, kv = layer.heads, layer.kv_heads
-            qkv = layer.qkv(_rms_norm(hidden, first, eps1).to(self.dtype)).float()  # (B, Q, (heads + 2 kv) Dh)
+            qkv = layer.qkv(_rms_norm(hidden, first, eps1))  # (B, Q, (heads + 2 kv) Dh)
             qkv = qkv.view(batch, rows, heads + 2 * kv, layer.head_dim).transpose(1, 2)  # (B, heads + 2 kv, Q, Dh)
             rotated, value = qkv[:, : heads + kv], qkv[:, heads + kv :]
             half = layer.head_dim // 2
@@ -160,10 +185,10 @@ class DraftForward(torch.nn.Module):
                 key, value = cache.update(key, value, layer.index)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling,
                                                  enable_gqa=kv != heads)  # (B, heads, Q, Dh)
-            hidden = hidden + layer.out(out.transpose(1, 2).reshape(batch, rows, -1)).float()
-            gate, up = layer.gate_up(_rms_norm(hidden, second, eps2).to(self.dtype)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up).float()
+            hidden = hidden + layer.out(out.transpose(1, 2).reshape(batch, rows, -1))
+            gate, up = layer.gate_up(_rms_norm(hidden, second, eps2)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         weight, eps = self.final_norm
-        return SimpleNamespace(logits=self.head(_rms_norm(hidden, weight, eps).to(self.dtype)), hidden_states=None)
+        return SimpleNamespace(logits=self.head(_rms_norm(hidden, weight, eps)), hidden_states=None)  # float32

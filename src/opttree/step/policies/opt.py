@@ -15,9 +15,13 @@ for `opt@16`, 12.6 against 20.5 ms for `recycling+lookup@16`. A read costs less 
 Sampling (temperature > 0), children="sampled" (the default, "auto"): a node's children are draws
 without replacement from the draft's distribution warped like the target's, verified by recursive
 rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than p(x). A drawn child's
-p-hat is then its parent's times the acceptance of its draw rank (`ChildPicker.ranked`), and the tree is
-the n nodes with the largest p-hat, with the same delta stop. Why that is exact: docs/METHODS.md, "OPT-Tree
-with sampled children". children="top": the top-n tree, verified by matching.
+p-hat is then its parent's times the acceptance of its draw rank, and the tree is the n nodes with the
+largest p-hat, with the same delta stop. Those p-hat never depend on what was drawn, so neither does the
+tree: it is the same every step, found once on the host (`shapes.drawn_paths`, the same layer rule) and
+filled with draws each step (`shapes.grow_drawn`): one draft forward a layer over only the nodes that get
+children, nothing read back (against drafting every candidate of a layer, choosing the best and reading each
+layer's gain: 0.6-0.8 ms less a step on a 2-core Xeon). Why that is exact: docs/METHODS.md, "OPT-Tree with
+sampled children". children="top": the top-n tree, verified by matching.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, select_best
+from .shapes import ChildPicker, DrawPlan, drawn_paths, grow_drawn, rank_log_acceptance, select_best
 
 
 @register_policy("opt")
@@ -43,17 +47,28 @@ class OptTree:
         if config.depth_control != "delta":  # the control sets the depth: every layer up to it is drafted
             self.delta = float("-inf")
         self.picker = ChildPicker(config, sampled=True)  # at temperature > 0 (module docstring)
+        self.plans: dict[tuple, DrawPlan] = {}  # sampled children: the tree by (depth, width, device)
+
+    def _plan(self, max_depth: int, root: torch.Tensor) -> DrawPlan:
+        """The tree of sampled children (module docstring), made once per depth limit, vocabulary and device;
+        root: (1, V) the root's distribution."""
+        key = (max_depth, root.shape[1], root.device)
+        if key not in self.plans:
+            log_acc = rank_log_acceptance(self.picker.acceptance, min(self.n, root.shape[1]))
+            self.plans[key] = DrawPlan.make(drawn_paths(log_acc, self.n, self.delta, max_depth), root.device)
+        return self.plans[key]
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
-        top = drafter.top_children and not picker.sampled  # the drafter lists each node's best children itself
+        if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
+            dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+            return grow_drawn(drafter, dist, self._plan(max_depth, dist), picker)
+        top = drafter.top_children  # the drafter lists each node's best children itself
         if top:
             tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)
-            probs = []
         else:
-            dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+            dist = drafter.root(committed)[None]  # (1, V)
             tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, n))  # layer 1, (k,)
-            probs = [dist.exp()] if picker.sampled else []  # sampled: the distributions children were drawn from
         device = tokens.device
         # A layer: (tokens, parents (candidate index, -1 = root), log p-hat).
         layers = [(tokens, torch.full_like(tokens, -1), scores)]
@@ -76,12 +91,8 @@ class OptTree:
             if top:
                 child_tokens, child_scores = drafter.expand_top(tokens, parents, n)  # (k, k')
                 child_scores = scores[:, None] + child_scores
-            else:
-                dist = picker.log_dist(drafter.expand(tokens, parents))  # (k, V)
-                if picker.sampled:
-                    probs.append(dist.exp())
-                # only a row's n best children can make the layer's n best
-                child_tokens, child_scores = picker.ranked(scores, dist, n)
+            else:  # only a row's n best children can make the layer's n best
+                child_tokens, child_scores = picker.ranked(scores, drafter.expand(tokens, parents), n)
             child_tokens, child_scores = child_tokens.flatten(), child_scores.flatten()
             scores, flat = child_scores.topk(min(n, child_scores.shape[0]))
             width = child_tokens.shape[0] // tokens.shape[0]
@@ -97,9 +108,5 @@ class OptTree:
             small = torch.stack(gains) <= self.delta  # (L - 1,): [d - 1] = stop before drafting layer d + 1
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
             keys = scores.masked_fill(depths > stop, float("-inf"))
-        if top:  # a listed row may be short (-inf): those candidates are no children
-            return select_best(tokens, parents, depths, keys, slots, n, keys=keys)
-        if not picker.sampled:  # masked past the stop
-            return select_best(tokens, parents, depths, keys, slots, n)
-        probs.append(dist.new_zeros(sum(sizes) - offset, dist.shape[1]))  # the last layer drew nothing
-        return select_best(tokens, parents, depths, scores, slots, n, keys=keys, probs=torch.cat(probs))
+        # a listed row may be short (-inf): those candidates are no children; masked past the stop
+        return select_best(tokens, parents, depths, keys, slots, n, keys=keys if top else None)

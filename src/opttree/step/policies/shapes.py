@@ -14,6 +14,7 @@ Used by `static` (fixed shapes), `sequoia` (its optimal shapes are static too) a
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,7 +22,7 @@ import torch
 
 from ...settings.config import SpecConfig
 from ..drafters import Drafter
-from ..sampling import policy_generator, sample_without_replacement, warp_logits
+from ..sampling import draw_distinct, policy_generator, sample_without_replacement, warp_logits
 from ..tree import DraftTree
 
 Path = tuple[int, ...]
@@ -31,15 +32,15 @@ Path = tuple[int, ...]
 DEFAULT_ACCEPTANCE = (0.7, 0.1, 0.05, 0.025, 0.015, 0.01, 0.005, 0.005)
 
 
-def rank_log_acceptance(acc: Sequence[float], width: int) -> torch.Tensor:
-    """(width,) log of acc by rank, made strictly decreasing (each at most 0.999 of the one before; ranks past
-    the vector halve): siblings never tie, so ranking by value keeps them in draw order."""
+def rank_log_acceptance(acc: Sequence[float], width: int) -> list[float]:
+    """The log of acc by rank for `width` ranks, made strictly decreasing (each at most 0.999 of the one before;
+    ranks past the vector halve): siblings never tie, so ranking by value keeps them in draw order."""
     values, last = [], 1.0
     for k in range(width):
         value = min(acc[k] if k < len(acc) else last / 2, 0.999 * last)
         values.append(max(value, 1e-30))
         last = values[-1]
-    return torch.tensor(values).log()
+    return [math.log(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,15 @@ class ChildPicker:
         self.log_acceptance = torch.empty(0)  # rank_log_acceptance, made on the drafter's device, widened on demand
 
     def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
-        """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from."""
-        return warp_logits(logq, *self.warp).log_softmax(dim=-1) if self.sampled else logq
+        """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from (at temperature
+        1 without top-k / top-p: the draft's own, already normalised)."""
+        if not self.sampled:
+            return logq
+        if self.warp == (1.0, 0, 1.0):
+            return logq.float()
+        return warp_logits(logq, *self.warp).log_softmax(dim=-1)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator_on(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
             self.generator = policy_generator(self.seed, device)
         return self.generator
@@ -109,7 +115,7 @@ class ChildPicker:
     def pick(self, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, V) -> children tokens (R, k') in rank / draw order and valid (R, k'), k' = min(k, V)."""
         if self.sampled:
-            return sample_without_replacement(log_dist, k, self._generator(log_dist.device))
+            return sample_without_replacement(log_dist, k, self.generator_on(log_dist.device))
         tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
@@ -125,10 +131,10 @@ class ChildPicker:
         if not self.sampled:
             child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
             return tokens, scores[:, None] + child_scores
-        tokens, valid = sample_without_replacement(log_dist, k, self._generator(log_dist.device))  # (R, k')
+        tokens, valid = sample_without_replacement(log_dist, k, self.generator_on(log_dist.device))  # (R, k')
         width = tokens.shape[1]
         if self.log_acceptance.shape[0] < width or self.log_acceptance.device != scores.device:
-            self.log_acceptance = rank_log_acceptance(self.acceptance, max(width, 8)).to(scores.device)
+            self.log_acceptance = torch.tensor(rank_log_acceptance(self.acceptance, max(width, 8)), device=scores.device)
         child_scores = scores[:, None] + self.log_acceptance[:width]  # (R, k') strictly decreasing by rank
         return tokens, child_scores.masked_fill(~valid, float("-inf"))
 
@@ -193,6 +199,108 @@ def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildP
         draft_slots=slots[keep],
         draft_probs=draft_probs,
     )
+
+
+def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
+    """OPT-Tree's tree when every p-hat is a product of draw-rank acceptances (sampled children): (path, log
+    p-hat) of its nodes, by depth, siblings in rank order. `log_acc`: strictly decreasing logs by rank (as
+    `rank_log_acceptance` makes them), one per child a node can have. The same rule as the layer-by-layer
+    build: layer d + 1 holds the n best children of layer d; deepening stops at max_depth or once the n best
+    nodes so far gain no more than `delta` over the layer before; the tree is the n best of all layers (ties
+    to the shallower, then earlier, node). A child is strictly worse than its parent and than its
+    lower-ranked sibling, so those n nodes are a tree."""
+    layer: list[tuple[Path, float]] = [((r,), value) for r, value in enumerate(log_acc[:n])]
+    candidates, e_prev = list(layer), 0.0
+    for depth in range(1, max_depth):
+        e_depth = sum(math.exp(v) for v in heapq.nlargest(n, (v for _, v in candidates)))
+        if e_depth - e_prev <= delta:
+            break
+        e_prev = e_depth
+        children = [(path + (r,), value + child) for path, value in layer for r, child in enumerate(log_acc)]
+        layer = sorted(children, key=lambda c: -c[1])[:n]  # stable: ties to the earlier parent, the lower rank
+        candidates += layer
+    best = sorted(range(len(candidates)), key=lambda i: -candidates[i][1])[:n]  # stable: ties to the shallower
+    return sorted((candidates[i] for i in best), key=lambda c: (len(c[0]), c[0]))
+
+
+@dataclass(frozen=True)
+class DrawLayer:
+    """One layer of a `DrawPlan`: its nodes are tree indices start .. start + L - 1."""
+
+    start: int
+    rows: torch.Tensor  # (L,) long: each node's parent as a row of the distributions drawn from (the layer before's runs)
+    ranks: torch.Tensor  # (L,) long: the node's draw rank among its siblings
+    draws: int  # children drawn per row: the most any parent of this layer has
+    parents: torch.Tensor  # (L,) long: tree index of the parent, -1 = the root
+    run: torch.Tensor  # (K,) long: the layer's nodes (0-based in the layer) whose children come next, in slot order
+    run_parent_slots: torch.Tensor  # (K,) long: the drafter slot of each run node's parent, -1 = the root
+
+
+@dataclass(frozen=True)
+class DrawPlan:
+    """A fixed tree of sampled children (`drawn_paths`) laid out for `grow_drawn`, made once on the host:
+    which rows each layer draws from, which nodes run through the drafter (the ones with children, slots in
+    that order), and what the tree's tensors are. `prob_rows`: (N + 1,) the row of the distributions drawn
+    from ([root] + the run nodes, then one zero row) that each of [root] + nodes carries in `draft_probs`."""
+
+    layers: tuple[DrawLayer, ...]
+    parents: torch.Tensor  # (N,)
+    depths: torch.Tensor  # (N,)
+    keys: torch.Tensor  # (N,) float: log p-hat
+    slots: torch.Tensor  # (N,) drafter slot, -1 for a node never run
+    prob_rows: torch.Tensor  # (N + 1,)
+
+    @staticmethod
+    def make(nodes: Sequence[tuple[Path, float]], device: torch.device) -> "DrawPlan":
+        paths = [path for path, _ in nodes]
+        index = {path: i for i, path in enumerate(paths)}
+        has_children = {path[:-1] for path in paths}
+        runs: list[Path] = [()]  # [root] + the nodes run through the drafter, in slot order
+        layers = []
+        for depth in range(1, max((len(p) for p in paths), default=0) + 1):
+            layer = [p for p in paths if len(p) == depth]
+            row_of = {path: row for row, path in enumerate(p for p in runs if len(p) == depth - 1)}
+            run = [i for i, p in enumerate(layer) if p in has_children]
+            long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+            layers.append(DrawLayer(
+                start=index[layer[0]], rows=long([row_of[p[:-1]] for p in layer]), ranks=long([p[-1] for p in layer]),
+                draws=max(p[-1] for p in layer) + 1, parents=long([index.get(p[:-1], -1) for p in layer]),
+                run=long(run), run_parent_slots=long([runs.index(layer[i][:-1]) - 1 for i in run])))
+            runs += [layer[i] for i in run]
+        slot = {path: s - 1 for s, path in enumerate(runs)}
+        return DrawPlan(
+            layers=tuple(layers),
+            parents=torch.tensor([index.get(p[:-1], -1) for p in paths], dtype=torch.long, device=device),
+            depths=torch.tensor([len(p) for p in paths], dtype=torch.long, device=device),
+            keys=torch.tensor([v for _, v in nodes], dtype=torch.float32, device=device),
+            slots=torch.tensor([slot.get(p, -1) for p in paths], dtype=torch.long, device=device),
+            prob_rows=torch.tensor([slot.get(p, len(runs) - 1) + 1 for p in [()] + paths], dtype=torch.long,
+                                   device=device))
+
+
+def grow_drawn(drafter: Drafter, logq: torch.Tensor, plan: DrawPlan, picker: ChildPicker) -> DraftTree:
+    """Fill `plan` with draws, from `logq` (1, V) the root's distribution (`picker.log_dist`): per layer each
+    row's children drawn without replacement (as many as the row's most-ranked child needs) and the nodes with
+    children run through the drafter, one forward a layer. A draw a row could not make (a peaked q) leaves its
+    node undrawn (key -inf, never tried by rejection sampling) and so its subtree. Nothing is read back."""
+    device = logq.device
+    n = plan.parents.shape[0]
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    valid = torch.ones(n, dtype=torch.bool, device=device)
+    probs = [logq.exp()]  # [root] + the run nodes' distributions, (1 + K, V) in all
+    generator = picker.generator_on(device)
+    for layer in plan.layers:
+        drawn, ok = draw_distinct(probs[-1], layer.draws, generator)  # (R, k)
+        end = layer.start + layer.rows.shape[0]
+        tokens[layer.start:end] = drawn[layer.rows, layer.ranks]
+        parent_ok = valid[layer.parents.clamp(min=0)] | (layer.parents < 0)
+        valid[layer.start:end] = ok[layer.rows, layer.ranks] & parent_ok
+        if layer.run.shape[0]:
+            run_tokens = tokens[layer.start:end][layer.run]
+            probs.append(picker.log_dist(drafter.expand(run_tokens, layer.run_parent_slots)).exp())  # (K, V)
+    probs.append(probs[0].new_zeros(1, probs[0].shape[1]))  # the leaves' row: nothing drawn from it
+    keys = plan.keys.masked_fill(~valid, float("-inf"))
+    return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(probs)[plan.prob_rows], keys)
 
 
 def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
