@@ -224,14 +224,19 @@ def test_the_check_detects_rejection_sampling_that_forgets_the_rejected_draw(whe
 def check_tree(tree, drafter, n, max_depth):
     """Connected, sorted by depth, within budget and depth, distinct siblings, and scores equal to
     the draft's path log-probabilities (so every node was run with the right parent slot); sampled children
-    valued by draw rank (`tree.keys` kept): their p-hat, the parent's times that of the rank."""
+    valued by draw rank (`tree.keys` kept): their p-hat, the parent's times that of the rank, and undrawn nodes
+    (where a row's draws held fewer distinct tokens) keyed -inf, their subtrees too."""
     assert 1 <= len(tree) <= n and tree.max_depth <= max_depth
     assert bool((tree.parents < torch.arange(len(tree))).all())
     parent_depth = torch.where(tree.parents >= 0, tree.depths[tree.parents.clamp(min=0)], 0)
     assert torch.equal(tree.depths, parent_depth + 1)
     paths = [path_of(tree, i) for i in range(len(tree))]
-    assert len(set(paths)) == len(paths)
+    drawn = tree.drawn.tolist()
+    assert len({p for p, d in zip(paths, drawn) if d}) == sum(drawn)
     for i, path in enumerate(paths):
+        if not drawn[i]:  # a draw a peaked row could not make: never tried, nor is its subtree
+            assert float(tree.scores[i]) == float("-inf") and tree.keys is not None
+            continue
         if tree.keys is None:
             logp = sum(float(drafter.logq(path[:d])[path[d]]) for d in range(len(path)))
             assert float(tree.scores[i]) == pytest.approx(logp, abs=1e-4)

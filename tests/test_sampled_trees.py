@@ -226,7 +226,8 @@ def _layer_rule(log_acc: list[float], n: int, delta: float, max_depth: int) -> l
 def test_the_sampled_tree_is_opt_trees_layer_rule_over_draw_ranks(acc, n, delta, max_depth):
     """`drawn_paths` (the tree of sampled children, made once on the host) is the layer-by-layer rule's tree:
     the n best draw-rank paths, as deep as the delta stop lets it go; a tree whose siblings take ranks 0, 1, ..."""
-    from opttree.step.policies.shapes import drawn_paths, rank_log_acceptance
+    from opttree.step.policies.opt import drawn_paths
+    from opttree.step.policies.shapes import rank_log_acceptance
 
     log_acc = rank_log_acceptance(acc, n)
     nodes = drawn_paths(log_acc, n, delta, max_depth)

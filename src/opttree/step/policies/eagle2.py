@@ -11,12 +11,15 @@ candidates (k * k). EAGLE-2's own setting is k = 10 for 60 nodes and depth 5-6; 
 Candidates are the draft's top tokens (deterministic), verified by token matching. When sampling
 (temperature > 0, children="sampled", the default "auto"), they are draws without replacement whose p-hat
 is their parent's times the acceptance of their draw rank, as in OPT-Tree, verified by recursive rejection
-sampling.
+sampling; those p-hat never depend on the draws, so the tree is the same every step, found once on the host
+(`drawn_paths`) and filled with draws (`shapes.grow_drawn`), as OPT-Tree's is: only the nodes the tree gives
+children run through the drafter, and no layer is drafted past the tree's depth.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -24,13 +27,29 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, select_best
+from .shapes import ChildPicker, DrawPlans, Path, grow_drawn, select_best
 
 MAX_TOP_K = 10
 
 
 def top_k(budget: int) -> int:
     return max(2, min(MAX_TOP_K, math.ceil(math.sqrt(budget))))
+
+
+def drawn_paths(log_acc: Sequence[float], n: int, k: int, depth: int) -> list[tuple[Path, float]]:
+    """EAGLE-2's tree when every p-hat is a product of draw-rank acceptances: (path, log p-hat) of its nodes, by
+    depth, siblings in rank order. The build's rule on the host: layer 1 = the root's k children, every later
+    layer = the k children of each of the previous layer's k best, `depth` layers; the tree = the n best of all
+    (ties to the shallower, then earlier). `log_acc`: strictly decreasing logs by rank, k of them (fewer where
+    the vocabulary is smaller)."""
+    layer: list[tuple[Path, float]] = [((r,), value) for r, value in enumerate(log_acc[:k])]
+    candidates = list(layer)
+    for _ in range(1, depth):
+        expanded = sorted(layer, key=lambda c: -c[1])[:k]
+        layer = [(path + (r,), value + child) for path, value in expanded for r, child in enumerate(log_acc[:k])]
+        candidates += layer
+    best = sorted(range(len(candidates)), key=lambda i: -candidates[i][1])[:n]
+    return sorted((candidates[i] for i in best), key=lambda c: (len(c[0]), c[0]))
 
 
 @register_policy("eagle2")
@@ -41,24 +60,24 @@ class Eagle2:
     def __init__(self, config: SpecConfig):
         self.n, self.depth, self.k = config.budget, config.max_depth, top_k(config.budget)
         self.picker = ChildPicker(config, sampled=True)  # at temperature > 0, as OPT-Tree (module docstring)
+        self.plans = DrawPlans(self.picker.acceptance, self.k,
+                               lambda log_acc, depth: drawn_paths(log_acc, self.n, self.k, depth))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         picker, k = self.picker, self.k
         dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+        if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
+            return grow_drawn(drafter, dist, self.plans(min(self.depth, depth_limit), dist), picker)
         tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, k))  # layer 1, (k,)
         layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
         slots = [torch.full_like(tokens, -1)]
-        probs, prob_rows = [dist.exp()], [torch.zeros(1, dtype=torch.long, device=dist.device)]  # sampled: [root] + expanded
         offset, next_slot = 0, 0  # offset = candidate index of the last layer's first node
         for _ in range(1, min(self.depth, depth_limit)):
             tokens, parents, scores = layers[-1]
             expand = scores.topk(min(k, scores.shape[0])).indices  # (k,) positions in the layer
             parent_slots = torch.cat(slots)[parents[expand].clamp(min=0)].masked_fill(parents[expand] < 0, -1)
-            dist = picker.log_dist(drafter.expand(tokens[expand], parent_slots))  # (k, V)
+            dist = drafter.expand(tokens[expand], parent_slots)  # (k, V)
             slots[-1][expand] = torch.arange(next_slot, next_slot + expand.shape[0], device=dist.device)
-            if picker.sampled:
-                probs.append(dist.exp())
-                prob_rows.append(offset + expand + 1)
             next_slot += expand.shape[0]
             child_tokens, child_scores = picker.ranked(scores[expand], dist, k)  # (k, k)
             child_parents = (offset + expand)[:, None].expand_as(child_tokens)
@@ -67,9 +86,4 @@ class Eagle2:
             slots.append(torch.full_like(child_tokens.flatten(), -1))
         depths = torch.cat([torch.full_like(layer[0], d + 1) for d, layer in enumerate(layers)])
         tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in range(3))
-        if not picker.sampled:
-            return select_best(tokens, parents, depths, scores, torch.cat(slots), self.n)
-        probs = torch.cat(probs + [dist.new_zeros(1, dist.shape[1])])  # (runs + 1 + 1, V): a zero row last
-        row = torch.full((tokens.shape[0] + 1,), probs.shape[0] - 1, dtype=torch.long, device=dist.device)
-        row[torch.cat(prob_rows)] = torch.arange(probs.shape[0] - 1, device=dist.device)  # [c + 1] = row of candidate c
-        return select_best(tokens, parents, depths, scores, torch.cat(slots), self.n, keys=scores, probs=probs[row])
+        return select_best(tokens, parents, depths, scores, torch.cat(slots), self.n)

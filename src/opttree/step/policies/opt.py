@@ -26,13 +26,39 @@ sampled children". children="top": the top-n tree, verified by matching.
 
 from __future__ import annotations
 
+import heapq
+import math
+from typing import Sequence
+
 import torch
 
 from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, DrawPlan, drawn_paths, grow_drawn, rank_log_acceptance, select_best
+from .shapes import ChildPicker, DrawPlans, Path, grow_drawn, select_best
+
+
+def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
+    """OPT-Tree's tree when every p-hat is a product of draw-rank acceptances (sampled children): (path, log
+    p-hat) of its nodes, by depth, siblings in rank order. `log_acc`: strictly decreasing logs by rank (as
+    `rank_log_acceptance` makes them), one per child a node can have. The same rule as the layer-by-layer
+    build: layer d + 1 holds the n best children of layer d; deepening stops at max_depth or once the n best
+    nodes so far gain no more than `delta` over the layer before; the tree is the n best of all layers (ties
+    to the shallower, then earlier, node). A child is strictly worse than its parent and than its
+    lower-ranked sibling, so those n nodes are a tree."""
+    layer: list[tuple[Path, float]] = [((r,), value) for r, value in enumerate(log_acc[:n])]
+    candidates, e_prev = list(layer), 0.0
+    for depth in range(1, max_depth):
+        e_depth = sum(math.exp(v) for v in heapq.nlargest(n, (v for _, v in candidates)))
+        if e_depth - e_prev <= delta:
+            break
+        e_prev = e_depth
+        children = [(path + (r,), value + child) for path, value in layer for r, child in enumerate(log_acc)]
+        layer = sorted(children, key=lambda c: -c[1])[:n]  # stable: ties to the earlier parent, the lower rank
+        candidates += layer
+    best = sorted(range(len(candidates)), key=lambda i: -candidates[i][1])[:n]  # stable: ties to the shallower
+    return sorted((candidates[i] for i in best), key=lambda c: (len(c[0]), c[0]))
 
 
 @register_policy("opt")
@@ -47,22 +73,15 @@ class OptTree:
         if config.depth_control != "delta":  # the control sets the depth: every layer up to it is drafted
             self.delta = float("-inf")
         self.picker = ChildPicker(config, sampled=True)  # at temperature > 0 (module docstring)
-        self.plans: dict[tuple, DrawPlan] = {}  # sampled children: the tree by (depth, width, device)
-
-    def _plan(self, max_depth: int, root: torch.Tensor) -> DrawPlan:
-        """The tree of sampled children (module docstring), made once per depth limit, vocabulary and device;
-        root: (1, V) the root's distribution."""
-        key = (max_depth, root.shape[1], root.device)
-        if key not in self.plans:
-            log_acc = rank_log_acceptance(self.picker.acceptance, min(self.n, root.shape[1]))
-            self.plans[key] = DrawPlan.make(drawn_paths(log_acc, self.n, self.delta, max_depth), root.device)
-        return self.plans[key]
+        # sampled children: the tree, fixed by draw ranks (module docstring)
+        self.plans = DrawPlans(self.picker.acceptance, self.n,
+                               lambda log_acc, max_depth: drawn_paths(log_acc, self.n, self.delta, max_depth))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-            return grow_drawn(drafter, dist, self._plan(max_depth, dist), picker)
+            return grow_drawn(drafter, dist, self.plans(max_depth, dist), picker)
         top = drafter.top_children  # the drafter lists each node's best children itself
         if top:
             tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)

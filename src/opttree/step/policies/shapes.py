@@ -96,7 +96,6 @@ class ChildPicker:
         self.seed = config.seed
         self.acceptance = config.acceptance or DEFAULT_ACCEPTANCE
         self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
-        self.log_acceptance = torch.empty(0)  # rank_log_acceptance, made on the drafter's device, widened on demand
 
     def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
         """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from (at temperature
@@ -120,23 +119,14 @@ class ChildPicker:
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
     def ranked(self, scores: torch.Tensor, log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's k best children for a policy that keeps the best nodes by p-hat (opt, eagle2).
-
-        scores: (R,) the parents' log p-hat; log_dist: (R, V) from `log_dist`. Returns children (tokens,
-        log p-hat), each (R, k'), in rank / draw order. Deterministic: the top-ranked tokens, p-hat = the
-        path's draft probability (a top child is accepted with about its probability). Sampled: draws
-        without replacement, p-hat = the parent's times the acceptance of the draw's rank: a drawn child is
-        accepted with min(1, p(x) / q(x)), which hardly depends on q(x) (docs/METHODS.md), and a p-hat that
-        never looks at the drawn token keeps rejection sampling exact. -inf past a row's support."""
-        if not self.sampled:
-            child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
-            return tokens, scores[:, None] + child_scores
-        tokens, valid = sample_without_replacement(log_dist, k, self.generator_on(log_dist.device))  # (R, k')
-        width = tokens.shape[1]
-        if self.log_acceptance.shape[0] < width or self.log_acceptance.device != scores.device:
-            self.log_acceptance = torch.tensor(rank_log_acceptance(self.acceptance, max(width, 8)), device=scores.device)
-        child_scores = scores[:, None] + self.log_acceptance[:width]  # (R, k') strictly decreasing by rank
-        return tokens, child_scores.masked_fill(~valid, float("-inf"))
+        """Each row's k best children for a policy that keeps the best nodes by p-hat (opt, eagle2), when children
+        are top-ranked: the top-ranked tokens, p-hat = the path's draft probability (a top child is accepted with
+        about its probability). scores: (R,) the parents' log p-hat; log_dist: (R, V) from `log_dist`. Returns
+        children (tokens, log p-hat), each (R, k'), in rank order. (Sampled children's p-hat is the acceptance of
+        their draw rank, which makes the tree the same every step: `DrawPlans`.)"""
+        assert not self.sampled, "sampled trees are fixed by draw ranks: `DrawPlans` / `grow_drawn`"
+        child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
+        return tokens, scores[:, None] + child_scores
 
 
 def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
@@ -199,28 +189,6 @@ def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildP
         draft_slots=slots[keep],
         draft_probs=draft_probs,
     )
-
-
-def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
-    """OPT-Tree's tree when every p-hat is a product of draw-rank acceptances (sampled children): (path, log
-    p-hat) of its nodes, by depth, siblings in rank order. `log_acc`: strictly decreasing logs by rank (as
-    `rank_log_acceptance` makes them), one per child a node can have. The same rule as the layer-by-layer
-    build: layer d + 1 holds the n best children of layer d; deepening stops at max_depth or once the n best
-    nodes so far gain no more than `delta` over the layer before; the tree is the n best of all layers (ties
-    to the shallower, then earlier, node). A child is strictly worse than its parent and than its
-    lower-ranked sibling, so those n nodes are a tree."""
-    layer: list[tuple[Path, float]] = [((r,), value) for r, value in enumerate(log_acc[:n])]
-    candidates, e_prev = list(layer), 0.0
-    for depth in range(1, max_depth):
-        e_depth = sum(math.exp(v) for v in heapq.nlargest(n, (v for _, v in candidates)))
-        if e_depth - e_prev <= delta:
-            break
-        e_prev = e_depth
-        children = [(path + (r,), value + child) for path, value in layer for r, child in enumerate(log_acc)]
-        layer = sorted(children, key=lambda c: -c[1])[:n]  # stable: ties to the earlier parent, the lower rank
-        candidates += layer
-    best = sorted(range(len(candidates)), key=lambda i: -candidates[i][1])[:n]  # stable: ties to the shallower
-    return sorted((candidates[i] for i in best), key=lambda c: (len(c[0]), c[0]))
 
 
 @dataclass(frozen=True)
@@ -303,6 +271,24 @@ def grow_drawn(drafter: Drafter, logq: torch.Tensor, plan: DrawPlan, picker: Chi
     return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(probs)[plan.prob_rows], keys)
 
 
+class DrawPlans:
+    """The `DrawPlan`s of a policy whose sampled tree is fixed by draw ranks, one per depth limit, vocabulary and
+    device, made on first use: `paths(log_acc, max_depth)` lists the tree's (path, log p-hat) from the logs of
+    the acceptance of up to `width` draw ranks (`rank_log_acceptance`)."""
+
+    def __init__(self, acceptance: Sequence[float], width: int, paths):
+        self.acceptance, self.width, self.paths = acceptance, width, paths
+        self.plans: dict[tuple, DrawPlan] = {}
+
+    def __call__(self, max_depth: int, root: torch.Tensor) -> DrawPlan:
+        """root: (1, V) the root's distribution (its width and device)."""
+        key = (max_depth, root.shape[1], root.device)
+        if key not in self.plans:
+            log_acc = rank_log_acceptance(self.acceptance, min(self.width, root.shape[1]))
+            self.plans[key] = DrawPlan.make(self.paths(log_acc, max_depth), root.device)
+        return self.plans[key]
+
+
 def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
     """The n paths with the largest product of `weights[rank]` along them (at most max_depth deep),
     best first, ties to the shallower path. `weights` must be non-increasing and below 1, so a
@@ -351,28 +337,21 @@ def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
 
 def select_best(
     tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
-    keys: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> DraftTree:
-    """The n candidates with the largest key (default: the score, log p-hat), ties to the earlier
-    (shallower) one.
+    """The n candidates with the largest score (log p-hat), ties to the earlier (shallower) one.
 
     Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
-    child never has a larger key than its parent, the chosen set is a connected tree containing the root.
-    Sampled children (`ChildPicker.ranked`): `keys` are their scores, kept as the tree's keys, and candidates
-    scored -inf (past a distribution's support) are never chosen; `probs` (C + 1, V) are the draft distributions
-    at [root] + candidates (zero rows where none was drawn from), kept as the tree's `draft_probs`.
+    child never has a larger score than its parent, the chosen set is a connected tree containing the root.
+    `keys`: where a drafter listed fewer children than asked (scored -inf), those candidates are never chosen
+    (a shape sync).
     """
-    ranking = scores if keys is None else keys
-    order = torch.sort(ranking, descending=True, stable=True).indices[:n]
+    order = torch.sort(scores, descending=True, stable=True).indices[:n]
     if keys is not None:
-        order = order[ranking[order] > float("-inf")]  # a shape sync: sampled trees only
+        order = order[scores[order] > float("-inf")]  # a shape sync
     chosen = order.sort().values  # (n,) back in candidate (= depth) order
     new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
     new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
     tree_parents = new_index[parents[chosen] + 1]
     torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
-    draft_probs = None
-    if probs is not None:
-        draft_probs = probs[torch.cat([chosen.new_zeros(1), chosen + 1])]  # (n + 1, V)
-    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs,
-                     None if probs is None else keys[chosen])
+    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
