@@ -43,7 +43,7 @@ def test_sampled_tokens_follow_the_target_distribution(control, tmp_path):
     target = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=11, init=0.6)
     draft = tiny_model("llama", vocab=5, hidden=32, layers=1, seed=12, init=0.6)
     extra = {"length_predictor": LengthPredictor(32, 2).save(tmp_path, target)} if control == "predictor" else {}
-    prompt, runs = torch.tensor([[1, 3, 0, 4]]), 1000
+    prompt, runs = torch.tensor([[1, 3, 0, 4]]), 3000
     counts = sample_counts(target, draft, prompt, 2, runs, tree="opt", budget=4, max_depth=2, temperature=1.0,
                            depth_control=control, **extra)
     assert chi_square_pvalue(counts, exact_joint(target, prompt, 2), runs) > 1e-3

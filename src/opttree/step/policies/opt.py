@@ -128,4 +128,4 @@ class OptTree:
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
             keys = scores.masked_fill(depths > stop, float("-inf"))
         # a listed row may be short (-inf): those candidates are no children; masked past the stop
-        return select_best(tokens, parents, depths, keys, slots, n, keys=keys if top else None)
+        return select_best(tokens, parents, depths, keys, slots, n, listed=top)

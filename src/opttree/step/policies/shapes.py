@@ -8,7 +8,9 @@ with tokens, one drafter forward per layer. `ranked_paths` and `kary_paths` make
 Used by `static` (fixed shapes), `sequoia` (its optimal shapes are static too) and `dyspec`
 (`ChildPicker`).
 
-`select_best` keeps the best-scored candidates of a grown tree, for `opt` and `eagle2`.
+`select_best` keeps the best-scored candidates of a grown tree, for `opt` and `eagle2` with top-ranked
+children; with sampled children their tree is fixed by draw ranks, laid out once (`DrawPlan`, `DrawPlans`)
+and filled with draws each step (`grow_drawn`).
 """
 
 from __future__ import annotations
@@ -337,17 +339,17 @@ def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
 
 def select_best(
     tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
-    keys: torch.Tensor | None = None,
+    listed: bool = False,
 ) -> DraftTree:
     """The n candidates with the largest score (log p-hat), ties to the earlier (shallower) one.
 
     Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
     child never has a larger score than its parent, the chosen set is a connected tree containing the root.
-    `keys`: where a drafter listed fewer children than asked (scored -inf), those candidates are never chosen
-    (a shape sync).
+    `listed`: the candidates come from a drafter that lists its children (`top_children`), whose short rows
+    are scored -inf: those are never chosen (a shape sync).
     """
     order = torch.sort(scores, descending=True, stable=True).indices[:n]
-    if keys is not None:
+    if listed:
         order = order[scores[order] > float("-inf")]  # a shape sync
     chosen = order.sort().values  # (n,) back in candidate (= depth) order
     new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
