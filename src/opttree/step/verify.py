@@ -338,8 +338,10 @@ def accept_path(
     the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
     Nothing is read back, but where rejection sampling walks the path on the host (on a CPU)."""
     if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
-        target_p = target_probs(logits, config.temperature, config.top_k, config.top_p)  # (N+1, V)
-        return accept_rejection_sampling(tree, target_p, generator, siblings)
+        warp = (config.temperature, config.top_k, config.top_p)
+        if not rejection_on_device(logits.device):  # the host walk: p at the rows it visits only
+            return _as_path(len(tree), *_walk(tree, lambda row: target_probs(logits[row : row + 1], *warp), generator))
+        return accept_rejection_sampling(tree, target_probs(logits, *warp), generator, siblings)  # p: (N+1, V)
     if config.greedy:
         return matching_path(tree, greedy_choice(logits))
     noise = noise or PositionNoise(generator, logits.device)
@@ -385,20 +387,21 @@ def accept_rejection_sampling(
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
     if rejection_on_device(target_p.device):
         return _decide(tree, target_p, generator, siblings)
-    return _as_path(len(tree), *_walk(tree, target_p, generator))
+    return _as_path(len(tree), *_walk(tree, lambda row: target_p[row : row + 1], generator))
 
 
-def _walk(tree: DraftTree, target_p: torch.Tensor,
+def _walk(tree: DraftTree, target_p: Callable[[int], torch.Tensor],
           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`accept_rejection_sampling` on the host: from the root, each visited node's children tried in order, one
-    read of the tree and one per child tried. Returns (accepted node indices (A,), bonus token ())."""
+    read of the tree and one per child tried; `target_p(row)`: (1, V) the target's distribution at row `row` of
+    [root] + nodes (made for the visited rows only). Returns (accepted node indices (A,), bonus token ())."""
     proposed = tree.proposed if tree.proposed is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
     tokens, parents, proposed, drawn = torch.stack([tree.tokens, tree.parents, proposed, tree.drawn]).tolist()
     children_of = _children_lists(parents)
     accepted: list[int] = []
     node = -1  # -1 = root
     while True:
-        p, q = target_p[node + 1 : node + 2].float(), tree.draft_probs[node + 1 : node + 2].float()  # (1, V) each
+        p, q = target_p(node + 1).float(), tree.draft_probs[node + 1 : node + 2].float()  # (1, V) each
         children = children_of[node + 1]
         fixed = [child for child in children if proposed[child]]
         if fixed:  # deterministic candidates: the target's own sample decides
