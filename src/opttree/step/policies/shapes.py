@@ -198,7 +198,7 @@ class DrawLayer:
     """One layer of a `DrawPlan`: its nodes are tree indices start .. start + L - 1."""
 
     start: int
-    rows: torch.Tensor  # (L,) long: each node's parent as a row of the distributions drawn from (the layer before's runs)
+    rows: torch.Tensor  # (L,) long: the parent's row among the previous layer's run nodes (the root's: 0)
     ranks: torch.Tensor  # (L,) long: the node's draw rank among its siblings
     draws: int  # children drawn per row: the most any parent of this layer has
     parents: torch.Tensor  # (L,) long: tree index of the parent, -1 = the root
