@@ -339,9 +339,7 @@ def accept_path(
     Nothing is read back, but where rejection sampling walks the path on the host (on a CPU)."""
     if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
         warp = (config.temperature, config.top_k, config.top_p)
-        if not rejection_on_device(logits.device):  # the host walk: p at the rows it visits only
-            return _as_path(len(tree), *_walk(tree, lambda row: target_probs(logits[row : row + 1], *warp), generator))
-        return accept_rejection_sampling(tree, target_probs(logits, *warp), generator, siblings)  # p: (N+1, V)
+        return accept_rejection_sampling(tree, logits, generator, siblings, warp)
     if config.greedy:
         return matching_path(tree, greedy_choice(logits))
     noise = noise or PositionNoise(generator, logits.device)
@@ -367,13 +365,15 @@ def rejection_on_device(device: torch.device) -> bool:
 
 
 def accept_rejection_sampling(
-    tree: DraftTree, target_p: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
+    tree: DraftTree, target: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
+    warp: tuple[float, int, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling for children *sampled* from the draft without replacement, with
     deterministic candidates (`tree.proposed`) under the same nodes tried first.
 
-    target_p: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes;
-    tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
+    target: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes, or with `warp`
+    (temperature, top_k, top_p) the target's logits there, warped where needed (the host walk: only the rows it
+    visits); tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
     At each node: first the deterministic children, by matching: one draw y ~ p, and the child whose
     token is y is accepted; if none is, p <- norm(p without those tokens). Then the sampled children in
     draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
@@ -385,9 +385,10 @@ def accept_rejection_sampling(
     Returns (path (N,): the accepted nodes root -> leaf in its first `length` entries, length () long, bonus ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
-    if rejection_on_device(target_p.device):
-        return _decide(tree, target_p, generator, siblings)
-    return _as_path(len(tree), *_walk(tree, lambda row: target_p[row : row + 1], generator))
+    probs = (lambda rows: target[rows]) if warp is None else (lambda rows: target_probs(target[rows], *warp))
+    if rejection_on_device(target.device):
+        return _decide(tree, probs(slice(None)), generator, siblings)
+    return _as_path(len(tree), *_walk(tree, lambda row: probs(slice(row, row + 1)), generator))
 
 
 def _walk(tree: DraftTree, target_p: Callable[[int], torch.Tensor],

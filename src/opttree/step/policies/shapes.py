@@ -256,20 +256,19 @@ def grow_drawn(drafter: Drafter, logq: torch.Tensor, plan: DrawPlan, picker: Chi
     device = logq.device
     n = plan.parents.shape[0]
     tokens = torch.zeros(n, dtype=torch.long, device=device)
-    valid = torch.ones(n, dtype=torch.bool, device=device)
+    valid = torch.ones(n + 1, dtype=torch.bool, device=device)  # [root] + nodes
     probs = [logq.exp()]  # [root] + the run nodes' distributions, (1 + K, V) in all
     generator = picker.generator_on(device)
     for layer in plan.layers:
         drawn, ok = draw_distinct(probs[-1], layer.draws, generator)  # (R, k)
         end = layer.start + layer.rows.shape[0]
         tokens[layer.start:end] = drawn[layer.rows, layer.ranks]
-        parent_ok = valid[layer.parents.clamp(min=0)] | (layer.parents < 0)
-        valid[layer.start:end] = ok[layer.rows, layer.ranks] & parent_ok
+        valid[layer.start + 1 : end + 1] = ok[layer.rows, layer.ranks] & valid[layer.parents + 1]
         if layer.run.shape[0]:
             run_tokens = tokens[layer.start:end][layer.run]
             probs.append(picker.log_dist(drafter.expand(run_tokens, layer.run_parent_slots)).exp())  # (K, V)
     probs.append(probs[0].new_zeros(1, probs[0].shape[1]))  # the leaves' row: nothing drawn from it
-    keys = plan.keys.masked_fill(~valid, float("-inf"))
+    keys = plan.keys.masked_fill(~valid[1:], float("-inf"))
     return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(probs)[plan.prob_rows], keys)
 
 
