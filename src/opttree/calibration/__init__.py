@@ -20,8 +20,9 @@ first use of a pair measure on this machine, and what they choose from it.
    fastest measured (drafter and budget) is recommended, and plain decoding (`tree: ar`) when none
    beats it: never slower by default.
 6. Sampling: the same choice at temperature SAMPLED_TEMPERATURE among `sampled_runs` (OPT-Tree with
-   sampled children at two budgets and at 2 nodes, with lookup, DySpec, the train-free sources), with the draft at its
-   sampled temperature, saved as SAMPLED_FIELD: what a sampled generation with the default settings runs.
+   sampled children at half, once and one and a half times the greedy budget and at 2 nodes, with lookup,
+   DySpec, the train-free sources), with the draft at its sampled temperature, saved as SAMPLED_FIELD:
+   what a sampled generation with the default settings runs.
 
 Modules, in the order of the data: `measure` (steps 0-2, 5, 6: alignment, latency curves, the runs,
 the noise probe), `estimate` (steps 3-4: the cost model and the choices), `run` (the whole calibration,

@@ -184,11 +184,13 @@ SMALLEST_SAMPLED = 2  # a sampled tree of 2 nodes (a chain of two draws, by draw
 
 
 def sampled_runs(budget: int) -> list[tuple[str, int, str]]:
-    """(drafter, budget, tree) runs step 6 measures around the greedy choice's budget, and the smallest tree."""
+    """(drafter, budget, tree) runs step 6 measures around the greedy choice's budget (half of it, it, and
+    half as much again: sampled children are accepted less often than top-ranked ones, so the tree that pays
+    can be wider), and the smallest tree."""
     half = max(2, budget // 2)
     small = [("model", SMALLEST_SAMPLED, "opt")] if half > SMALLEST_SAMPLED else []
-    return small + [("model", half, "opt"), ("model", budget, "opt"), ("model+lookup", budget, "opt"),
-                    ("model", budget, "dyspec"), ("recycling+lookup", budget, "opt")]
+    return small + [("model", half, "opt"), ("model", budget, "opt"), ("model", budget + budget // 2, "opt"),
+                    ("model+lookup", budget, "opt"), ("model", budget, "dyspec"), ("recycling+lookup", budget, "opt")]
 
 
 def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], delta: float,
