@@ -12,9 +12,9 @@ from helpers import ScriptedDrafter, chi_square_pvalue, exact_joint, hf_greedy, 
 import opttree
 from opttree.alignment import paired_logits
 from opttree.settings.config import SpecConfig
-from opttree.step.policies import make_policy, sequoia
+from opttree.step.policies import make_policy, sequoia, shapes
 from opttree.step.policies.eagle2 import top_k as eagle2_top_k
-from opttree.step.policies.shapes import (DEFAULT_ACCEPTANCE, ChildPicker, Shape, kary_paths, rank_log_acceptance,
+from opttree.step.policies.shapes import (DEFAULT_ACCEPTANCE, check_paths, kary_paths, rank_log_acceptance,
                                          ranked_paths)
 from opttree.step.policies.static import DEFAULT_RANK_WEIGHTS, register_static_tree
 from opttree.step.sampling import sample_without_replacement
@@ -140,11 +140,11 @@ def test_the_check_detects_a_top_k_tree_verified_by_rejection_sampling(small_pai
     sampled from the draft), and caught."""
     target, draft, prompt = small_pair
 
-    def top_ranked(self, log_dist, k):
-        tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1).indices
+    def top_ranked(probs, k, generator):
+        tokens = probs.topk(min(k, probs.shape[-1]), dim=-1).indices
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
-    monkeypatch.setattr(ChildPicker, "pick", top_ranked)
+    monkeypatch.setattr(shapes, "draw_distinct", top_ranked)
     exact = exact_joint(target, prompt, STEPS, temperature=1.0)
     counts = sample_counts(target, draft, prompt, STEPS, RUNS, tree="sequoia", budget=4, max_depth=2, temperature=1.0)
     assert chi_square_pvalue(counts, exact, RUNS) < 1e-3
@@ -342,7 +342,7 @@ def test_custom_static_tree(pair, monkeypatch):
     target, draft = pair
     register_static_tree("test-custom", [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]])
     policy = make_policy(SpecConfig(tree="test-custom", budget=5, max_depth=8))
-    assert torch.equal(policy.shape.depths, torch.tensor([1, 1, 2, 2, 2]))  # first 5 paths
+    assert [len(p) for p in policy.paths] == [1, 1, 2, 2, 2]  # first 5 paths
     prompt = prompts(1, seed=3)[0]
     out = opttree.generate(target, prompt, draft, tree="test-custom", budget=6, max_new_tokens=20, eos_token_id=[])
     assert torch.equal(out.sequences, hf_greedy(target, prompt, 20))
@@ -350,7 +350,7 @@ def test_custom_static_tree(pair, monkeypatch):
     with pytest.raises(ValueError, match="before its parent"):
         make_policy(SpecConfig(tree="test-bad-order", budget=3))
     with pytest.raises(ValueError, match="no parent"):
-        Shape.from_paths([[0], [1, 0]])
+        check_paths([[0], [1, 0]])
 
 
 def test_eagle2_runs_the_top_k_of_each_layer():
@@ -439,10 +439,10 @@ def test_sequoia_equals_greedy_top_n_for_a_decreasing_vector(n, depth):
 
 
 def test_sequoia_uses_the_configured_vector():
-    default = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).shape
-    wide = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6, acceptance=[0.3, 0.3, 0.3])).shape
-    assert int((wide.parents == -1).sum()) == 3  # wide: the root takes three children
-    assert int((default.parents == -1).sum()) < 3
+    default = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6)).paths
+    wide = make_policy(SpecConfig(tree="sequoia", budget=6, max_depth=6, acceptance=[0.3, 0.3, 0.3])).paths
+    assert sum(len(p) == 1 for p in wide) == 3  # wide: the root takes three children
+    assert sum(len(p) == 1 for p in default) < 3
     with pytest.raises(ValueError, match="acceptance vector"):
         SpecConfig(tree="sequoia", acceptance=[0.8, 0.5])
 
@@ -473,6 +473,6 @@ def test_sequoia_profile_round_trip(small_pair):
     assert entry == {"greedy": pytest.approx([1.0, 0, 0]), "sampled": pytest.approx([1.0, 0, 0])}
     profile = {sequoia.PROFILE_FIELD: entry}
     acc = sequoia.profile_vector(profile, greedy=False)
-    shape = make_policy(SpecConfig(tree="sequoia", budget=5, max_depth=8, temperature=1.0, acceptance=acc)).shape
-    assert torch.equal(shape.depths, torch.arange(1, 6))  # a perfect draft: one chain
+    paths = make_policy(SpecConfig(tree="sequoia", budget=5, max_depth=8, temperature=1.0, acceptance=acc)).paths
+    assert [len(p) for p in paths] == [1, 2, 3, 4, 5]  # a perfect draft: one chain
     assert sequoia.profile_vector({}, greedy=True) is None

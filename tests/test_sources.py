@@ -319,9 +319,9 @@ def test_recycling_template_is_the_papers_80_nodes():
     from opttree.step.policies import make_policy
 
     policy = make_policy(SpecConfig(tree="recycling-template", budget=80))
-    depths = policy.shape.depths.tolist()
+    depths = [len(p) for p in policy.paths]
     assert [depths.count(d) for d in range(1, 7)] == [8, 21, 25, 15, 8, 3]
-    assert len(make_policy(SpecConfig(tree="recycling-template", budget=16)).shape) == 16
+    assert len(make_policy(SpecConfig(tree="recycling-template", budget=16)).paths) == 16
 
 
 def test_lookup_rates_learn_from_verification(looping_pair):

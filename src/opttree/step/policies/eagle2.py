@@ -12,7 +12,7 @@ Candidates are the draft's top tokens (deterministic), verified by token matchin
 (temperature > 0, children="sampled", the default "auto"), they are draws without replacement whose p-hat
 is their parent's times the acceptance of their draw rank, as in OPT-Tree, verified by recursive rejection
 sampling; those p-hat never depend on the draws, so the tree is the same every step, found once on the host
-(`drawn_paths`) and filled with draws (`shapes.grow_drawn`), as OPT-Tree's is: only the nodes the tree gives
+(`drawn_paths`) and filled with draws (`shapes.grow`), as OPT-Tree's is: only the nodes the tree gives
 children run through the drafter, and no layer is drafted past the tree's depth.
 """
 
@@ -27,7 +27,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, DrawPlans, Path, grow_drawn, select_best
+from .shapes import ChildPicker, Path, TreePlans, grow, rank_log_acceptance, select_best
 
 MAX_TOP_K = 10
 
@@ -60,14 +60,15 @@ class Eagle2:
     def __init__(self, config: SpecConfig):
         self.n, self.depth, self.k = config.budget, config.max_depth, top_k(config.budget)
         self.picker = ChildPicker(config, sampled=True)  # at temperature > 0, as OPT-Tree (module docstring)
-        self.plans = DrawPlans(self.picker.acceptance, self.k,
-                               lambda log_acc, depth: drawn_paths(log_acc, self.n, self.k, depth))
+        acceptance = self.picker.acceptance
+        self.plans = TreePlans(lambda depth, vocab: drawn_paths(
+            rank_log_acceptance(acceptance, min(self.k, vocab)), self.n, self.k, depth))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         picker, k = self.picker, self.k
         dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
-            return grow_drawn(drafter, dist, self.plans(min(self.depth, depth_limit), dist), picker)
+            return grow(drafter, dist, self.plans(min(self.depth, depth_limit), dist), picker)
         tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, k))  # layer 1, (k,)
         layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
         slots = [torch.full_like(tokens, -1)]

@@ -18,7 +18,7 @@ rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than
 p-hat is then its parent's times the acceptance of its draw rank, and the tree is the n nodes with the
 largest p-hat, with the same delta stop. Those p-hat never depend on what was drawn, so neither does the
 tree: it is the same every step, found once on the host (`shapes.drawn_paths`, the same layer rule) and
-filled with draws each step (`shapes.grow_drawn`): one draft forward a layer over only the nodes that get
+filled with draws each step (`shapes.grow`): one draft forward a layer over only the nodes that get
 children, nothing read back (against drafting every candidate of a layer, choosing the best and reading each
 layer's gain: 0.6-0.8 ms less a step on a 2-core Xeon). Why that is exact: docs/METHODS.md, "OPT-Tree with
 sampled children". children="top": the top-n tree, verified by matching.
@@ -36,7 +36,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, DrawPlans, Path, grow_drawn, select_best
+from .shapes import ChildPicker, Path, TreePlans, grow, rank_log_acceptance, select_best
 
 
 def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
@@ -74,14 +74,15 @@ class OptTree:
             self.delta = float("-inf")
         self.picker = ChildPicker(config, sampled=True)  # at temperature > 0 (module docstring)
         # sampled children: the tree, fixed by draw ranks (module docstring)
-        self.plans = DrawPlans(self.picker.acceptance, self.n,
-                               lambda log_acc, max_depth: drawn_paths(log_acc, self.n, self.delta, max_depth))
+        acceptance = self.picker.acceptance
+        self.plans = TreePlans(lambda max_depth, vocab: drawn_paths(
+            rank_log_acceptance(acceptance, min(self.n, vocab)), self.n, self.delta, max_depth))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-            return grow_drawn(drafter, dist, self.plans(max_depth, dist), picker)
+            return grow(drafter, dist, self.plans(max_depth, dist), picker)
         top = drafter.top_children  # the drafter lists each node's best children itself
         if top:
             tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)

@@ -32,7 +32,7 @@ from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, Shape, grow
+from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, TreePlans, check_paths, grow, valued_paths
 
 PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
 
@@ -143,8 +143,10 @@ class Sequoia:
 
     def __init__(self, config: SpecConfig):
         acc = config.acceptance or DEFAULT_ACCEPTANCE
-        self.shape = Shape.from_paths(optimal_tree(acc, config.budget, config.max_depth))
+        self.paths = check_paths(optimal_tree(acc, config.budget, config.max_depth))
         self.picker = ChildPicker(config, sampled=True)  # top-ranked children at temperature 0
+        self.plans = TreePlans(lambda max_depth, vocab: valued_paths(self.paths, acc, max_depth, vocab))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        return grow(drafter, committed, self.shape.cut(depth_limit), self.picker)
+        dist = self.picker.log_dist(drafter.root(committed)[None])  # (1, V)
+        return grow(drafter, dist, self.plans(depth_limit, dist), self.picker)

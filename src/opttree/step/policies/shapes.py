@@ -1,17 +1,15 @@
 """Building draft trees: the helpers the tree policies share.
 
 A shape is a list of paths of child ranks: (0, 2) is "the 3rd-ranked child of the 1st-ranked child
-of the root". `Shape` holds one as flat tensors, `ChildPicker` decides how a node's children come
-from its draft distribution (top-ranked, or drawn without replacement), and `grow` fills a shape
-with tokens, one drafter forward per layer. `ranked_paths` and `kary_paths` make path lists.
-`layered_paths` too.
-Used by `static` (fixed shapes), `sequoia` (its optimal shapes are static too) and `dyspec`
-(`ChildPicker`).
+of the root". `ChildPicker` decides how a node's children come from its draft distribution (top-ranked,
+or drawn without replacement). A tree whose shape is known before drafting (`static`, `sequoia`, and the
+sampled trees of `opt` and `eagle2`, fixed by draw ranks) is laid out once on the host (`TreePlan`, one
+per depth limit: `TreePlans`) and filled with tokens each step (`grow`): one drafter forward per layer over
+the nodes that have children, nothing read back. `ranked_paths`, `layered_paths` and `kary_paths` make
+path lists; `check_paths` checks one, `valued_paths` gives its nodes their p-hat.
 
-`select_best` keeps the best-scored candidates of a grown tree, for `opt` and `eagle2` with top-ranked
-children; with sampled children their tree is fixed by draw ranks, laid out once (`DrawPlan`, `DrawPlans`)
-and filled with draws each step (`grow_drawn`).
-"""
+`select_best` keeps the best-scored candidates of a tree grown candidate by candidate, for `opt` and
+`eagle2` with top-ranked children (their shape depends on the draft's scores). `dyspec` uses `ChildPicker`."""
 
 from __future__ import annotations
 
@@ -45,39 +43,27 @@ def rank_log_acceptance(acc: Sequence[float], width: int) -> list[float]:
     return [math.log(v) for v in values]
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A tree shape as flat tensors, parents before children and siblings in rank order."""
+def check_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
+    """A tree shape given as paths of child ranks, checked: every path non-empty, ranks >= 0, and its parent path
+    among the paths. Returns them as tuples, in the order given."""
+    nodes = [tuple(int(r) for r in p) for p in paths]
+    known = set(nodes)
+    for p in nodes:
+        if not p or min(p) < 0:
+            raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)}")
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
+    return nodes
 
-    parents: torch.Tensor  # (N,) long: shape index of the parent, -1 for children of the root
-    ranks: torch.Tensor  # (N,) long: 0 = the parent's first-ranked (or first-drawn) child
-    depths: torch.Tensor  # (N,) long: 1 for children of the root
 
-    @staticmethod
-    def from_paths(paths: Sequence[Sequence[int]]) -> "Shape":
-        nodes = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
-        index = {p: i for i, p in enumerate(nodes)}
-        for p in nodes:
-            if not p or min(p) < 0:
-                raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)}")
-            if len(p) > 1 and p[:-1] not in index:
-                raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
-        return Shape(
-            parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in nodes], dtype=torch.long),
-            ranks=torch.tensor([p[-1] for p in nodes], dtype=torch.long),
-            depths=torch.tensor([len(p) for p in nodes], dtype=torch.long),
-        )
-
-    def __len__(self) -> int:
-        return self.parents.shape[0]
-
-    def to(self, device: torch.device) -> "Shape":
-        return Shape(self.parents.to(device), self.ranks.to(device), self.depths.to(device))
-
-    def cut(self, max_depth: int) -> "Shape":
-        """The nodes at most `max_depth` deep (a prefix, as nodes are sorted by depth)."""
-        n = int((self.depths <= max_depth).sum())
-        return Shape(self.parents[:n], self.ranks[:n], self.depths[:n])
+def valued_paths(paths: Sequence[Path], acceptance: Sequence[float], max_depth: int, vocab: int
+                 ) -> list[tuple[Path, float]]:
+    """A fixed shape's nodes for a `TreePlan`: the paths at most `max_depth` deep whose ranks a vocabulary of
+    `vocab` tokens can fill (a path past it goes, and so its subtree), each with its log p-hat when its
+    children are sampled: the sum along it of the log acceptance of each draw rank (`rank_log_acceptance`)."""
+    kept = [p for p in paths if len(p) <= max_depth and max(p) < vocab]
+    log_acc = rank_log_acceptance(acceptance, max((max(p) for p in kept), default=0) + 1)
+    return [(p, sum(log_acc[r] for r in p)) for p in kept]
 
 
 class ChildPicker:
@@ -125,103 +111,43 @@ class ChildPicker:
         are top-ranked: the top-ranked tokens, p-hat = the path's draft probability (a top child is accepted with
         about its probability). scores: (R,) the parents' log p-hat; log_dist: (R, V) from `log_dist`. Returns
         children (tokens, log p-hat), each (R, k'), in rank order. (Sampled children's p-hat is the acceptance of
-        their draw rank, which makes the tree the same every step: `DrawPlans`.)"""
-        assert not self.sampled, "sampled trees are fixed by draw ranks: `DrawPlans` / `grow_drawn`"
+        their draw rank, which makes the tree the same every step: `TreePlans`.)"""
+        assert not self.sampled, "sampled trees are fixed by draw ranks: `TreePlans` / `grow`"
         child_scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]), dim=-1)
         return tokens, scores[:, None] + child_scores
 
 
-def grow(drafter: Drafter, committed: torch.Tensor, shape: Shape, picker: ChildPicker) -> DraftTree:
-    """Fill `shape` with tokens, one drafter forward per layer over the nodes that have children.
-
-    A node whose rank the draft cannot fill (fewer tokens in q's support) is dropped with its subtree.
-    """
-    n = len(shape)
-    if n == 0:
-        return DraftTree.empty(committed.device)
-    dists = picker.log_dist(drafter.root(committed)[None])  # (R, V) distributions of the last run layer
-    device = dists.device
-    shape = shape.to(device)
-    has_child = torch.zeros(n, dtype=torch.bool, device=device)
-    has_child[shape.parents[shape.parents >= 0]] = True
-    tokens = torch.zeros(n, dtype=torch.long, device=device)
-    scores = torch.zeros(n, device=device)
-    valid = torch.zeros(n, dtype=torch.bool, device=device)
-    slots = torch.full((n,), -1, dtype=torch.long, device=device)
-    dist_row = torch.full((n + 1,), -1, dtype=torch.long, device=device)  # [i + 1] = row of node i in `dists` (0 = root)
-    dist_row[0] = 0
-    run_probs = [dists.exp()]  # for draft_probs
-    run_nodes = [torch.full((1,), -1, dtype=torch.long, device=device)]
-    next_slot = 0
-    for depth in range(1, int(shape.depths.max()) + 1):
-        layer = (shape.depths == depth).nonzero().squeeze(1)  # (L,) contiguous node indices
-        parents = shape.parents[layer]
-        parent_ok = torch.where(parents >= 0, valid[parents.clamp(min=0)], True)
-        rows = dist_row[parents + 1]  # (L,)
-        chosen, ok = picker.pick(dists, int(shape.ranks[layer].max()) + 1)  # (R, k)
-        in_range = shape.ranks[layer] < chosen.shape[1]
-        rank = shape.ranks[layer].clamp(max=chosen.shape[1] - 1)
-        tokens[layer] = chosen[rows, rank]
-        valid[layer] = parent_ok & in_range & ok[rows, rank]
-        parent_score = torch.where(parents >= 0, scores[parents.clamp(min=0)], 0.0)
-        scores[layer] = parent_score + dists[rows, tokens[layer]]
-        run = layer[valid[layer] & has_child[layer]]  # (K,) nodes whose children come next
-        if run.numel() == 0:
-            break
-        parent_slots = torch.where(shape.parents[run] >= 0, slots[shape.parents[run].clamp(min=0)], -1)
-        dists = picker.log_dist(drafter.expand(tokens[run], parent_slots))  # (K, V)
-        slots[run] = torch.arange(next_slot, next_slot + run.numel(), device=device)
-        next_slot += run.numel()
-        dist_row[run + 1] = torch.arange(run.numel(), device=device)
-        run_probs.append(dists.exp())
-        run_nodes.append(run)
-    keep = valid.nonzero().squeeze(1)  # (M,) a connected subtree: a kept node's parent is valid
-    new_index = torch.full((n + 1,), -1, dtype=torch.long, device=device)
-    new_index[keep + 1] = torch.arange(keep.numel(), device=device)
-    draft_probs = None
-    if picker.sampled:
-        probs = torch.cat(run_probs)  # (runs + 1, V)
-        draft_probs = torch.zeros(keep.numel() + 1, probs.shape[1], device=device)  # (M + 1, V), zero rows for leaves
-        draft_probs[new_index[torch.cat(run_nodes) + 1] + 1] = probs
-    return DraftTree(
-        tokens=tokens[keep],
-        parents=new_index[shape.parents[keep] + 1],
-        depths=shape.depths[keep],
-        scores=scores[keep],
-        draft_slots=slots[keep],
-        draft_probs=draft_probs,
-    )
-
-
 @dataclass(frozen=True)
-class DrawLayer:
-    """One layer of a `DrawPlan`: its nodes are tree indices start .. start + L - 1."""
+class PlanLayer:
+    """One layer of a `TreePlan`: its nodes are tree indices start .. start + L - 1."""
 
     start: int
     rows: torch.Tensor  # (L,) long: the parent's row among the previous layer's run nodes (the root's: 0)
-    ranks: torch.Tensor  # (L,) long: the node's draw rank among its siblings
-    draws: int  # children drawn per row: the most any parent of this layer has
+    ranks: torch.Tensor  # (L,) long: the node's rank (top-ranked children) or draw rank among its siblings
+    width: int  # children taken per row: the most any parent of this layer has
     parents: torch.Tensor  # (L,) long: tree index of the parent, -1 = the root
     run: torch.Tensor  # (K,) long: the layer's nodes (0-based in the layer) whose children come next, in slot order
     run_parent_slots: torch.Tensor  # (K,) long: the drafter slot of each run node's parent, -1 = the root
 
 
 @dataclass(frozen=True)
-class DrawPlan:
-    """A fixed tree of sampled children (`drawn_paths`) laid out for `grow_drawn`, made once on the host:
-    which rows each layer draws from, which nodes run through the drafter (the ones with children, slots in
-    that order), and what the tree's tensors are. `prob_rows`: (N + 1,) the row of the distributions drawn
-    from ([root] + the run nodes, then one zero row) that each of [root] + nodes carries in `draft_probs`."""
+class TreePlan:
+    """A fixed tree shape laid out for `grow`, made once on the host: which rows each layer takes its children
+    from, which nodes run through the drafter (the ones with children, slots in that order), and what the
+    tree's tensors are. `prob_rows`: (N + 1,) the row of the distributions drawn from ([root] + the run nodes,
+    then one zero row) that each of [root] + nodes carries in `draft_probs` (sampled children)."""
 
-    layers: tuple[DrawLayer, ...]
+    layers: tuple[PlanLayer, ...]
     parents: torch.Tensor  # (N,)
     depths: torch.Tensor  # (N,)
-    keys: torch.Tensor  # (N,) float: log p-hat
+    keys: torch.Tensor  # (N,) float: log p-hat of sampled children
     slots: torch.Tensor  # (N,) drafter slot, -1 for a node never run
     prob_rows: torch.Tensor  # (N + 1,)
 
     @staticmethod
-    def make(nodes: Sequence[tuple[Path, float]], device: torch.device) -> "DrawPlan":
+    def make(nodes: Sequence[tuple[Path, float]], device: torch.device) -> "TreePlan":
+        """nodes: (path, log p-hat), a tree (every path's parent among them)."""
+        nodes = sorted(nodes, key=lambda node: (len(node[0]), node[0]))  # by depth, siblings in rank order
         paths = [path for path, _ in nodes]
         index = {path: i for i, path in enumerate(paths)}
         has_children = {path[:-1] for path in paths}
@@ -232,13 +158,13 @@ class DrawPlan:
             row_of = {path: row for row, path in enumerate(p for p in runs if len(p) == depth - 1)}
             run = [i for i, p in enumerate(layer) if p in has_children]
             long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-            layers.append(DrawLayer(
+            layers.append(PlanLayer(
                 start=index[layer[0]], rows=long([row_of[p[:-1]] for p in layer]), ranks=long([p[-1] for p in layer]),
-                draws=max(p[-1] for p in layer) + 1, parents=long([index.get(p[:-1], -1) for p in layer]),
+                width=max(p[-1] for p in layer) + 1, parents=long([index.get(p[:-1], -1) for p in layer]),
                 run=long(run), run_parent_slots=long([runs.index(layer[i][:-1]) - 1 for i in run])))
             runs += [layer[i] for i in run]
         slot = {path: s - 1 for s, path in enumerate(runs)}
-        return DrawPlan(
+        return TreePlan(
             layers=tuple(layers),
             parents=torch.tensor([index.get(p[:-1], -1) for p in paths], dtype=torch.long, device=device),
             depths=torch.tensor([len(p) for p in paths], dtype=torch.long, device=device),
@@ -248,45 +174,51 @@ class DrawPlan:
                                    device=device))
 
 
-def grow_drawn(drafter: Drafter, logq: torch.Tensor, plan: DrawPlan, picker: ChildPicker) -> DraftTree:
-    """Fill `plan` with draws, from `logq` (1, V) the root's distribution (`picker.log_dist`): per layer each
-    row's children drawn without replacement (as many as the row's most-ranked child needs) and the nodes with
-    children run through the drafter, one forward a layer. A draw a row could not make (a peaked q) leaves its
-    node undrawn (key -inf, never tried by rejection sampling) and so its subtree. Nothing is read back."""
-    device = logq.device
+def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPicker) -> DraftTree:
+    """Fill `plan` with tokens, from `logq` (1, V) the root's distribution (`picker.log_dist`): per layer each
+    row's children (as many as the row's most-ranked child needs: its top-ranked tokens, or draws without
+    replacement), and the nodes with children run through the drafter, one forward a layer. Top-ranked
+    children score their path's draft log-probability; sampled ones their plan's p-hat, and a draw a row
+    could not make (a peaked q) leaves its node undrawn (key -inf, never tried by rejection sampling) and so
+    its subtree. Nothing is read back."""
+    device, sampled = logq.device, picker.sampled
     n = plan.parents.shape[0]
     tokens = torch.zeros(n, dtype=torch.long, device=device)
-    valid = torch.ones(n + 1, dtype=torch.bool, device=device)  # [root] + nodes
-    probs = [logq.exp()]  # [root] + the run nodes' distributions, (1 + K, V) in all
-    generator = picker.generator_on(device)
+    valid = torch.ones(n + 1, dtype=torch.bool, device=device)  # [root] + nodes: drawn, with every ancestor
+    scores = torch.zeros(n + 1, device=device)  # [root] + nodes: log q of the path (top-ranked children)
+    dists = [logq.exp() if sampled else logq]  # [root] + the run nodes' distributions, (1 + K, V) in all
     for layer in plan.layers:
-        drawn, ok = draw_distinct(probs[-1], layer.draws, generator)  # (R, k)
         end = layer.start + layer.rows.shape[0]
+        if sampled:
+            drawn, ok = draw_distinct(dists[-1], layer.width, picker.generator_on(device))  # (R, k)
+            valid[layer.start + 1 : end + 1] = ok[layer.rows, layer.ranks] & valid[layer.parents + 1]
+        else:
+            child_scores, drawn = dists[-1].topk(layer.width, dim=-1)  # (R, k): the plan's ranks are < V
+            scores[layer.start + 1 : end + 1] = scores[layer.parents + 1] + child_scores[layer.rows, layer.ranks]
         tokens[layer.start:end] = drawn[layer.rows, layer.ranks]
-        valid[layer.start + 1 : end + 1] = ok[layer.rows, layer.ranks] & valid[layer.parents + 1]
         if layer.run.shape[0]:
-            run_tokens = tokens[layer.start:end][layer.run]
-            probs.append(picker.log_dist(drafter.expand(run_tokens, layer.run_parent_slots)).exp())  # (K, V)
-    probs.append(probs[0].new_zeros(1, probs[0].shape[1]))  # the leaves' row: nothing drawn from it
+            log_dist = picker.log_dist(drafter.expand(tokens[layer.start:end][layer.run], layer.run_parent_slots))
+            dists.append(log_dist.exp() if sampled else log_dist)  # (K, V)
+    if not sampled:
+        return DraftTree(tokens, plan.parents, plan.depths, scores[1:], plan.slots)
+    dists.append(dists[0].new_zeros(1, dists[0].shape[1]))  # the leaves' row: nothing drawn from it
     keys = plan.keys.masked_fill(~valid[1:], float("-inf"))
-    return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(probs)[plan.prob_rows], keys)
+    return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(dists)[plan.prob_rows], keys)
 
 
-class DrawPlans:
-    """The `DrawPlan`s of a policy whose sampled tree is fixed by draw ranks, one per depth limit, vocabulary and
-    device, made on first use: `paths(log_acc, max_depth)` lists the tree's (path, log p-hat) from the logs of
-    the acceptance of up to `width` draw ranks (`rank_log_acceptance`)."""
+class TreePlans:
+    """A policy's `TreePlan`s, one per depth limit, vocabulary and device, made on first use from
+    `nodes(max_depth, vocab)`: the tree's (path, log p-hat), its ranks below `vocab`."""
 
-    def __init__(self, acceptance: Sequence[float], width: int, paths):
-        self.acceptance, self.width, self.paths = acceptance, width, paths
-        self.plans: dict[tuple, DrawPlan] = {}
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.plans: dict[tuple, TreePlan] = {}
 
-    def __call__(self, max_depth: int, root: torch.Tensor) -> DrawPlan:
+    def __call__(self, max_depth: int, root: torch.Tensor) -> TreePlan:
         """root: (1, V) the root's distribution (its width and device)."""
         key = (max_depth, root.shape[1], root.device)
         if key not in self.plans:
-            log_acc = rank_log_acceptance(self.acceptance, min(self.width, root.shape[1]))
-            self.plans[key] = DrawPlan.make(self.paths(log_acc, max_depth), root.device)
+            self.plans[key] = TreePlan.make(self.nodes(max_depth, root.shape[1]), root.device)
         return self.plans[key]
 
 

@@ -19,8 +19,8 @@ Your own: `register_static_tree("mine", [[0], [1], [0, 0], ...])`, then `tree="m
 A path list is in priority order: trimming keeps its first `budget` paths (of depth <= max_depth),
 so every path must come after its parent.
 
-The shape is grown by `opttree.step.policies.shapes` (`Shape`, `ChildPicker`, `grow`), shared with
-`sequoia` and `dyspec`.
+The shape is laid out once per depth limit and filled each step by `opttree.step.policies.shapes`
+(`TreePlans`, `grow`), shared with `sequoia` and the sampled trees of `opt` and `eagle2`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, Shape, grow, kary_paths, layered_paths, ranked_paths
+from .shapes import (ChildPicker, Path, TreePlans, check_paths, grow, kary_paths, layered_paths, ranked_paths,
+                     valued_paths)
 
 # Assumed acceptance of a child by rank, for the default tree: first-rank heavy, like EAGLE-1's.
 DEFAULT_RANK_WEIGHTS = (0.55, 0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01)
@@ -56,11 +57,14 @@ class StaticTree:
             if len(p) > 1 and tuple(p[:-1]) not in seen:
                 raise ValueError(f"static tree path {p} comes before its parent {p[:-1]}: list parents first")
             seen.add(tuple(p))
-        self.shape = Shape.from_paths(chosen)
+        self.paths = check_paths(chosen)
         self.picker = ChildPicker(config, sampled=False)
+        acceptance = self.picker.acceptance  # the p-hat of sampled children (children="sampled")
+        self.plans = TreePlans(lambda max_depth, vocab: valued_paths(self.paths, acceptance, max_depth, vocab))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        return grow(drafter, committed, self.shape.cut(depth_limit), self.picker)
+        dist = self.picker.log_dist(drafter.root(committed)[None])  # (1, V)
+        return grow(drafter, dist, self.plans(depth_limit, dist), self.picker)
 
 
 def register_static_tree(name: str, paths: Sequence[Sequence[int]] | PathSource) -> None:
