@@ -17,7 +17,7 @@ without replacement from the draft's distribution warped like the target's, veri
 rejection sampling, which accepts a child x with min(1, p(x) / q(x)) rather than p(x). A drawn child's
 p-hat is then its parent's times the acceptance of its draw rank, and the tree is the n nodes with the
 largest p-hat, with the same delta stop. Those p-hat never depend on what was drawn, so neither does the
-tree: it is the same every step, found once on the host (`shapes.drawn_paths`, the same layer rule) and
+tree: it is the same every step, found once on the host (`drawn_paths`, the same layer rule) and
 filled with draws each step (`shapes.grow`): one draft forward a layer over only the nodes that get
 children, nothing read back (against drafting every candidate of a layer, choosing the best and reading each
 layer's gain: 0.6-0.8 ms less a step on a 2-core Xeon). Why that is exact: docs/METHODS.md, "OPT-Tree with
