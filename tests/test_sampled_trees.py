@@ -9,6 +9,7 @@ must fail the check: the number of draws is what lets it see a bias that small.
 """
 
 import multiprocessing
+import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -124,9 +125,14 @@ def exact_first_two(config: SpecConfig) -> dict[tuple[int, int], float]:
 
 
 def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True) -> None:
-    """`draws` split over two processes (the machine's two cores), each with its own seeds."""
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = list(pool.map(draw_first_two, [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1]))
+    """`draws` in two halves with seeds of their own: in two processes (the machine's two cores), or one after
+    the other in this one under pytest-xdist, whose workers keep the cores busy already."""
+    halves = [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        parts = list(map(draw_first_two, *halves))
+    else:
+        with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(draw_first_two, *halves))
     counts, biased, seen = (sum((part[i] for part in parts), Counter()) for i in range(3))
     exact = exact_first_two(config)
     # the trees branch and go deeper than one layer, and verification both accepts and rejects
