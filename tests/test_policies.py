@@ -308,6 +308,19 @@ def test_trees_are_valid(tree_name, seed, n, depth, temperature):
     assert tree.max_depth <= 2
 
 
+def test_a_fixed_tree_drops_the_ranks_a_small_vocabulary_cannot_fill():
+    """Token Recycling's tree gives the root 8 children; over 6 tokens its plan keeps the paths whose every rank
+    is below 6 (a path past it goes with its subtree), top-ranked, with their path log-probabilities."""
+    drafter = ScriptedDrafter(6, seed=1)
+    policy = make_policy(SpecConfig(tree="recycling-template", budget=80, max_depth=6))
+    tree = policy.build(drafter, torch.tensor([0]), depth_limit=100)
+    check_tree(tree, drafter, 80, 6)
+    kept = sorted((p for p in policy.paths if max(p) < 6), key=lambda p: (len(p), p))
+    ranks = [tuple(int((drafter.logq(path[:d]) > drafter.logq(path[:d])[path[d]]).sum()) for d in range(len(path)))
+             for path in (path_of(tree, i) for i in range(len(tree)))]
+    assert len(kept) < 80 and ranks == kept
+
+
 def test_static_trees_are_their_first_budget_paths():
     drafter = ScriptedDrafter(5, seed=3)
     for name, budget, depth in [("static", 9, 4), ("static-k2", 11, 3), ("static-k3", 5, 3)]:
