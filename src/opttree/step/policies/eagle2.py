@@ -27,7 +27,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, TreePlans, grow, rank_log_acceptance, select_best
+from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, select_best
 
 MAX_TOP_K = 10
 
@@ -66,9 +66,9 @@ class Eagle2:
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         picker, k = self.picker, self.k
-        dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
-            return grow(drafter, dist, self.plans(min(self.depth, depth_limit), dist), picker)
+            return self.plans.grow(drafter, committed, min(self.depth, depth_limit), picker)
+        dist = drafter.root(committed)[None]  # (1, V)
         tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, k))  # layer 1, (k,)
         layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
         slots = [torch.full_like(tokens, -1)]

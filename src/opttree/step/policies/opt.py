@@ -36,7 +36,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, TreePlans, grow, rank_log_acceptance, select_best
+from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, select_best
 
 
 def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
@@ -81,8 +81,7 @@ class OptTree:
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
-            dist = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-            return grow(drafter, dist, self.plans(max_depth, dist), picker)
+            return self.plans.grow(drafter, committed, max_depth, picker)
         top = drafter.top_children  # the drafter lists each node's best children itself
         if top:
             tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)

@@ -32,7 +32,7 @@ from ..drafters import Drafter
 from ..sampling import sample_without_replacement, target_probs
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, TreePlans, check_paths, grow, valued_paths
+from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, TreePlans, check_paths, valued_paths
 
 PROFILE_FIELD = "sequoia_acceptance"  # in a calibration profile: {"greedy": [...], "sampled": [...]}
 
@@ -148,5 +148,4 @@ class Sequoia:
         self.plans = TreePlans(lambda max_depth, vocab: valued_paths(self.paths, acc, max_depth, vocab))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        dist = self.picker.log_dist(drafter.root(committed)[None])  # (1, V)
-        return grow(drafter, dist, self.plans(depth_limit, dist), self.picker)
+        return self.plans.grow(drafter, committed, depth_limit, self.picker)

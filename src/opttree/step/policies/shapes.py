@@ -221,6 +221,11 @@ class TreePlans:
             self.plans[key] = TreePlan.make(self.nodes(max_depth, root.shape[1]), root.device)
         return self.plans[key]
 
+    def grow(self, drafter: Drafter, committed: torch.Tensor, max_depth: int, picker: ChildPicker) -> DraftTree:
+        """A policy's step: the root through the drafter, then its plan for `max_depth` filled (`grow`)."""
+        logq = picker.log_dist(drafter.root(committed)[None])  # (1, V)
+        return grow(drafter, logq, self(max_depth, logq), picker)
+
 
 def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
     """The n paths with the largest product of `weights[rank]` along them (at most max_depth deep),

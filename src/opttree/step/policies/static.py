@@ -33,7 +33,7 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import (ChildPicker, Path, TreePlans, check_paths, grow, kary_paths, layered_paths, ranked_paths,
+from .shapes import (ChildPicker, Path, TreePlans, check_paths, kary_paths, layered_paths, ranked_paths,
                      valued_paths)
 
 # Assumed acceptance of a child by rank, for the default tree: first-rank heavy, like EAGLE-1's.
@@ -63,8 +63,7 @@ class StaticTree:
         self.plans = TreePlans(lambda max_depth, vocab: valued_paths(self.paths, acceptance, max_depth, vocab))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        dist = self.picker.log_dist(drafter.root(committed)[None])  # (1, V)
-        return grow(drafter, dist, self.plans(depth_limit, dist), self.picker)
+        return self.plans.grow(drafter, committed, depth_limit, self.picker)
 
 
 def register_static_tree(name: str, paths: Sequence[Sequence[int]] | PathSource) -> None:
