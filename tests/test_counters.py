@@ -21,10 +21,14 @@ def test_the_counter_counts_host_reads_shape_syncs_and_ops_outside_modules():
                 pass
             layer(torch.ones(2, 4))  # ops inside a module's forward
         t.nonzero()  # a shape sync
+        t[t > 1], t[torch.tensor([0, 2])]  # boolean-mask indexing is one, indexing by positions is not
+        t[t > 2] = 0  # a boolean-mask write too
+        t.masked_fill(t > 1, 0)  # not this
     assert counter.host_syncs == 7
-    assert counter.shape_syncs == 1
+    assert counter.shape_syncs == 3
     assert counter.by_op["__int__"] == 2 and counter.by_op["tolist"] == 1 and counter.by_op["nonzero"] == 1
-    assert sum(counter.by_line.values()) == 8
+    assert counter.by_op["index"] == 1 and counter.by_op["index_put_"] == 1
+    assert sum(counter.by_line.values()) == 10
     assert all(line.startswith("? ") for line in counter.by_line)  # none from opttree's own code
     assert 0 < counter.machinery_ops < counter.ops  # the Linear's ops are not machinery
     assert torch.Tensor.tolist.__qualname__ == "TensorBase.tolist"  # the patches are undone

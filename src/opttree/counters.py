@@ -36,6 +36,9 @@ _PACKAGE = Path(__file__).parent
 _HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
 _SHAPE_SYNCS = {"nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
                 "unique_consecutive", "repeat_interleave"}
+# indexing ops whose boolean-mask indices are turned into positions inside the op (`t[mask]`, `t[mask] = v`): no
+# `nonzero` reaches the dispatcher, yet on CUDA they wait for the device as it does
+_INDEXING = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,13 @@ class StepCosts:
         return {"steps": self.steps, "host_syncs_per_step": round(self.host_syncs, 2),
                 "shape_syncs_per_step": round(self.shape_syncs, 2), "ops_per_step": round(self.ops, 1),
                 "machinery_ops_per_step": round(self.machinery_ops, 1)}
+
+
+def _bool_index(args: tuple) -> bool:
+    """Whether an indexing op's indices (its second argument: a list of tensors or None) hold a boolean mask."""
+    indices = args[1] if len(args) > 1 else ()
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 class StepCounter(TorchDispatchMode):
@@ -81,7 +91,7 @@ class StepCounter(TorchDispatchMode):
                 return func(*args, **(kwargs or {}))
             self.host_syncs += 1
             self._note(name)
-        elif name in _SHAPE_SYNCS:
+        elif name in _SHAPE_SYNCS or (name in _INDEXING and _bool_index(args)):
             self.shape_syncs += 1
             self._note(name)
         return func(*args, **(kwargs or {}))
