@@ -126,9 +126,12 @@ def test_a_chain_continues_the_cached_mamba1_state(model_type):
             forward_chains(model, cache, tokens[:, :6], 0)
             return float((forward_chains(model, cache, tokens[:, 6:], 6)[0] - full).abs().max())
 
-        assert continued() < 1e-5
+        # float32 rounding, relative to the logits' scale: Zamba's scan per head differs from the full forward's
+        # by up to ~1e-5 of it on a 2-core AMD EPYC; a restart moves Jamba's by 1.2e-4 of it, Zamba's by ~1
+        tolerance = 2e-5 * float(full.abs().max())
+        assert continued() < tolerance
         with mock.patch("opttree.step.chains.continued_scans", lambda model: contextlib.nullcontext()):
-            assert continued() > 1e-5  # transformers' own forward: restarted from zero
+            assert continued() > tolerance  # transformers' own forward: restarted from zero
 
 
 def test_recurrent_gemma_blocks_continue_their_state_token_by_token():
