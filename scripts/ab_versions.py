@@ -8,6 +8,7 @@ unless given, budget 8 by default.
 
     python scripts/ab_versions.py 88942f2                             # HumanEval 40, T=1, opt
     python scripts/ab_versions.py HEAD~1 --temperature 0 --limit 20 --settings "tree='opt', budget=16"
+    python scripts/ab_versions.py HEAD~1 --temperature 0 --settings "drafter='recycling+lookup'"
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def main() -> None:
                                                       temperature=args.temperature)) if args.temperature > 0 else {}
                 options.setdefault("budget", 8)
                 options.update(settings)
+            uses_draft = tree and "model" in options.get("drafter", "model")  # train-free drafters take none
             start = time.perf_counter()
-            result = module.generate(target, ids, draft if tree else None, max_new_tokens=args.max_new_tokens,
+            result = module.generate(target, ids, draft if uses_draft else None, max_new_tokens=args.max_new_tokens,
                                      temperature=args.temperature, seed=args.seed, **options)
             return time.perf_counter() - start, len(result.new_tokens), result.stats.steps
 

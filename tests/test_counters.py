@@ -50,12 +50,17 @@ ONE_SYNC = [("opt", "model", 16, 0.0), ("opt", "model", 64, 0.0), ("opt", "model
             ("opt", "head", 16, 0.0), ("eagle2", "model", 16, 1.0), ("opt", "model", 16, 1.0, "sampled"),
             ("opt", "model", 64, 1.0, "sampled"), ("opt", "head", 16, 1.0, "sampled"),
             ("eagle2", "model", 16, 1.0, "sampled")]
+# Token Recycling's tree with lookup's trie merged in on the device: one read a step as well. The last step of a
+# generation may take a shape sync more: there the depth limit (the tokens left) leaves recycling's tree with fewer
+# nodes than the budget, and the merge then drops the duplicate paths by value.
+ONE_SYNC_MERGED = [("opt", "recycling+lookup", 16, 0.0), ("opt", "recycling+lookup", 64, 0.0),
+                   ("opt", "recycling+lookup", 16, 1.0), ("opt", "recycling+lookup", 64, 1.0)]
 # What is left above one, as ceilings that must not rise: OPT-Tree's stop decided on the host (the
 # default: one read per draft layer, no wasted draft forward; faster than the device stop on an H100 too),
 # the retrieval tries merged on the host (one read of each tree, one to score the proposals), and DySpec's
 # growth (one read per layer).
-CEILINGS = {("opt", "model", 16, 0.0, "host"): 4.0, ("opt", "recycling+lookup", 16, 0.0, "host"): 7.0,
-            ("opt", "model+lookup", 16, 0.0, "device"): 4.5, ("dyspec", "model", 16, 1.0, "host"): 2.5,
+CEILINGS = {("opt", "model", 16, 0.0, "host"): 4.0, ("opt", "recycling+lookup", 16, 0.0, "host"): 4.0,
+            ("opt", "model+lookup", 16, 0.0, "host"): 4.0, ("dyspec", "model", 16, 1.0, "host"): 2.5,
             ("opt", "model+lookup", 16, 1.0, "device", "sampled"): 5.5}
 
 
@@ -77,6 +82,13 @@ def test_one_host_sync_per_step(shipped, monkeypatch, case):
     children = case[4] if len(case) > 4 else "top"
     costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=True, children=children)
     assert costs.host_syncs == 1.0 and costs.shape_syncs == 0, where
+
+
+@pytest.mark.parametrize("case", ONE_SYNC_MERGED)
+def test_one_host_sync_per_step_with_a_retrieved_trie_merged_in(shipped, monkeypatch, case):
+    monkeypatch.setenv("OPTTREE_REJECTION", "device")
+    costs, where = syncs(shipped, monkeypatch, *case, stop_on_device=True)
+    assert costs.host_syncs == 1.0 and costs.shape_syncs * costs.steps <= 1, where
 
 
 @pytest.mark.parametrize("case", list(CEILINGS))

@@ -88,6 +88,25 @@ def test_merge_best_is_the_best_nodes_of_the_union(seed):
     assert torch.allclose(got.scores, expected.scores)
 
 
+def test_merge_best_fills_a_fixed_size_without_reading_the_device():
+    """The first trie holds n nodes, two scored -inf (candidates past a stop decided on the device): the merge
+    keeps every finite node first, then those, never a second node for one path, and reads nothing back."""
+    from opttree.counters import StepCounter
+
+    inf = float("-inf")
+    base = DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, -1, 0, 1]), torch.tensor([1, 1, 2, 2]),
+                     torch.tensor([-0.1, -0.2, inf, inf]), torch.tensor([0, 1, 2, 3]))
+    extra = DraftTree(torch.tensor([1, 5]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.tensor([-0.05, -0.3]),
+                      torch.tensor([-1, -1]))
+    with StepCounter() as counter:
+        merged = merge_best([base, extra], 4)
+    assert counter.host_syncs == 0 and counter.shape_syncs == 0
+    check_trie(merged)
+    assert node_paths(merged) == [(1,), (2,), (1, 3), (1, 5)]
+    assert merged.scores.tolist() == pytest.approx([-0.05, -0.2, inf, -0.3])
+    assert merged.draft_slots.tolist() == [0, 1, 2, -1]
+
+
 def test_top_nodes_drops_impossible_nodes():
     tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]),
                      torch.tensor([-0.1, float("-inf"), -0.5]), torch.tensor([-1, -1, -1]))
@@ -115,11 +134,18 @@ def test_ngram_matches_agree_with_a_scan(seed):
 
 
 def test_continuation_trie_counts_shares():
-    trie = continuation_trie([[1, 2, 9], [1, 2, 9], [1, 3]], torch.log(torch.tensor([0.5, 0.5, 0.5])))
+    trie, paths = continuation_trie([[1, 2, 9], [1, 2, 9], [1, 3]], torch.log(torch.tensor([0.5, 0.5, 0.5])))
     check_trie(trie)
     score = dict(zip(node_paths(trie), trie.scores.exp().tolist()))
     # shares 3/3, 2/3, 1/3, 2/3 times 0.5 per level
     assert score == pytest.approx({(1,): 0.5, (1, 2): 0.25 * 2 / 3, (1, 3): 0.25 / 3, (1, 2, 9): 0.125 * 2 / 3})
+    assert paths == node_paths(trie)  # the paths come from the host, as the trie was built
+    # cut to n nodes: the n best by score (1: 0.5, 1 2: 0.2, 1 2 9: 0.14, 1 3: 0.1), parents first
+    kept = {1: [(1,)], 2: [(1,), (1, 2)], 3: [(1,), (1, 2), (1, 2, 9)], 4: [(1,), (1, 2), (1, 3), (1, 2, 9)]}
+    for n, expected in kept.items():
+        cut, cut_paths = continuation_trie([[1, 2, 9], [1, 2, 9], [1, 3]], torch.log(torch.tensor([0.5, 0.6, 0.7])), n)
+        check_trie(cut)
+        assert cut_paths == node_paths(cut) == expected
 
 
 def test_recycling_matrix_rows_and_hit_rates():
@@ -150,7 +176,7 @@ def test_trie_drafter_answers_from_the_trie():
         def propose(self, committed, max_nodes, max_depth):
             return self.trie
 
-    trie = continuation_trie([[1, 2], [1, 3]], torch.zeros(2))
+    trie, _ = continuation_trie([[1, 2], [1, 3]], torch.zeros(2))
     drafter = TrieDrafter(Fixed(trie), vocab=6, max_nodes=8, max_depth=2)
     root = drafter.root(torch.tensor([4]))
     assert root[1].exp() == pytest.approx(1.0) and torch.isinf(root[torch.arange(6) != 1]).all()
@@ -178,7 +204,7 @@ def test_listed_children_are_the_best_of_the_full_rows():
             pass
 
         def propose(self, committed, max_nodes, max_depth):
-            return continuation_trie([[1, 2], [1, 3], [1, 3], [4]], torch.zeros(4))
+            return continuation_trie([[1, 2], [1, 3], [1, 3], [4]], torch.zeros(4))[0]
 
     drafter = TrieDrafter(Fixed(), vocab=6, max_nodes=8, max_depth=2)
     tokens, logq = drafter.root_top(torch.tensor([0]), 5)
@@ -189,9 +215,11 @@ def test_listed_children_are_the_best_of_the_full_rows():
 
 
 def test_rasd_pruning_keeps_branches_whose_first_token_the_draft_ranks_high():
-    trie = continuation_trie([[1, 2], [3, 4]], torch.zeros(2))
+    trie, _ = continuation_trie([[1, 2], [3, 4]], torch.zeros(2))
     logq = torch.log_softmax(torch.tensor([0.0, 5.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0]), 0)  # 3 ranks last
-    assert set(node_paths(prune_first_tokens(trie, logq, rank=4))) == {(1,), (1, 2)}
+    pruned = prune_first_tokens(trie, logq, rank=4)
+    assert {p for p, s in zip(node_paths(pruned), pruned.scores.tolist()) if s > float("-inf")} == {(1,), (1, 2)}
+    assert set(node_paths(merge_best([pruned], 8))) == {(1,), (1, 2)}  # dropped by the merge
 
 
 @pytest.fixture(scope="module")
@@ -328,10 +356,10 @@ def test_lookup_rates_learn_from_verification(looping_pair):
     target, _ = looping_pair
     forget(target)
     source = LookupSource(target)
-    before = source.rates.mean.clone()
+    before = source.rates.mean.copy()
     prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(2))
     opttree.generate(target, prompt, drafter="lookup", max_new_tokens=40, eos_token_id=[])
-    assert not torch.equal(per_model(target, "lookup-rates", lambda: None).mean, before)
+    assert not (per_model(target, "lookup-rates", lambda: None).mean == before).all()
 
 
 

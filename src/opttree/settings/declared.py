@@ -21,12 +21,16 @@ class Declared:
     # it also answers `root_top(committed, k)` and `expand_top(tokens, parent_slots, k)`: each node's k most
     # likely children without the (K, V) rows (a policy that takes top-ranked children asks these instead)
     top_children: bool = False
+    # with top_children: every listed row holds its k' children, none padded with -inf, so a policy need not
+    # drop padding from its candidates (a shape sync: their number would depend on values)
+    full_top_rows: bool = False
     # the networks (`nn.Module`s) it runs: their bf16 linear layers run packed during the steps where that
     # applies (`opttree.packed`); an instance sets its own
     networks: tuple = ()
 
 
-DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "networks")
+DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "full_top_rows",
+            "networks")
 
 
 def declared_by(obj: object) -> dict:

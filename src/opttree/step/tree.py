@@ -194,18 +194,57 @@ def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
 
 
 def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> DraftTree:
-    """`top_nodes` of the tries' `merge`, on the host where the union is made: the best tree of at most n
-    nodes by path score (a node counts at the lowest score on its path; ties to the shallower, then the
-    earlier node), nodes scored below `floor` dropped. One read of each trie, one tensor each way."""
-    rows = _union(tries)
-    _, parents, depths, scores, _ = rows
-    path_min: list[float] = []  # parents come first
-    for parent, score in zip(parents, scores):
-        score = score if score >= floor else float("-inf")
-        path_min.append(min(score, path_min[parent]) if parent >= 0 else score)
-    best = sorted(range(len(parents)), key=lambda i: (-path_min[i], depths[i], i))[:n]
-    kept = sorted((i for i in best if path_min[i] > float("-inf")), key=lambda i: (depths[i], i))
-    return _host_tree(rows, kept, tries[0].tokens.device)
+    """`top_nodes` of the tries' `merge`, on their device: the best tree of at most n nodes by score (ties to
+    the shallower, then the earlier node of the union, whose nodes are the first trie's, then each other's new
+    paths), nodes scored below `floor` dropped. Scores must not rise along a path (log p-hat, log hit rates:
+    a node's score is then its path's lowest, and its parent is chosen before it). Nothing is read back when
+    the first trie alone has n nodes and no floor applies: then the n best are never a duplicate path, and
+    nodes scored -inf (a policy's candidates past its stop, kept to fill a fixed size) come after every finite
+    one. Otherwise the nodes scored -inf are dropped (a shape sync)."""
+    union, dead = tries[0], torch.zeros(len(tries[0]), dtype=torch.bool, device=tries[0].tokens.device)
+    for extra in tries[1:]:
+        union, dead = _union_on_device(union, dead, extra.to(union.tokens.device))
+    if len(union) == 0:
+        return union
+    scores = union.scores.masked_fill(union.scores < floor, float("-inf"))  # (U,)
+    rank = torch.where(dead, float("-inf"), scores.clamp(min=torch.finfo(scores.dtype).min))  # duplicates last
+    order = torch.sort(union.depths, stable=True).indices  # ties to the shallower, then the earlier
+    order = order[torch.sort(rank[order], descending=True, stable=True).indices][:n]  # (min(n, U),)
+    if len(tries[0]) < n or floor > float("-inf"):
+        order = order[(scores[order] > float("-inf")) & ~dead[order]]  # a shape sync
+    kept = order.sort().values
+    return subtree(union, kept[torch.sort(union.depths[kept], stable=True).indices])
+
+
+def _path_tokens(tree: DraftTree, depth: int) -> torch.Tensor:
+    """(N, depth) the token at depth 1..depth of each node's path (its own token last), -1 past its depth.
+    A row of the ancestor mask has one node at each depth of the path: the product picks its token, exactly
+    (float32 holds every id below 2**24)."""
+    at_depth = tree.depths[:, None] == torch.arange(1, depth + 1, device=tree.tokens.device)  # (N, D)
+    return (tree.ancestors.float() @ (at_depth * (tree.tokens + 1)[:, None]).float()).long() - 1
+
+
+def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+    """`merge`'s union of `base` (its duplicate nodes flagged in `dead` (N,)) and `extra` (M nodes, parents
+    first), with fixed shapes: (the N + M nodes, not sorted by depth, (N + M,) bool dead). A node of `extra`
+    whose path `base` has gives its score to that node (the larger stays) and is flagged dead; the others
+    hang under their parent's node in the union."""
+    n, m = len(base), len(extra)
+    if m == 0:
+        return base, dead
+    depth = max(n, m)  # no path is deeper than its trie has nodes
+    same = (_path_tokens(extra, depth)[:, None, :] == _path_tokens(base, depth)[None, :, :]).all(dim=2)  # (M, N)
+    same &= ~dead[None, :]
+    found = torch.where(same.any(dim=1), same.byte().argmax(dim=1), -1)  # (M,) base node with the path, or -1
+    union_index = torch.where(found >= 0, found, n + torch.arange(m, device=found.device))  # (M,)
+    parents = torch.where(extra.parents >= 0, union_index[extra.parents.clamp(min=0)], -1)
+    best = base.scores.scatter_reduce(0, found.clamp(min=0), extra.scores.masked_fill(found < 0, float("-inf")),
+                                      reduce="amax")  # (N,)
+    union = DraftTree(torch.cat([base.tokens, extra.tokens]), torch.cat([base.parents, parents]),
+                      torch.cat([base.depths, extra.depths]),
+                      torch.cat([best, extra.scores.masked_fill(found >= 0, float("-inf"))]),
+                      torch.cat([base.draft_slots, torch.full_like(extra.tokens, -1)]))
+    return union, torch.cat([dead, found >= 0])
 
 
 def _union(tries: list[DraftTree]) -> tuple[list[int], list[int], list[int], list[float], list[int]]:

@@ -59,6 +59,7 @@ class CheckedDrafter(Declared):
         self.inner, self.vocab = inner, vocab
         declared = pass_hooks(self, inner)
         self.forwards_together, self.top_children = declared["forwards_together"], declared["top_children"]
+        self.full_top_rows = declared["full_top_rows"]
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -51,4 +52,22 @@ class HitRates:
     @property
     def mean(self) -> torch.Tensor:
         """The posterior mean of every cell (float32, on the device the estimates live on)."""
+        return self.hits / self.trials
+
+
+class HostHitRates:
+    """`HitRates` kept on the host (NumPy), for a source whose index lives there too (retrieval): it learns
+    from what the host already holds and scores its proposals without a read from the device."""
+
+    def __init__(self, shape: tuple[int, ...], prior: float, strength: float = 4.0):
+        self.trials = np.full(shape, float(strength))
+        self.hits = np.full(shape, float(prior) * strength)
+
+    def update(self, index: tuple[list[int], ...], hit: list[bool]) -> None:
+        """One trial per entry of `index` (cell coordinates, lists of one length); `hit` says which hit."""
+        np.add.at(self.trials, index, 1.0)
+        np.add.at(self.hits, index, np.asarray(hit, dtype=float))
+
+    @property
+    def mean(self) -> np.ndarray:
         return self.hits / self.trials

@@ -11,13 +11,16 @@ against another source's nodes. `LookupSource` is the candidate source; it needs
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from itertools import accumulate
 
+import numpy
 import torch
 
 from ...settings.declared import Declared
-from ..tree import DraftTree, node_paths, paths_of, top_nodes
-from .estimates import HitRates, per_model
+from ..tree import DraftTree
+from .estimates import HostHitRates, per_model
 
 MAX_NGRAM = 4  # suffixes of 1..MAX_NGRAM tokens are looked up, the longest first
 MATCHES = 8  # the latest matches of the longest suffix found make the trie
@@ -51,38 +54,50 @@ class NgramIndex:
         return 0, []
 
 
-def continuation_trie(continuations: list[list[int]], log_rates: torch.Tensor) -> DraftTree:
+def continuation_trie(continuations: list[list[int]], log_rates, max_nodes: int | None = None
+                      ) -> tuple[DraftTree, list[tuple[int, ...]]]:
     """The trie of `continuations` (token lists, one per match), scored log(share of the matches
-    through the node) + log_rates[:d].sum() for a node at depth d."""
+    through the node) + log_rates[:d].sum() for a node at depth d, cut to its best `max_nodes` nodes (a
+    node counts at the lowest score on its path; ties to the shallower, then the more shared node), and
+    the token path of each of its nodes. Built on the host from host data: nothing is read from a device."""
     counts: dict[tuple[int, ...], int] = defaultdict(int)
     for continuation in continuations:
         for d in range(1, len(continuation) + 1):
             counts[tuple(continuation[:d])] += 1
     paths = sorted(counts, key=lambda p: (len(p), -counts[p], p))  # parents first
+    cumulative = list(accumulate(float(rate) for rate in log_rates))
+    scores, path_min = {}, {}
+    for path in paths:
+        scores[path] = math.log(counts[path] / len(continuations)) + cumulative[len(path) - 1]
+        path_min[path] = min(scores[path], path_min.get(path[:-1], math.inf))
+    if max_nodes is not None:
+        best = set(sorted(range(len(paths)), key=lambda i: (-path_min[paths[i]], i))[:max_nodes])
+        paths = [path for i, path in enumerate(paths) if i in best]  # a kept node's parent is kept
     if not paths:
-        return DraftTree.empty()
+        return DraftTree.empty(), []
     index = {p: i for i, p in enumerate(paths)}
-    cumulative = torch.cumsum(log_rates, 0)
-    share = torch.tensor([counts[p] / len(continuations) for p in paths])
-    return DraftTree(
+    tree = DraftTree(
         tokens=torch.tensor([p[-1] for p in paths]),
         parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]),
         depths=torch.tensor([len(p) for p in paths]),
-        scores=share.log() + cumulative[torch.tensor([len(p) - 1 for p in paths])],
+        scores=torch.tensor([scores[p] for p in paths]),
         draft_slots=torch.full((len(paths),), -1, dtype=torch.long),
     )
+    return tree, paths
 
 
 class RetrievalSource(Declared):
     """Candidates copied from what followed earlier occurrences of the committed text's longest
     matching suffix; subclasses say where they look (`retrieve`). Hit rates per (match length, depth)
-    are learned from every verification and kept per target under `rates_key`."""
+    are learned from every verification and kept per target under `rates_key`. The index, the rates and
+    the proposals live on the host: a step sends the trie to the device and reads nothing back (the
+    accepted tokens come with the step's one read)."""
 
     rates_key = "retrieval-rates"
 
     def __init__(self, target):
-        prior = 0.6 * torch.ones(MAX_NGRAM, DEPTHS)  # P(hit | match length, depth), before any step
-        self.rates = per_model(target, self.rates_key, lambda: HitRates((MAX_NGRAM, DEPTHS), prior))
+        # P(hit | match length, depth), before any step
+        self.rates = per_model(target, self.rates_key, lambda: HostHitRates((MAX_NGRAM, DEPTHS), 0.6))
         self.proposed: tuple[int, list[tuple[int, ...]]] | None = None  # (match length, node paths)
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -97,39 +112,29 @@ class RetrievalSource(Declared):
         self.proposed = None
         if n == 0:
             return DraftTree.empty(committed.device)
-        rows = torch.arange(max_depth).clamp(max=DEPTHS - 1)  # depths past DEPTHS share the last rate (as in observe)
-        log_rates = self.rates.mean[n - 1, rows].log()  # (max_depth,)
-        trie = top_nodes(continuation_trie(continuations, log_rates), max_nodes)
-        self.proposed = (n, node_paths(trie))
+        rows = [min(d, DEPTHS - 1) for d in range(max_depth)]  # depths past DEPTHS share the last rate (as in observe)
+        trie, paths = continuation_trie(continuations, numpy.log(self.rates.mean[n - 1, rows]), max_nodes)
+        self.proposed = (n, paths)
         return trie.to(committed.device)
 
     def observe(self, result) -> None:
-        """Per (match length, depth): was a proposed node the target's choice after its parent? Known for
-        every proposed node that was verified (the target's choice at its parent), and for the others
-        whose parent is on the accepted path (the accepted tokens + bonus are the target's choices), so
-        a source whose nodes lost the budget still learns."""
+        """Per (match length, depth): was a proposed node the target's choice after its parent, for every
+        proposed node whose parent the step reached (the root or an accepted node): there the target's choice
+        is the next token the step emitted (accepted tokens + bonus). That is the rate a node's score needs:
+        the chance it is accepted once its parent is. Known on the host, whether the node was verified or lost
+        the budget to another source's."""
         if self.proposed is None:
             return
         n, paths = self.proposed
-        tree, emitted = result.tree, result.readout.emitted  # accepted tokens + bonus, as the host read them
-        size = len(tree)
-        read = torch.cat([result.choice, tree.tokens, tree.parents]).tolist()  # one read
-        choice, tokens, parents = read[: size + 1], read[size + 1 : 2 * size + 1], read[2 * size + 1 :]
-        index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
-        found = [index.get(tuple(path), -1) for path in paths]
+        emitted = result.readout.emitted  # accepted tokens + bonus, as the host read them
         depths, hits = [], []
-        for path, node in zip(paths, found):
+        for path in paths:
             d = len(path)
-            if node >= 0:
-                hit = choice[parents[node] + 1] == tokens[node]
-            elif list(path[:-1]) == emitted[: d - 1] and d <= len(emitted):
-                hit = path[-1] == emitted[d - 1]
-            else:
-                continue
-            depths.append(min(d, DEPTHS) - 1)
-            hits.append(hit)
+            if d <= len(emitted) and list(path[:-1]) == emitted[: d - 1]:
+                depths.append(min(d, DEPTHS) - 1)
+                hits.append(path[-1] == emitted[d - 1])
         if hits:
-            self.rates.update((torch.full((len(hits),), n - 1), torch.tensor(depths)), torch.tensor(hits))
+            self.rates.update(([n - 1] * len(hits), depths), hits)
 
 
 class LookupSource(RetrievalSource):
@@ -160,7 +165,15 @@ class DatastoreSource(RetrievalSource):
     def __init__(self, target, datastore):
         super().__init__(target)
         self.store = datastore
+        self.recent: list[int] = []  # the committed text's last MAX_NGRAM tokens, on the host
+
+    def start(self, input_ids: torch.Tensor) -> None:
+        self.recent = input_ids[-MAX_NGRAM:].tolist()
 
     def retrieve(self, committed: torch.Tensor, depth: int) -> tuple[int, list[list[int]]]:
-        n, starts = self.store.matches(committed[-MAX_NGRAM:].tolist(), MATCHES)
+        n, starts = self.store.matches(self.recent, MATCHES)
         return n, [self.store.continuation(s, depth) for s in starts]
+
+    def observe(self, result) -> None:
+        super().observe(result)
+        self.recent = (self.recent + result.readout.emitted)[-MAX_NGRAM:]

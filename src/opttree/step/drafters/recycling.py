@@ -75,6 +75,7 @@ class RecyclingDrafter(Declared):
 
     prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`
     top_children = True  # `root_top` / `expand_top`: M[t]'s ranks by hit rate, no (K, V) rows
+    full_top_rows = True  # every row lists min(k, width) tokens with their (positive) estimates
 
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
         self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))

@@ -245,7 +245,7 @@ class Sources(Declared):
         self.wants_hidden = any(s.wants_hidden for s in [first, *candidates])
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
         self.forwards_together = first.forwards_together  # candidates batch no forwards of their own
-        self.top_children = first.top_children
+        self.top_children, self.full_top_rows = first.top_children, first.full_top_rows
         self.networks = tuple(net for source in [first, *candidates] for net in source.networks)
         self.root_logq: torch.Tensor | None = None
 
@@ -324,12 +324,13 @@ def samples_children(policy) -> bool:
 
 
 def prune_first_tokens(trie: DraftTree, root_logq: torch.Tensor, rank: int) -> DraftTree:
-    """RASD's pruning: drop the branches whose first token is not among the draft's `rank` best."""
+    """RASD's pruning: the branches whose first token is not among the draft's `rank` best scored -inf (the
+    same nodes, so nothing is read back: `merge_best` drops them, or keeps them last where it fills a size)."""
     best = root_logq.topk(min(rank, root_logq.shape[0])).indices.to(trie.tokens.device)
     first_ok = torch.isin(trie.tokens, best) & (trie.parents < 0)  # (N,) the first nodes that stay
     keep = (trie.ancestors & first_ok[None, :]).any(dim=1)  # (N,) a node stays if its branch's first node does
-    return top_nodes(DraftTree(trie.tokens, trie.parents, trie.depths, trie.scores.masked_fill(~keep, float("-inf")),
-                               trie.draft_slots), len(trie))
+    return DraftTree(trie.tokens, trie.parents, trie.depths, trie.scores.masked_fill(~keep, float("-inf")),
+                     trie.draft_slots)
 
 
 def default_max_depth(spec: DrafterSpec, budget: int) -> int:

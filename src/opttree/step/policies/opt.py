@@ -7,7 +7,9 @@ n-node tree gains no more than `delta` expected tokens, decided before the next 
 Where that decision is made: on the host (the default, every device), reading each layer's gain
 before the next draft forward, so no forward is wasted; or on the device (`stop_on_device`: every layer
 up to max_depth is drafted, the stop depth is found from the gains on the device and deeper candidates
-are masked out, so nothing is read back until the acceptance). Both give the same tree. The device stop
+are masked out, so nothing is read back until the acceptance). Both give the same tree, but where the stop
+leaves fewer than n candidates (a drafter that lists few children a node, as Token Recycling does): the
+device then fills the n nodes with candidates past the stop, a fixed size. The device stop
 was meant for GPUs, where a read stalls the launch queue; measured on an H100 with both models' steps in
 CUDA graphs (docs/BENCHMARKS.md), the host stop is the faster one there too: 11.3 against 16.3 ms a step
 for `opt@16`, 12.6 against 20.5 ms for `recycling+lookup@16`. A read costs less than the layers it saves.
@@ -127,5 +129,5 @@ class OptTree:
             small = torch.stack(gains) <= self.delta  # (L - 1,): [d - 1] = stop before drafting layer d + 1
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
             keys = scores.masked_fill(depths > stop, float("-inf"))
-        # a listed row may be short (-inf): those candidates are no children; masked past the stop
-        return select_best(tokens, parents, depths, keys, slots, n, listed=top)
+        # a listed row may be padded (-inf): those candidates are no children; masked past the stop
+        return select_best(tokens, parents, depths, keys, slots, n, listed=top and not drafter.full_top_rows)

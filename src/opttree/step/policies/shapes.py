@@ -281,8 +281,9 @@ def select_best(
 
     Candidates (C,) must be sorted by depth, with `parents` indexing candidates (-1 = root). As a
     child never has a larger score than its parent, the chosen set is a connected tree containing the root.
-    `listed`: the candidates come from a drafter that lists its children (`top_children`), whose short rows
-    are scored -inf: those are never chosen (a shape sync).
+    `listed`: the candidates come from a drafter that lists its children (`top_children`) and may pad its short
+    rows with -inf (not `full_top_rows`): those are never chosen (a shape sync). Otherwise candidates scored
+    -inf (past a stop decided on the device) fill the n after every finite one: a fixed size.
     """
     order = torch.sort(scores, descending=True, stable=True).indices[:n]
     if listed:
