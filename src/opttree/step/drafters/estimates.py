@@ -39,6 +39,7 @@ class HitRates:
                  device: torch.device | str = "cpu"):
         self.trials = torch.full(shape, float(strength), device=device)
         self.hits = torch.as_tensor(prior, dtype=torch.float32, device=device).expand(shape) * strength
+        self.version = 0  # counts the updates: what is derived from the estimates is derived again after one
 
     def update(self, index: tuple[torch.Tensor, ...], hit: torch.Tensor, counted: torch.Tensor | None = None) -> None:
         """One trial per row of `index` (cell coordinates, each (B,)); `hit` (B,) bool says which hit;
@@ -48,6 +49,7 @@ class HitRates:
         weight = torch.ones(hit.shape[0], device=device) if counted is None else counted.to(device).float()
         self.trials.index_put_(index, weight, accumulate=True)
         self.hits.index_put_(index, hit.to(device).float() * weight, accumulate=True)
+        self.version += 1
 
     @property
     def mean(self) -> torch.Tensor:

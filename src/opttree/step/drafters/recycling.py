@@ -11,6 +11,8 @@ spread evenly. The authors' own tree is the `recycling-template` policy (80 node
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...settings.declared import Declared
@@ -29,6 +31,8 @@ class RecyclingMatrix:
         self.filled = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,) rows written at least once
         prior = 0.5 * 0.5 ** torch.arange(self.width, dtype=torch.float32)  # rank r: 0.5, 0.25, ...
         self.rates = HitRates((DEPTHS, self.width), prior, device=device)  # P(the target's choice = M[t, r]) by depth
+        self._tables: tuple[torch.Tensor, ...] = ()
+        self._tables_version = -1
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
@@ -54,17 +58,30 @@ class RecyclingMatrix:
     def top(self, tokens: torch.Tensor, depths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k' = min(k, width) most likely next tokens of `log_dist`'s rows, without building them:
         (tokens (R, k'), log-probabilities (R, k')), best first. An unset row lists tokens 0.. (uniform)."""
-        rates, spread = self._rates(tokens, depths)  # (R, k), (R, 1)
-        best = rates.topk(min(k, self.width), dim=1)  # a row's ranks by hit rate
-        listed = torch.where(self.filled[tokens, None], self.next[tokens].long(), torch.arange(self.width, device=self.next.device))
-        return listed.gather(1, best.indices), (best.values + spread).log()
+        _, _, order, log_listed = self.tables()
+        k, filled = min(k, self.width), self.filled[tokens, None]  # (R, 1)
+        depths = depths.to(self.next.device).clamp(max=DEPTHS - 1)
+        ranks = order[depths, :k]  # (R, k') a row's ranks by hit rate: the same for every row at one depth
+        listed = torch.where(filled, self.next[tokens].long().gather(1, ranks), torch.arange(k, device=self.next.device))
+        return listed, torch.where(filled, log_listed[depths, :k], -math.log(self.vocab))
+
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """Per depth: (DEPTHS, k) each rank's probability (a written row's k listed tokens claim at most
+        MAX_LISTED_MASS together), (DEPTHS, 1) each other token's, (DEPTHS, k) the ranks by probability (best
+        first) and (DEPTHS, k) their log-probabilities in that order. Derived again after the rates change."""
+        if self._tables_version != self.rates.version:
+            rates = self.rates.mean  # (DEPTHS, k)
+            rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
+            spread = (1 - rates.sum(dim=1, keepdim=True)) / self.vocab  # (DEPTHS, 1)
+            best = rates.sort(dim=1, descending=True, stable=True)
+            self._tables, self._tables_version = (rates, spread, best.indices, (best.values + spread).log()), self.rates.version
+        return self._tables
 
     def _rates(self, tokens: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, k) the probability of each listed token of M[tokens] at `depths`, (R, 1) each other token's."""
-        rates = self.rates.mean[depths.to(self.next.device).clamp(max=DEPTHS - 1)]  # (R, k)
-        rates = rates * (MAX_LISTED_MASS / rates.sum(dim=1, keepdim=True)).clamp(max=1)
-        rates = rates * self.filled[tokens, None]  # an unset row lists nothing
-        return rates, (1 - rates.sum(dim=1, keepdim=True)) / self.vocab
+        rates, spread, _, _ = self.tables()
+        depths, filled = depths.to(self.next.device).clamp(max=DEPTHS - 1), self.filled[tokens, None]  # (R,), (R, 1)
+        return rates[depths] * filled, torch.where(filled, spread[depths], 1 / self.vocab)  # an unset row lists nothing
 
     def nbytes(self) -> int:
         return self.next.numel() * self.next.element_size()
