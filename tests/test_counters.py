@@ -57,7 +57,7 @@ ONE_SYNC_MERGED = [("opt", "recycling+lookup", 16, 0.0), ("opt", "recycling+look
                    ("opt", "recycling+lookup", 16, 1.0), ("opt", "recycling+lookup", 64, 1.0)]
 # What is left above one, as ceilings that must not rise: OPT-Tree's stop decided on the host (the
 # default: one read per draft layer, no wasted draft forward; faster than the device stop on an H100 too),
-# the retrieval tries merged on the host (one read of each tree, one to score the proposals), and DySpec's
+# a sampled tree with retrieved candidates (merged on the host, the candidates cut by value), and DySpec's
 # growth (one read per layer).
 CEILINGS = {("opt", "model", 16, 0.0, "host"): 4.0, ("opt", "recycling+lookup", 16, 0.0, "host"): 4.0,
             ("opt", "model+lookup", 16, 0.0, "host"): 4.0, ("dyspec", "model", 16, 1.0, "host"): 2.5,
