@@ -216,14 +216,6 @@ def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> 
     return subtree(union, kept[torch.sort(union.depths[kept], stable=True).indices])
 
 
-def _path_tokens(tree: DraftTree, depth: int) -> torch.Tensor:
-    """(N, depth) the token at depth 1..depth of each node's path (its own token last), -1 past its depth.
-    A row of the ancestor mask has one node at each depth of the path: the product picks its token, exactly
-    (float32 holds every id below 2**24)."""
-    at_depth = tree.depths[:, None] == torch.arange(1, depth + 1, device=tree.tokens.device)  # (N, D)
-    return (tree.ancestors.float() @ (at_depth * (tree.tokens + 1)[:, None]).float()).long() - 1
-
-
 def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree) -> tuple[DraftTree, torch.Tensor]:
     """`merge`'s union of `base` (its duplicate nodes flagged in `dead` (N,)) and `extra` (M nodes, parents
     first), with fixed shapes: (the N + M nodes, not sorted by depth, (N + M,) bool dead). A node of `extra`
@@ -232,9 +224,12 @@ def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree) -> t
     n, m = len(base), len(extra)
     if m == 0:
         return base, dead
-    depth = max(n, m)  # no path is deeper than its trie has nodes
-    same = (_path_tokens(extra, depth)[:, None, :] == _path_tokens(base, depth)[None, :, :]).all(dim=2)  # (M, N)
-    same &= ~dead[None, :]
+    # Two nodes share a path when they sit at one depth and no depth holds two different tokens on their paths:
+    # each path has one node a depth, so the ancestor masks count those depths in two products (exact in float32)
+    same_depth = extra.depths[:, None] == base.depths[None, :]  # (M, N)
+    differ = (same_depth & (extra.tokens[:, None] != base.tokens[None, :])).float()  # (M, N)
+    mismatches = extra.ancestors.float() @ differ @ base.ancestors.float().T  # (M, N) depths whose tokens differ
+    same = same_depth & (mismatches == 0) & ~dead[None, :]
     found = torch.where(same.any(dim=1), same.byte().argmax(dim=1), -1)  # (M,) base node with the path, or -1
     union_index = torch.where(found >= 0, found, n + torch.arange(m, device=found.device))  # (M,)
     parents = torch.where(extra.parents >= 0, union_index[extra.parents.clamp(min=0)], -1)
