@@ -368,6 +368,10 @@ class Job:
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self.expired.is_set()
 
+    def result(self) -> list[list[int]]:
+        """Every chunk: this thread decodes them in its turn."""
+        return list(self.chunks())
+
     def chunks(self) -> Iterator[list[int]]:
         if not self.turns.wait(self.ticket, self.stopped):
             return
@@ -450,7 +454,7 @@ class Completion:
         """The answer in one response."""
         job = self.job
         try:
-            chunks = await asyncio.get_running_loop().run_in_executor(self.server.threads, lambda: list(job.chunks()))
+            chunks = await asyncio.get_running_loop().run_in_executor(self.server.threads, job.result)
         except BaseException:
             self.done("500")
             raise
