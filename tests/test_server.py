@@ -534,3 +534,26 @@ def test_only_a_sampled_request_without_a_seed_may_decode_plainly_in_a_sized_bat
         assert 1 <= sum(len(chunk) for chunk in job.chunks()) <= 3  # (a sampled text may end early: its EOS)
     assert built == [(1.0, False), (1.0, True), (0.0, False)]  # greedy: no draws, the same text either way
     assert [job.row.sized for job in jobs] == [True, False, True]  # greedy rows are sized as before
+
+
+def test_a_whole_answer_takes_every_chunk_once_its_row_ends():
+    """`BatchJob.result`: the answering thread sleeps until the row ends, then gets every chunk in order; an
+    error the scheduler hands the job is raised there."""
+    from opttree.server.batcher import BatchJob
+
+    job = BatchJob(row=None, expired=threading.Event(), batcher=None)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(job.result()))
+    reader.start()
+    for chunk in ([1, 2], [3], [4, 5, 6]):
+        job.put(chunk)
+    time.sleep(0.05)
+    assert not got  # still waiting: the row has not ended
+    job.end(complete=True)
+    reader.join(5)
+    assert got == [[[1, 2], [3], [4, 5, 6]]] and job.complete
+    failed = BatchJob(row=None, expired=threading.Event(), batcher=None)
+    failed.put([7])
+    failed.end(error=RuntimeError("the step failed"))
+    with pytest.raises(RuntimeError, match="the step failed"):
+        failed.result()
