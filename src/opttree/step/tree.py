@@ -169,15 +169,6 @@ def paths_of(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
     return paths
 
 
-def host_rows(tree: DraftTree) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
-    """(tokens, parents, depths, scores, draft slots) as lists, in one read from the device (through
-    float64, exact for ids and indices below 2**53)."""
-    fields = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.draft_slots)
-    tokens, parents, depths, scores, slots = torch.stack([f.double() for f in fields]).tolist()
-    as_ints = lambda values: [int(v) for v in values]  # noqa: E731
-    return as_ints(tokens), as_ints(parents), as_ints(depths), scores, as_ints(slots)
-
-
 def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
     """The index in `tree` of the node at each token path, -1 where the tree has none."""
     index = {path: i for i, path in enumerate(node_paths(tree))}
@@ -187,10 +178,12 @@ def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
 def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
     """The union of two tries: a node of `extra` whose token path `base` already has becomes that node
     (its score the larger of the two, its drafter slot base's); the others hang under their path's
-    deepest node, with slot -1. No node gets two children with one token. Sorted by depth again."""
-    rows = _union([base, extra])
-    depths = rows[2]
-    return _host_tree(rows, sorted(range(len(depths)), key=lambda i: (depths[i], i)), base.tokens.device)
+    deepest node, with slot -1. No node gets two children with one token. Sorted by depth again. The
+    duplicates are dropped by value (a shape sync; `merge_best` takes the best nodes of a union without one)."""
+    _no_draws([base, extra])
+    device = base.tokens.device
+    union, dead, _ = _union_on_device(base, torch.zeros(len(base), dtype=torch.bool, device=device), extra.to(device))
+    return _live_by_depth(union, dead)
 
 
 def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> DraftTree:
@@ -201,9 +194,10 @@ def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> 
     the first trie alone has n nodes and no floor applies: then the n best are never a duplicate path, and
     nodes scored -inf (a policy's candidates past its stop, kept to fill a fixed size) come after every finite
     one. Otherwise the nodes scored -inf are dropped (a shape sync)."""
+    _no_draws(tries)
     union, dead = tries[0], torch.zeros(len(tries[0]), dtype=torch.bool, device=tries[0].tokens.device)
     for extra in tries[1:]:
-        union, dead = _union_on_device(union, dead, extra.to(union.tokens.device))
+        union, dead, _ = _union_on_device(union, dead, extra.to(union.tokens.device))
     if len(union) == 0:
         return union
     scores = union.scores.masked_fill(union.scores < floor, float("-inf"))  # (U,)
@@ -216,14 +210,18 @@ def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> 
     return subtree(union, kept[torch.sort(union.depths[kept], stable=True).indices])
 
 
-def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree
+                     ) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """`merge`'s union of `base` (its duplicate nodes flagged in `dead` (N,)) and `extra` (M nodes, parents
-    first), with fixed shapes: (the N + M nodes, not sorted by depth, (N + M,) bool dead). A node of `extra`
+    first), with fixed shapes: (the N + M nodes, not sorted by depth, (N + M,) bool dead, (M,) the base node
+    each extra node's path is, -1 for none). A node of `extra`
     whose path `base` has gives its score to that node (the larger stays) and is flagged dead; the others
     hang under their parent's node in the union."""
     n, m = len(base), len(extra)
-    if m == 0:
-        return base, dead
+    if m == 0 or n == 0:  # nothing to match: the union is the other trie, with slots -1
+        union = base if m == 0 else DraftTree(extra.tokens, extra.parents, extra.depths, extra.scores,
+                                              torch.full_like(extra.tokens, -1))
+        return union, torch.zeros(len(union), dtype=torch.bool, device=dead.device), torch.full_like(extra.tokens, -1)
     # Two nodes share a path when they sit at one depth and no depth holds two different tokens on their paths:
     # each path has one node a depth, so the ancestor masks count those depths in two products (exact in float32)
     same_depth = extra.depths[:, None] == base.depths[None, :]  # (M, N)
@@ -239,73 +237,39 @@ def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree) -> t
                       torch.cat([base.depths, extra.depths]),
                       torch.cat([best, extra.scores.masked_fill(found >= 0, float("-inf"))]),
                       torch.cat([base.draft_slots, torch.full_like(extra.tokens, -1)]))
-    return union, torch.cat([dead, found >= 0])
+    return union, torch.cat([dead, found >= 0]), found
 
 
-def _union(tries: list[DraftTree]) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
-    """`merge`'s union of tries by token path, as host rows (tokens, parents, depths, scores, slots):
-    the first trie's nodes in order, then each other's new paths, parents first."""
+def _no_draws(tries: list[DraftTree]) -> None:
     if any(trie.draft_probs is not None for trie in tries):
         raise ValueError("sampled candidates (with draft_probs) cannot be merged with another source's: their "
-                         "verification needs exactly the distribution they were drawn from")
-    tokens, parents, depths, scores, slots = host_rows(tries[0])  # one read of each trie
-    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
-    for extra in tries[1:]:
-        extra_tokens, extra_parents, _, extra_scores, _ = host_rows(extra)
-        for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
-            if path in index:
-                scores[index[path]] = max(scores[index[path]], score)
-                continue
-            index[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(index[path[:-1]] if len(path) > 1 else -1)  # parents-first: the parent is in
-            depths.append(len(path))
-            scores.append(score)
-            slots.append(-1)
-    return tokens, parents, depths, scores, slots
+                         "verification needs exactly the distribution they were drawn from (`merge_sampled`)")
 
 
-def _host_tree(rows: tuple, keep: list[int], device: torch.device) -> DraftTree:
-    """The tree of host rows' nodes `keep` (in this order, parents before children), re-indexed."""
-    tokens, parents, depths, scores, slots = rows
-    new_index = {old: new for new, old in enumerate(keep)}
-    ints = torch.tensor([[tokens[i] for i in keep], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
-                         [depths[i] for i in keep], [slots[i] for i in keep]], dtype=torch.long).view(4, len(keep))
-    ints = ints.to(device)
-    return DraftTree(ints[0], ints[1], ints[2], torch.tensor([scores[i] for i in keep], dtype=torch.float32).to(device),
-                     ints[3])
+def _live_by_depth(union: DraftTree, dead: torch.Tensor) -> DraftTree:
+    """A union's nodes but its duplicates, sorted by depth again (stably: the first trie's first). A shape sync."""
+    kept = (~dead).nonzero().squeeze(1)
+    return subtree(union, kept[torch.sort(union.depths[kept], stable=True).indices])
 
 
 def merge_sampled(sampled: DraftTree, proposed: DraftTree) -> DraftTree:
     """The union of a tree of sampled children (with draft_probs) and a trie of deterministic candidates
-    (`merge`'s union by token path). A node on both keeps the sampled node's slot, key and score and is
-    marked proposed too; a proposed-only node gets key -inf (it is no draw) and no draft distribution
-    (no sampled child hangs under it). Sorted by depth again, siblings' draw order kept."""
+    (`merge`'s union by token path, made on the device). A node on both keeps the sampled node's slot, key and
+    score and is marked proposed too; a proposed-only node gets key -inf (it is no draw) and no draft
+    distribution (no sampled child hangs under it). Sorted by depth again, siblings' draw order kept. The
+    duplicates are dropped by value (a shape sync)."""
     assert sampled.draft_probs is not None and proposed.draft_probs is None
-    tokens, parents, depths, scores, slots = host_rows(sampled)
-    index = {path: i for i, path in enumerate(paths_of(tokens, parents))}
-    n = len(tokens)
-    is_proposed = [False] * n
-    extra_tokens, extra_parents, _, extra_scores, _ = host_rows(proposed)
-    for path, score in zip(paths_of(extra_tokens, extra_parents), extra_scores):
-        if path not in index:
-            index[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(index[path[:-1]] if len(path) > 1 else -1)
-            depths.append(len(path))
-            scores.append(score)
-            slots.append(-1)
-            is_proposed.append(False)
-        is_proposed[index[path]] = True
-    device, added = sampled.tokens.device, len(tokens) - n
+    device, n = sampled.tokens.device, len(sampled)
+    union, dead, found = _union_on_device(sampled, torch.zeros(n, dtype=torch.bool, device=device), proposed.to(device))
+    added = len(union) - n
+    on_both = torch.zeros(n + 1, dtype=torch.bool, device=device).index_fill_(0, found + 1, True)[1:]  # (N,)
     keys = sampled.keys if sampled.keys is not None else torch.zeros(n, device=device)
-    merged = DraftTree(*(torch.tensor(v, dtype=torch.long, device=device) for v in (tokens, parents, depths)),
-                       torch.tensor(scores, dtype=torch.float32, device=device),
-                       torch.tensor(slots, dtype=torch.long, device=device),
+    merged = DraftTree(union.tokens, union.parents, union.depths, torch.cat([sampled.scores, union.scores[n:]]),
+                       union.draft_slots,
                        torch.cat([sampled.draft_probs, sampled.draft_probs.new_zeros(added, sampled.draft_probs.shape[1])]),
                        torch.cat([keys, keys.new_full((added,), float("-inf"))]),
-                       torch.tensor(is_proposed, dtype=torch.bool, device=device))
-    return subtree(merged, torch.sort(merged.depths, stable=True).indices)
+                       torch.cat([on_both, torch.ones(added, dtype=torch.bool, device=device)]))
+    return _live_by_depth(merged, dead)
 
 
 def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
