@@ -27,7 +27,7 @@ def test_a_layer_runs_packed_only_up_to_the_rows_where_the_kernels_agreed(monkey
 
     monkeypatch.setattr(packing, "_LINEAR", kernel)
     layer = torch.nn.Linear(8, 3).to(torch.bfloat16)
-    assert packing._identical_rows(layer, layer.weight.detach()) == 4
+    assert packing._identical_rows([layer], layer.weight.detach()) == 4
     with torch.inference_mode():
         x = torch.randn(2, 2, 8, dtype=torch.bfloat16)  # 4 rows: packed
         calls.clear()
@@ -67,7 +67,11 @@ def test_generation_is_token_identical_with_packed_weights(monkeypatch, arch):
                          for budget in (1, 8, 40)]
     assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
     pack = packed_linears(target)
-    assert pack is not None and len(pack.layers) == sum(type(m) is torch.nn.Linear for m in target.modules())
+    grouped = [layer for group in pack.groups.values() for layer in group.layers]
+    assert pack is not None and len(pack.layers) + len(grouped) == sum(type(m) is torch.nn.Linear
+                                                                       for m in target.modules())
+    if arch in ("llama", "qwen2"):  # each layer's q, k, v and gate, up packed together (`lean.shared_inputs`)
+        assert len(pack.groups) == 2 * target.config.num_hidden_layers and len(grouped) == 5 * len(pack.groups) // 2
     assert all(rows >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
     layer = pack.layers[0][0]
     with entered([pack]):
@@ -96,7 +100,7 @@ def test_packed_layers_match_the_plain_ones_bit_for_bit():
 def test_the_checked_limits_are_kept_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
     checked = []
-    monkeypatch.setattr(packing, "_identical_rows", lambda layer, packed: checked.append(layer.weight.shape) or 7)
+    monkeypatch.setattr(packing, "_identical_rows", lambda layers, packed: checked.append(layers[0].weight.shape) or 7)
     model = tiny_model("llama").to(torch.bfloat16)
     first = PackedLinears(model)
     shapes = {(m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear}
@@ -157,3 +161,24 @@ def test_an_unreadable_limits_file_is_checked_again(monkeypatch, tmp_path):
     path.write_text('{"64x64": 1')  # cut short
     pack = PackedLinears(tiny_model("llama").to(torch.bfloat16))
     assert pack.layers and json.loads(path.read_text())  # checked, and written whole
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_q_k_v_and_gate_up_run_as_one_product_each_with_the_plain_layers_logits(monkeypatch):
+    """Under the lean forward, a layer's q, k, v take one product and its gate, up another (checked bit for bit
+    against the plain layers, as single layers are): 4 products a layer instead of 7, the same logits."""
+    from opttree.step.cache import new_cache
+    from opttree.step.lean import lean_forward
+
+    model = tiny_model("llama", seed=2, layers=2).to(torch.bfloat16)
+    pack = packed_linears(model)  # the model's own (what the lean forward finds while it is entered)
+    products = []
+    kernel = packing._LINEAR
+    monkeypatch.setattr(packing, "_LINEAR", lambda x, *args: products.append(x.shape[0]) or kernel(x, *args))
+    ids, positions = torch.randint(0, 90, (1, 9)), torch.arange(9)[None]
+    with torch.inference_mode():
+        plain = model(input_ids=ids, position_ids=positions, cache=new_cache()).logits
+        with entered([pack]):
+            lean = lean_forward(model, None)(input_ids=ids, position_ids=positions, cache=new_cache()).logits
+    assert torch.equal(plain, lean)
+    assert len(products) == 2 * 4 + 1  # per layer: q|k|v, o, gate|up, down; and the head

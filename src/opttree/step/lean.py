@@ -30,6 +30,8 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.utils import output_capturing
 
+from ..packed import active_pack
+
 
 def _llama_masks(model, **arguments) -> list:
     """Each layer's mask as LlamaModel.forward makes it when given none (its own causal mask)."""
@@ -72,7 +74,8 @@ class LeanForward(torch.nn.Module):
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         self.architecture = architecture
         inner = model.model  # the modules whose forward `_decode` does not call (the model itself aside: weakly held)
-        object.__setattr__(self, "_skipped", (inner, *inner.layers, *(layer.self_attn for layer in inner.layers)))
+        object.__setattr__(self, "_skipped", (inner, *inner.layers, *(layer.self_attn for layer in inner.layers),
+                                              *(layer.mlp for layer in inner.layers)))
 
     def applies(self) -> bool:
         """Whether nothing hangs on the skipped forwards: no hooks (but transformers' own inactive ones that
@@ -104,6 +107,21 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
     return runner if runner.applies() else None
 
 
+def shared_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+    """The linear layers that `_decode` applies to one input, which may run as one product (`packed`): each
+    layer's q, k, v and its MLP's gate, up. None for an architecture it does not drive."""
+    if type(model) not in LEAN_ARCHITECTURES:
+        return []
+    layers = model.model.layers[: model.config.num_hidden_layers]
+    return [group for layer in layers for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                     layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
+
+
+def _products(pack, layers: tuple[torch.nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each layer applied to x: one product where the model's packed linears run them together, else each called."""
+    return pack.products(layers, x) if pack is not None else tuple(layer(x) for layer in layers)
+
+
 def _capturing(hook) -> bool:
     """Whether a forward hook is one transformers installs on decoder layers to collect hidden states
     (`transformers.utils.output_capturing`, on the first forward that asks for them): it records only
@@ -127,14 +145,14 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, modeling.eager_attention_forward)
     extra = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention
+    pack = active_pack(model)  # the model's packed linears, while a generation runs them
     for layer, mask in zip(inner.layers[: config.num_hidden_layers], masks):
-        attention = layer.self_attn
+        attention, mlp = layer.self_attn, layer.mlp
         residual = hidden
         hidden = layer.input_layernorm(hidden)
         shape = (*hidden.shape[:-1], -1, attention.head_dim)
-        query = attention.q_proj(hidden).view(shape).transpose(1, 2)  # (B, heads, Q, Dh)
-        key = attention.k_proj(hidden).view(shape).transpose(1, 2)
-        value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+        query, key, value = (out.view(shape).transpose(1, 2) for out in _products(  # (B, heads, Q, Dh) each
+            pack, (attention.q_proj, attention.k_proj, attention.v_proj), hidden))
         query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
@@ -142,7 +160,8 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
                         **attention_options(attention), **extra)
         hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous())
         residual = hidden
-        hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        gate, up = _products(pack, (mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm(hidden))
+        hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)  # the MLP's forward
         if kept is not None:
             kept.append(hidden)
     hidden = inner.norm(hidden)
