@@ -182,3 +182,16 @@ def test_q_k_v_and_gate_up_run_as_one_product_each_with_the_plain_layers_logits(
             lean = lean_forward(model, None)(input_ids=ids, position_ids=positions, cache=new_cache()).logits
     assert torch.equal(plain, lean)
     assert len(products) == 2 * 4 + 1  # per layer: q|k|v, o, gate|up, down; and the head
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_a_model_packed_before_its_groups_were_declared_is_packed_again(monkeypatch):
+    from opttree.step.lean import shared_inputs
+
+    monkeypatch.setattr(packing, "_SHARED_INPUTS", [])  # as if no forward had declared any yet
+    model = tiny_model("llama").to(torch.bfloat16)
+    first = packed_linears(model)
+    assert first is not None and not first.groups and packed_linears(model) is first
+    packing.register_shared_inputs(shared_inputs)
+    again = packed_linears(model)
+    assert again is not first and len(again.groups) == 2 * model.config.num_hidden_layers

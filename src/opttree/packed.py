@@ -140,13 +140,14 @@ class PackedLinears:
             written = path.with_suffix(f".{os.getpid()}.tmp")
             written.write_text(json.dumps(limits, indent=1, sort_keys=True) + "\n")
             os.replace(written, path)
-        self._versions = self._weights()
+        self._versions, self._declared = self._weights(), len(_SHARED_INPUTS)
         self._forwards = [functools.partial(_packed_forward, layer, packed, rows)
                           for layer, packed, rows in self.layers]
 
     def stale(self) -> bool:
-        """Whether a weight changed since it was packed: in place (trained, loaded) or replaced (`.to()`)."""
-        return self._weights() != self._versions
+        """Whether a weight changed since it was packed (in place: trained, loaded; or replaced: `.to()`), or a
+        forward declared groups of layers since (`register_shared_inputs`)."""
+        return self._weights() != self._versions or self._declared != len(_SHARED_INPUTS)
 
     def _weights(self) -> list[tuple[int, int]]:
         layers = [layer for layer, _, _ in self.layers] + [layer for group in self.groups.values() for layer in group.layers]
@@ -227,13 +228,22 @@ class _Group:
         self.max_rows = 0
 
 
-def _groups(model: torch.nn.Module, packable: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
-    """The model's linears that its lean forward (`opttree.step.lean`) applies to one input, where all of them
-    pack (bf16, all with a bias or none)."""
-    from .step.lean import shared_inputs  # the lean forward knows its architectures' wiring
+_SHARED_INPUTS: list = []  # functions: model -> groups of its linears that a forward applies to one input
 
+
+def register_shared_inputs(find) -> None:
+    """A forward that runs groups of linears that read one input through `PackedLinears.products` (the lean
+    forward of `opttree.step.lean`) declares how to find them in a model: find(model) -> [(linear, ...), ...].
+    A model packed before a declaration is packed again on its next use."""
+    if find not in _SHARED_INPUTS:
+        _SHARED_INPUTS.append(find)
+
+
+def _groups(model: torch.nn.Module, packable: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
+    """The model's declared groups (`register_shared_inputs`) whose layers all pack (bf16, all with a bias or
+    none)."""
     ids = {id(layer) for layer in packable}
-    return [list(group) for group in shared_inputs(model)
+    return [list(group) for find in _SHARED_INPUTS for group in find(model)
             if all(id(layer) in ids for layer in group) and len({layer.bias is None for layer in group}) == 1]
 
 

@@ -30,7 +30,7 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.utils import output_capturing
 
-from ..packed import active_pack
+from ..packed import active_pack, register_shared_inputs
 
 
 def _llama_masks(model, **arguments) -> list:
@@ -115,6 +115,9 @@ def shared_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
     layers = model.model.layers[: model.config.num_hidden_layers]
     return [group for layer in layers for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                      layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
+
+
+register_shared_inputs(shared_inputs)
 
 
 def _products(pack, layers: tuple[torch.nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
