@@ -16,7 +16,7 @@ tokens are those of the plain layers, and only the time changes. `OPTTREE_PACKED
 measure what it gains).
 
 Layers that take one input (each decoder layer's q, k, v, and its MLP's gate, up, where the lean forward of
-`opttree.step.lean` drives the model) are packed together, their weights stacked: the lean forward runs each
+`opttree.step.lean` drives the model; it declares them: `register_shared_inputs`) are packed together, their weights stacked: the lean forward runs each
 group as one product (`PackedLinears.products`), checked bit for bit against the plain layers side by side as
 single layers are. One product of three costs about what one of them costs alone: 4 products a decoder layer
 instead of 7, 7 % of a greedy step of the shipped target on a 2-core AMD EPYC with avx512_bf16.
