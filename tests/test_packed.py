@@ -11,6 +11,7 @@ from helpers import tiny_model
 import opttree
 from opttree import packed as packing
 from opttree.packed import PackedLinears, entered, packed_linears, packing_applies
+from opttree.step.lean import shared_inputs
 
 BF16_KERNELS = torch.backends.mkldnn.is_available() and packing._LINEAR is not None and \
     torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -67,10 +68,9 @@ def test_generation_is_token_identical_with_packed_weights(monkeypatch, arch):
                          for budget in (1, 8, 40)]
     assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
     pack = packed_linears(target)
-    grouped = [layer for group in pack.groups.values() for layer in group.layers]
-    assert pack is not None and len(pack.layers) + len(grouped) == sum(type(m) is torch.nn.Linear
-                                                                       for m in target.modules())
-    if arch in ("llama", "qwen2"):  # each layer's q, k, v and gate, up packed together (`lean.shared_inputs`)
+    assert pack is not None and len(pack.layers) == sum(type(m) is torch.nn.Linear for m in target.modules())
+    if arch in ("llama", "qwen2"):  # each layer's q, k, v and gate, up packed together too (`lean.shared_inputs`)
+        grouped = [layer for group in pack.groups.values() for layer in group.layers]
         assert len(pack.groups) == 2 * target.config.num_hidden_layers and len(grouped) == 5 * len(pack.groups) // 2
     assert all(rows >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
     layer = pack.layers[0][0]
@@ -104,7 +104,9 @@ def test_the_checked_limits_are_kept_per_machine(monkeypatch, tmp_path):
     model = tiny_model("llama").to(torch.bfloat16)
     first = PackedLinears(model)
     shapes = {(m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear}
+    shapes |= {tuple((m.in_features, m.out_features) for m in group) for group in shared_inputs(model)}  # stacked
     assert len(checked) == len(shapes) and {rows for _, _, rows in first.layers} == {7}
+    assert {group.max_rows for group in first.groups.values()} == {7}
     again = PackedLinears(tiny_model("llama", seed=3).to(torch.bfloat16))  # other weights, the same shapes
     assert len(checked) == len(shapes) and {rows for _, _, rows in again.layers} == {7}  # read, not checked again
 
@@ -186,8 +188,6 @@ def test_q_k_v_and_gate_up_run_as_one_product_each_with_the_plain_layers_logits(
 
 @pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
 def test_a_model_packed_before_its_groups_were_declared_is_packed_again(monkeypatch):
-    from opttree.step.lean import shared_inputs
-
     monkeypatch.setattr(packing, "_SHARED_INPUTS", [])  # as if no forward had declared any yet
     model = tiny_model("llama").to(torch.bfloat16)
     first = packed_linears(model)
@@ -195,3 +195,28 @@ def test_a_model_packed_before_its_groups_were_declared_is_packed_again(monkeypa
     packing.register_shared_inputs(shared_inputs)
     again = packed_linears(model)
     assert again is not first and len(again.groups) == 2 * model.config.num_hidden_layers
+
+
+@pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
+def test_the_groups_come_after_the_layers_own_copies_in_memory(monkeypatch):
+    """Every layer keeps its own packed copy (a forward the lean one does not drive runs them); the stacked copies
+    are made only where both fit in the memory share, and a hooked layer runs on its own."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    size = sum(m.weight.numel() * 2 for m in model.modules() if type(m) is torch.nn.Linear)
+    monkeypatch.setattr(packing, "_available_bytes", lambda: int(1.2 * size / packing.MEMORY_SHARE))
+    tight = PackedLinears(model)
+    assert len(tight.layers) == sum(type(m) is torch.nn.Linear for m in model.modules()) and not tight.groups
+    monkeypatch.undo()
+    pack = PackedLinears(model)
+    attention = model.model.layers[0].self_attn
+    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
+    x = torch.randn(3, attention.q_proj.in_features).to(torch.bfloat16)
+    seen = []
+    handle = attention.k_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        with torch.inference_mode(), entered([pack]):
+            outs = pack.products(layers, x)
+    finally:
+        handle.remove()
+    assert seen == [(3, attention.k_proj.out_features)]  # called on its own: its hook ran
+    assert all(torch.equal(out, F.linear(x, layer.weight)) for out, layer in zip(outs, layers))

@@ -21,7 +21,9 @@ group as one product (`PackedLinears.products`), checked bit for bit against the
 single layers are. One product of three costs about what one of them costs alone: 4 products a decoder layer
 instead of 7, 7 % of a greedy step of the shipped target on a 2-core AMD EPYC with avx512_bf16.
 The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
-fit in a quarter of the memory available (`MEMORY_SHARE`), and the copies live as long as the model.
+fit in a quarter of the memory available (`MEMORY_SHARE`), its groups only while their stacked copies fit
+there too (every layer keeps its own copy: a forward the lean one does not drive runs them), and the copies
+live as long as the model.
 """
 
 from __future__ import annotations
@@ -118,8 +120,12 @@ class PackedLinears:
             limits = {}
         known = len(limits)
         packable = _bf16_linears(model)
+        groups = _groups(model, packable)
+        room = MEMORY_SHARE * _available_bytes() - sum(m.weight.numel() * 2 for m in packable)
+        if sum(m.weight.numel() * 2 for group in groups for m in group) > room:
+            groups = []  # the layers' own packed copies first: they serve every forward, the groups only the lean one
         with torch.inference_mode():
-            for group in _groups(model, packable):
+            for group in groups:
                 shape = "+".join(_shape(layer) for layer in group)
                 packed = _Group(group)
                 if shape not in limits:
@@ -127,8 +133,7 @@ class PackedLinears:
                 if limits[shape]:
                     packed.max_rows = limits[shape]
                     self.groups[tuple(map(id, group))] = packed
-            grouped = {id(layer) for group in self.groups.values() for layer in group.layers}
-            for layer in (layer for layer in packable if id(layer) not in grouped):
+            for layer in packable:
                 packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 16)
                 shape = _shape(layer)
                 if shape not in limits:
@@ -143,6 +148,7 @@ class PackedLinears:
         self._versions, self._declared = self._weights(), len(_SHARED_INPUTS)
         self._forwards = [functools.partial(_packed_forward, layer, packed, rows)
                           for layer, packed, rows in self.layers]
+        self._ours = {id(layer): forward for (layer, _, _), forward in zip(self.layers, self._forwards)}
 
     def stale(self) -> bool:
         """Whether a weight changed since it was packed (in place: trained, loaded; or replaced: `.to()`), or a
@@ -150,8 +156,7 @@ class PackedLinears:
         return self._weights() != self._versions or self._declared != len(_SHARED_INPUTS)
 
     def _weights(self) -> list[tuple[int, int]]:
-        layers = [layer for layer, _, _ in self.layers] + [layer for group in self.groups.values() for layer in group.layers]
-        return [(layer.weight.data_ptr(), layer.weight._version) for layer in layers]
+        return [(layer.weight.data_ptr(), layer.weight._version) for layer, _, _ in self.layers]
 
     def products(self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of `layers` (linears that take the same input) applied to x: while entered, in one product
@@ -161,8 +166,8 @@ class PackedLinears:
         group = self.groups.get(tuple(map(id, layers))) if self._entered else None
         if group is None or x.numel() // x.shape[-1] > group.max_rows or x.dtype is not torch.bfloat16 \
                 or torch.is_grad_enabled() or any(layer._forward_hooks or layer._forward_pre_hooks
-                                                   or "forward" in vars(layer) for layer in layers):
-            return tuple(layer(x) for layer in layers)
+                                                   for layer in layers) or self._replaced(layers):
+            return tuple(layer(x) for layer in layers)  # each from its own packed copy where it has one
         return _run_packed(x, group.weight, group.bias).split(group.sizes, dim=-1)
 
     def __enter__(self) -> "PackedLinears":
@@ -185,6 +190,11 @@ class PackedLinears:
                 else:
                     layer.__dict__["forward"] = forward
             self._saved = []
+
+    def _replaced(self, layers: tuple[torch.nn.Module, ...]) -> bool:
+        """Whether one of the layers runs a forward of its own (not this pack's, not its class's)."""
+        return any(vars(layer).get("forward", self._ours.get(id(layer))) is not self._ours.get(id(layer))
+                   for layer in layers)
 
 
 def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int, x: torch.Tensor) -> torch.Tensor:
