@@ -16,10 +16,11 @@ tokens are those of the plain layers, and only the time changes. `OPTTREE_PACKED
 measure what it gains).
 
 Layers that take one input (each decoder layer's q, k, v, and its MLP's gate, up, where the lean forward of
-`opttree.step.lean` drives the model; it declares them: `register_shared_inputs`) are packed together, their weights stacked: the lean forward runs each
-group as one product (`PackedLinears.products`), checked bit for bit against the plain layers side by side as
-single layers are. One product of three costs about what one of them costs alone: 4 products a decoder layer
-instead of 7, 7 % of a greedy step of the shipped target on a 2-core AMD EPYC with avx512_bf16.
+`opttree.step.lean` drives the model; it declares them: `register_shared_inputs`) are also packed together,
+their weights stacked: the lean forward runs each group as one product (`PackedLinears.products`), checked bit
+for bit against the plain layers side by side as single layers are. One product of three costs about what
+one of them costs alone: 4 products a decoder layer instead of 7, 7 % of a greedy step of the shipped target
+on a 2-core AMD EPYC with avx512_bf16.
 The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
 fit in a quarter of the memory available (`MEMORY_SHARE`), its groups only while their stacked copies fit
 there too (every layer keeps its own copy: a forward the lean one does not drive runs them), and the copies
@@ -156,7 +157,9 @@ class PackedLinears:
         return self._weights() != self._versions or self._declared != len(_SHARED_INPUTS)
 
     def _weights(self) -> list[tuple[int, int]]:
-        return [(layer.weight.data_ptr(), layer.weight._version) for layer, _, _ in self.layers]
+        layers = [layer for layer, _, _ in self.layers]
+        layers += [layer for group in self.groups.values() for layer in group.layers]
+        return [(layer.weight.data_ptr(), layer.weight._version) for layer in layers]
 
     def products(self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of `layers` (linears that take the same input) applied to x: while entered, in one product
@@ -233,7 +236,8 @@ class _Group:
     def __init__(self, layers: list[torch.nn.Module]):
         self.layers = tuple(layers)
         self.sizes = [layer.out_features for layer in layers]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([layer.weight.detach() for layer in layers]), 16)
+        stacked = torch.cat([layer.weight.detach() for layer in layers])  # (sum of outs, in)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, 16)
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         self.max_rows = 0
 

@@ -14,6 +14,10 @@ Only the wrapping is skipped, and only where nothing hangs on it: an architectur
 ones that collect hidden states) or replaced `forward` on the modules whose forward it does not call, not
 training, a 4D mask tensor or none (then the model's own masks, made by its own functions). Anything else
 runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it: `python scripts/lean_forward.py`).
+
+One liberty, where bf16 weights run packed (`opttree.packed`): a layer's q, k, v, and its MLP's gate, up,
+each take one product over their stacked weights (`shared_inputs`), whose columns were checked bit for bit
+against the separate layers' outputs on this machine; elsewhere each projection is called as the model does.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
 
 def shared_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
     """The linear layers that `_decode` applies to one input, which may run as one product (`packed`): each
-    layer's q, k, v and its MLP's gate, up. None for an architecture it does not drive."""
+    layer's q, k, v and its MLP's gate, up. None for an architecture it does not drive (an empty list)."""
     if type(model) not in LEAN_ARCHITECTURES:
         return []
     layers = model.model.layers[: model.config.num_hidden_layers]
