@@ -707,3 +707,11 @@ def test_method_names_take_a_depth_control():
     assert bench_methods.find_method("opt/fixed").needs_draft and not bench_methods.find_method("opt:head/fixed").needs_draft
     with pytest.raises(ValueError, match="unknown depth control 'greedy'"):
         bench_methods.find_method("opt/greedy")
+
+
+def test_the_sampled_runs_are_each_measured_once_at_every_greedy_budget():
+    """At budgets 1 and 2 half of the budget, the budget and half as much again coincide: one run each (a
+    calibration whose greedy choice was budget 1 measured 5 runs where its list named 6)."""
+    for budget in range(1, 41):
+        runs = measure.sampled_runs(budget)
+        assert len(runs) == len(set(runs)) and ("model", budget, "opt") in runs and ("model", 2, "opt") in runs

@@ -186,11 +186,12 @@ SMALLEST_SAMPLED = 2  # a sampled tree of 2 nodes (a chain of two draws, by draw
 def sampled_runs(budget: int) -> list[tuple[str, int, str]]:
     """(drafter, budget, tree) runs step 6 measures around the greedy choice's budget (half of it, it, and
     half as much again: sampled children are accepted less often than top-ranked ones, so the tree that pays
-    can be wider), and the smallest tree."""
+    can be wider), and the smallest tree; each once (at budgets 1 and 2 some of these coincide)."""
     half = max(2, budget // 2)
     small = [("model", SMALLEST_SAMPLED, "opt")] if half > SMALLEST_SAMPLED else []
-    return small + [("model", half, "opt"), ("model", budget, "opt"), ("model", budget + budget // 2, "opt"),
+    runs = small + [("model", half, "opt"), ("model", budget, "opt"), ("model", budget + budget // 2, "opt"),
                     ("model+lookup", budget, "opt"), ("model", budget, "dyspec"), ("recycling+lookup", budget, "opt")]
+    return list(dict.fromkeys(runs))
 
 
 def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], delta: float,
