@@ -675,6 +675,13 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     assert "measured with OpenMP's passive waiting" in capsys.readouterr().err  # measured again, once
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err
+    measured = json.loads(path.read_text())  # measured before the step's costs changed (an older step revision)
+    path.write_text(json.dumps(dict(measured, step_revision=cal_run.STEP_REVISION - 1)))
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "measured before this opttree's cheaper steps" in capsys.readouterr().err  # measured again, once
+    assert json.loads(path.read_text())["step_revision"] == cal_run.STEP_REVISION
+    assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
+    assert "a quick one first" not in capsys.readouterr().err
     # bench: `opt` with the defaults reads the profile, so a pair new here is calibrated first too
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "bench-cache"))
     prompts = model_dirs[2]

@@ -40,6 +40,10 @@ from .measure import (
 from .report import sampled_choice
 
 SAMPLED_TEMPERATURE = 1.0  # step 6 measures sampling at this temperature (OpenAI's and the server's default)
+# Raised when a step's costs change enough to move what the calibration chooses: a profile of this machine measured
+# at an older revision is measured again on first use. 1: a layer's q, k, v and gate, up as one product each on
+# CPUs with bf16 kernels (2026-11-28: wider trees cheaper; the greedy budget there moved from 8 to 16-24).
+STEP_REVISION = 1
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
@@ -97,6 +101,7 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     probe_after = probe_ms(target, cached)
     return {
         "version": PROFILE_VERSION,
+        "step_revision": STEP_REVISION,
         "key": profile_key(target, draft),
         "date": now(),
         "machine": machine_info(),
@@ -139,12 +144,15 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
     found = find_profile(target, draft)
     profile = json.loads(found.read_text()) if found is not None else None
     passive = profile is not None and measured_passively(profile)
-    if profile is not None and measured_sources(profile) and not passive:
+    older = profile is not None and profile.get("step_revision", 0) < STEP_REVISION
+    if profile is not None and measured_sources(profile) and not passive and not older:
         return None
     why = ("no calibration profile for this pair on this machine" if profile is None else
            "the calibration profile of this pair here was measured with OpenMP's passive waiting, which this "
            "process does not use" if passive else
-           "the calibration profile of this pair here predates the draft sources' measurements")
+           "the calibration profile of this pair here predates the draft sources' measurements"
+           if not measured_sources(profile) else
+           "the calibration profile of this pair here was measured before this opttree's cheaper steps")
     print(f"opttree: {why}: a quick one first (about a minute at most; {AUTO_ENV}=0 skips it, `opttree calibrate` "
           "runs the full one)", file=sys.stderr)
     prompts = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids
