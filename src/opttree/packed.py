@@ -157,9 +157,9 @@ class PackedLinears:
         return self._weights() != self._versions or self._declared != len(_SHARED_INPUTS)
 
     def _weights(self) -> list[tuple[int, int]]:
-        layers = [layer for layer, _, _ in self.layers]
-        layers += [layer for group in self.groups.values() for layer in group.layers]
-        return [(layer.weight.data_ptr(), layer.weight._version) for layer in layers]
+        layers = {id(layer): layer for layer, _, _ in self.layers}  # each once (a grouped layer has its own copy too)
+        layers.update((id(layer), layer) for group in self.groups.values() for layer in group.layers)
+        return [(layer.weight.data_ptr(), layer.weight._version) for layer in layers.values()]
 
     def products(self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of `layers` (linears that take the same input) applied to x: while entered, in one product

@@ -158,21 +158,10 @@ def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
 def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     """The token path from the root to each node (the node's own token last), in node order."""
     tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()  # one read
-    return paths_of(tokens, parents)
-
-
-def paths_of(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
-    """`node_paths` of a tree already read to the host."""
     paths: list[tuple[int, ...]] = []
     for token, parent in zip(tokens, parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
     return paths
-
-
-def locate(tree: DraftTree, paths: list[tuple[int, ...]]) -> list[int]:
-    """The index in `tree` of the node at each token path, -1 where the tree has none."""
-    index = {path: i for i, path in enumerate(node_paths(tree))}
-    return [index.get(tuple(path), -1) for path in paths]
 
 
 def merge(base: DraftTree, extra: DraftTree) -> DraftTree:
