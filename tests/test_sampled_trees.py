@@ -124,7 +124,7 @@ def exact_first_two(config: SpecConfig) -> dict[tuple[int, int], float]:
     return {cell: p for cell, p in exact.items() if p > 0}
 
 
-def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True) -> None:
+def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True, chain: bool = False) -> None:
     """`draws` in two halves with seeds of their own: in two processes (the machine's two cores), or one after
     the other in this one under pytest-xdist, whose workers keep the cores busy already."""
     halves = [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1]
@@ -135,8 +135,8 @@ def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True
             parts = list(pool.map(draw_first_two, *halves))
     counts, biased, seen = (sum((part[i] for part in parts), Counter()) for i in range(3))
     exact = exact_first_two(config)
-    # the trees branch and go deeper than one layer, and verification both accepts and rejects
-    assert seen["deep"] > draws // 10 and seen["branching"] > draws // 10, seen
+    # the trees branch (chains: never) and go deeper than one layer, and verification both accepts and rejects
+    assert seen["deep"] > draws // 10 and (seen["branching"] == 0 if chain else seen["branching"] > draws // 10), seen
     assert draws // 20 < seen["accepted"] < draws - draws // 20, seen
     if config.delta > 0 and config.tree == "opt":  # the stop cuts the trees short (those with a full first layer)
         assert seen["full depth"] == 0, seen
@@ -159,6 +159,11 @@ def test_opt_tree_with_sampled_children_emits_the_target_distribution():
 ])
 def test_other_sampled_trees_emit_the_target_distribution(options, draws):
     check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)
+
+
+def test_sampled_chains_emit_the_target_distribution():
+    """Speculative sampling's chain of draws, verified as one block (`verify.accept_block`), 20k draws."""
+    check(SpecConfig(tree="chain", budget=3, max_depth=3, temperature=1.0), 20_000, chain=True)
 
 
 @pytest.mark.parametrize("where", ["host", "device"])

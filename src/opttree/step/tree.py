@@ -29,6 +29,9 @@ class DraftTree:
     # (a node may be both). None: every node is a draw (keys not kept) / none is deterministic.
     keys: torch.Tensor | None = None
     proposed: torch.Tensor | None = None
+    # Known on the host: the nodes are one chain of draws, node i + 1 a child of node i, each drawn from its parent's
+    # draft distribution (draft_probs), none deterministic; verified then by block verification (`verify.accept_block`).
+    chain: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -51,7 +54,7 @@ class DraftTree:
         """The same tree on `device` (a no-op when it is there already)."""
         if self.tokens.device == device:
             return self
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return DraftTree(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @staticmethod

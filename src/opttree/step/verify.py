@@ -386,9 +386,50 @@ def accept_rejection_sampling(
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
     probs = (lambda rows: target[rows]) if warp is None else (lambda rows: target_probs(target[rows], *warp))
+    if tree.chain and os.environ.get("OPTTREE_BLOCK", "1") != "0":  # a chain of draws: verified as one block
+        return accept_block(tree, probs(slice(None)), generator)
     if rejection_on_device(target.device):
         return _decide(tree, probs(slice(None)), generator, siblings)
     return _as_path(len(tree), *_walk(tree, lambda row: probs(slice(row, row + 1)), generator))
+
+
+def accept_block(tree: DraftTree, target: torch.Tensor, generator: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block verification of a chain of draws (`tree.chain`; the rule: `block_rule`): from the deepest node up, node i
+    ends the accepted block with probability h_i, and the bonus comes from that length's residual. target: (N + 1,
+    V) the target's distributions at [root] + nodes. Vectorised, nothing read back. Returns (path (N,), length (),
+    bonus ()) as `accept_rejection_sampling`."""
+    n, device = len(tree), target.device
+    ends, rows = block_rule(target.float(), tree.draft_probs[:n].float(), tree.tokens)  # (N,), (N + 1, V)
+    stops = torch.rand(n, generator=generator, device=device) < ends  # (N,)
+    length = torch.where(stops, torch.arange(1, n + 1, device=device), 0).max() if n else \
+        torch.zeros((), dtype=torch.long, device=device)
+    row = rows[length][None]  # (1, V)
+    row = torch.where(row.sum() > 0, row, target[length][None].float())  # p_i == q_i up to rounding: nothing left
+    return torch.arange(n, device=device), length, _draw(row, generator)[0]
+
+
+def block_rule(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's rule (Sun et al., "Block Verification Accelerates Speculative Decoding", ICLR 2025) for a
+    chain x_1 .. x_N, x_i drawn from q[i - 1] (N, V); p (N + 1, V): the target's distributions after 0 .. N of them.
+
+    Token-level verification accepts each x_i on its own, with min(1, p(x_i) / q(x_i)). Block verification carries a
+    weight along the chain, w_0 = 1, w_i = min(1, w_(i-1) p[i-1](x_i) / q[i-1](x_i)), so a token the target likes
+    more than the draft pays for a later one it likes less. Returns ends (N,): [i - 1] = h_i, the probability that
+    the accepted block ends at x_i given it does not end deeper (h_N = w_N; below, r_i / (r_i + 1 - w_i) with r_i
+    the mass of max(w_i p[i] - q[i], 0)); and rows (N + 1, V): where the bonus comes from after i accepted tokens,
+    max(w_i p[i] - q[i], 0) unnormalised (after all N: p[N]). The emitted tokens follow the target exactly, and the
+    expected accepted length is never below token-level verification's (the paper proves both; the tests check
+    both by enumeration)."""
+    n = tokens.shape[0]
+    x = tokens[:, None]  # (N, 1)
+    ratio = (p[:n].gather(1, x).log() - q.gather(1, x).log()).squeeze(1)  # (N,) log p(x_i) / q(x_i)
+    total = torch.cat([ratio.new_zeros(1), ratio.cumsum(0)])  # (N + 1,)
+    w = (total - total.cummax(0).values).exp()  # (N + 1,) w_i = min(1, w_(i-1) ratio_i), as a clamped running sum
+    residual = (w[:n, None] * p[:n] - q).clamp(min=0)  # (N, V)
+    mass = residual.sum(dim=1)  # (N,) r_0 .. r_(N-1)
+    ends = mass / (mass + 1 - w[:n]).clamp(min=torch.finfo(mass.dtype).tiny)  # (N,) h_0 .. h_(N-1)
+    return torch.cat([ends[1:], w[n:]]), torch.cat([residual, p[n:]])
 
 
 def _walk(tree: DraftTree, target_p: Callable[[int], torch.Tensor],

@@ -143,6 +143,7 @@ class TreePlan:
     keys: torch.Tensor  # (N,) float: log p-hat of sampled children
     slots: torch.Tensor  # (N,) drafter slot, -1 for a node never run
     prob_rows: torch.Tensor  # (N + 1,)
+    chain: bool  # the nodes are one chain of first draws: (0,), (0, 0), ...
 
     @staticmethod
     def make(nodes: Sequence[tuple[Path, float]], device: torch.device) -> "TreePlan":
@@ -171,7 +172,8 @@ class TreePlan:
             keys=torch.tensor([v for _, v in nodes], dtype=torch.float32, device=device),
             slots=torch.tensor([slot.get(p, -1) for p in paths], dtype=torch.long, device=device),
             prob_rows=torch.tensor([slot.get(p, len(runs) - 1) + 1 for p in [()] + paths], dtype=torch.long,
-                                   device=device))
+                                   device=device),
+            chain=bool(paths) and paths == [(0,) * depth for depth in range(1, len(paths) + 1)])
 
 
 def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPicker) -> DraftTree:
@@ -203,7 +205,8 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
         return DraftTree(tokens, plan.parents, plan.depths, scores[1:], plan.slots)
     dists.append(dists[0].new_zeros(1, dists[0].shape[1]))  # the leaves' row: nothing drawn from it
     keys = plan.keys.masked_fill(~valid[1:], float("-inf"))
-    return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(dists)[plan.prob_rows], keys)
+    return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(dists)[plan.prob_rows], keys,
+                     chain=plan.chain)
 
 
 class TreePlans:

@@ -1,0 +1,121 @@
+"""Block verification of sampled chains (`verify.block_rule`, `verify.accept_block`): enumerated on a small
+vocabulary, the emitted tokens follow the target exactly and the expected accepted length is never below
+token-level verification's; two plausible slips in the rule are caught by the same check."""
+
+import itertools
+
+import pytest
+import torch
+
+from opttree.step.tree import DraftTree
+from opttree.step.verify import accept_block, block_rule
+
+VOCAB, LENGTH = 3, 3
+
+
+def tables(seed: int):
+    """Draft and target distributions per token path (a fixed random function of the path), float64."""
+    g = torch.Generator().manual_seed(seed)
+    paths = [p for n in range(LENGTH + 2) for p in itertools.product(range(VOCAB), repeat=n)]
+    logits = {p: 1.5 * torch.randn(VOCAB, generator=g, dtype=torch.float64) for p in paths}
+    noise = {p: torch.randn(VOCAB, generator=g, dtype=torch.float64) for p in paths}  # the draft: the target, blurred
+    return {p: logits[p].softmax(-1) for p in paths}, {p: (logits[p] + noise[p]).softmax(-1) for p in paths}
+
+
+def joint(p, tokens, start=()):
+    prob, path = 1.0, tuple(start)
+    for t in tokens:
+        prob *= float(p[path][t])
+        path += (t,)
+    return prob
+
+
+def emitted_distribution(p, q, rule=block_rule):
+    """The exact distribution of the first LENGTH + 1 tokens when each step drafts a chain of LENGTH draws from q,
+    verifies it by `rule` and the target samples on past what a step emitted; also the expected accepted length."""
+    out, accepted = {}, 0.0
+    for chain in itertools.product(range(VOCAB), repeat=LENGTH):
+        prefixes = [chain[:i] for i in range(LENGTH + 1)]
+        ends, rows = rule(torch.stack([p[c] for c in prefixes]), torch.stack([q[c] for c in prefixes[:-1]]),
+                          torch.tensor(chain))
+        weight, deeper = joint(q, chain), 1.0  # deeper: the chance the block did not end below
+        for length in range(LENGTH, -1, -1):
+            here = deeper * (float(ends[length - 1]) if length else 1.0)
+            deeper -= here
+            if here == 0:
+                continue
+            accepted += weight * here * length
+            bonus = rows[length] / rows[length].sum()
+            for y in range(VOCAB):
+                emitted = chain[:length] + (y,)
+                for tail in itertools.product(range(VOCAB), repeat=LENGTH - length):
+                    full = emitted + tail
+                    out[full] = out.get(full, 0.0) + weight * here * float(bonus[y]) * joint(p, tail, emitted)
+    return out, accepted
+
+
+def token_level_accepted(p, q):
+    """Expected accepted length when each token is accepted on its own with min(1, p / q)."""
+    total = 0.0
+    for chain in itertools.product(range(VOCAB), repeat=LENGTH):
+        alive = 1.0
+        for i in range(LENGTH):
+            alive *= min(1.0, float(p[chain[:i]][chain[i]] / q[chain[:i]][chain[i]]))
+            total += joint(q, chain) * alive
+    return total
+
+
+def error(p, distribution):
+    """Total variation distance to the target's distribution of LENGTH + 1 tokens."""
+    return sum(abs(distribution.get(s, 0.0) - joint(p, s)) for s in itertools.product(range(VOCAB), repeat=LENGTH + 1)) / 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_verification_emits_the_target_distribution_and_accepts_more(seed):
+    p, q = tables(seed)
+    distribution, accepted = emitted_distribution(p, q)
+    assert error(p, distribution) < 1e-9
+    assert accepted >= token_level_accepted(p, q) - 1e-12
+    assert accepted > token_level_accepted(p, q) + 0.01  # and on these tables strictly more
+
+
+def test_the_check_catches_slips_in_the_rule():
+    p, q = tables(1)
+
+    def unweighted_residual(p_rows, q_rows, tokens):  # the bonus from max(p - q, 0), as token-level's
+        ends, rows = block_rule(p_rows, q_rows, tokens)
+        return ends, torch.cat([(p_rows[:-1] - q_rows).clamp(min=0), p_rows[-1:]])
+
+    def ends_without_weight(p_rows, q_rows, tokens):  # h_i = r_i / (r_i + 1): the 1 - w_i term left out
+        ends, rows = block_rule(p_rows, q_rows, tokens)
+        mass = rows[1:-1].sum(dim=1)
+        return torch.cat([mass / (mass + 1), ends[-1:]]), rows
+
+    for slip in (unweighted_residual, ends_without_weight):
+        assert error(p, emitted_distribution(p, q, slip)[0]) > 1e-4  # the rule itself: below 1e-9 (enumerated)
+
+
+def test_accept_block_samples_the_rule():
+    """accept_block's draws against the rule's probabilities: the accepted length and the bonus, 20k draws."""
+    from helpers import chi_square_pvalue
+
+    p, q = tables(3)
+    chain = (1, 0, 2)
+    prefixes = [chain[:i] for i in range(LENGTH + 1)]
+    p_rows, q_rows = torch.stack([p[c] for c in prefixes]).float(), torch.stack([q[c] for c in prefixes[:-1]]).float()
+    tree = DraftTree(torch.tensor(chain), torch.arange(LENGTH) - 1, torch.arange(1, LENGTH + 1), torch.zeros(LENGTH),
+                     torch.full((LENGTH,), -1), torch.cat([q_rows, torch.zeros(1, VOCAB)]), chain=True)
+    ends, rows = block_rule(p_rows.double(), q_rows.double(), tree.tokens)
+    exact, deeper = {}, 1.0
+    for length in range(LENGTH, -1, -1):
+        here = deeper * (float(ends[length - 1]) if length else 1.0)
+        deeper -= here
+        for y in range(VOCAB):
+            if here * float(rows[length][y]) > 0:
+                exact[(length, y)] = here * float(rows[length][y] / rows[length].sum())
+    g, draws, counts = torch.Generator().manual_seed(0), 20_000, {}
+    for _ in range(draws):
+        path, length, bonus = accept_block(tree, p_rows, g)
+        counts[(int(length), int(bonus))] = counts.get((int(length), int(bonus)), 0) + 1
+    assert path.tolist() == [0, 1, 2]
+    assert chi_square_pvalue(counts, exact, draws) > 1e-3
