@@ -22,6 +22,7 @@ import torch
 import opttree
 from opttree.counters import count_steps
 from opttree.step.drafters.estimates import forget
+from opttree.step.policies.dyspec import DySpec
 from opttree.step.policies.opt import OptTree
 
 DEFAULT = ["ar", "opt:model@16", "opt:model@64", "opt:head@16", "eagle2:model@16", "dyspec:model@16",
@@ -53,8 +54,8 @@ def main() -> None:
     for temperature in args.temperature:
         for method in args.methods:
             policy, drafter, budget = parse(method)
-            for stop in ("host", "device") if policy == "opt" else ("-",):
-                OptTree.stop_on_device = stop == "device"
+            for stop in ("host", "device") if policy in ("opt", "dyspec") else ("-",):
+                OptTree.stop_on_device = DySpec.grow_on_device = stop == "device"
                 forget(target)  # every run starts cold: the train-free sources' state is kept per target
                 options = dict(tree=policy, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=0)
                 if drafter:
@@ -65,11 +66,11 @@ def main() -> None:
                 rows.append({"method": method, "temperature": temperature, "delta_stop": stop, **costs.as_dict(),
                              "mean_accepted_length": round(run.stats.mean_accepted_length, 2),
                              "where": dict(counter.by_line.most_common(6)) if args.where else None})
-    OptTree.stop_on_device = False
+    OptTree.stop_on_device = DySpec.grow_on_device = False
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print("| method | T | delta stop | MAL | host syncs / step | shape syncs / step | ops / step | machinery ops / step |")
+    print("| method | T | stop / growth | MAL | host syncs / step | shape syncs / step | ops / step | machinery ops / step |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['method']} | {r['temperature']:g} | {r['delta_stop']} | {r['mean_accepted_length']:.2f} | "

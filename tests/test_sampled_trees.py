@@ -22,6 +22,7 @@ from opttree.settings.config import SpecConfig
 from opttree.settings.declared import Declared
 from opttree.step.drafters.sources import MergedPolicy, Sources
 from opttree.step.policies import make_policy
+from opttree.step.policies.dyspec import DySpec
 from opttree.step.tree import DraftTree, node_paths
 from opttree.step.verify import accept_path
 
@@ -80,11 +81,13 @@ class FixedTrie(Declared):
                          torch.full((len(paths),), -1))
 
 
-def draw_first_two(config: SpecConfig, draws: int, mixed: bool = False, seed: int = 0) -> tuple[Counter, Counter, Counter]:
+def draw_first_two(config: SpecConfig, draws: int, mixed: bool = False, seed: int = 0, on_device: bool = False
+                   ) -> tuple[Counter, Counter, Counter]:
     """Counts of the first two emitted tokens over `draws` steps, the same with the planted bias, and what
     the trees looked like. `mixed`: `FixedTrie`'s deterministic candidates join the sampled tree, as a
-    combination of sources (`model+lookup`) builds it."""
+    combination of sources (`model+lookup`) builds it. `on_device`: DySpec grows in fixed shapes."""
     torch.set_num_threads(1)
+    DySpec.grow_on_device = on_device
     target, draft = path_table(1, 1.2), path_table(2, 1.5)
     policy, drafter = make_policy(replace(config, seed=seed)), TableDrafter(draft)
     if mixed:
@@ -124,12 +127,16 @@ def exact_first_two(config: SpecConfig) -> dict[tuple[int, int], float]:
     return {cell: p for cell, p in exact.items() if p > 0}
 
 
-def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True, chain: bool = False) -> None:
+def check(config: SpecConfig, draws: int, mixed: bool = False, bias: bool = True, chain: bool = False,
+          on_device: bool = False) -> None:
     """`draws` in two halves with seeds of their own: in two processes (the machine's two cores), or one after
     the other in this one under pytest-xdist, whose workers keep the cores busy already."""
-    halves = [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1]
+    halves = [config] * 2, [draws // 2] * 2, [mixed] * 2, [0, 1], [on_device] * 2
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        parts = list(map(draw_first_two, *halves))
+        try:
+            parts = list(map(draw_first_two, *halves))
+        finally:
+            DySpec.grow_on_device = False
     else:
         with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
             parts = list(pool.map(draw_first_two, *halves))
@@ -159,6 +166,12 @@ def test_opt_tree_with_sampled_children_emits_the_target_distribution():
 ])
 def test_other_sampled_trees_emit_the_target_distribution(options, draws):
     check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)
+
+
+def test_dyspec_grown_on_the_device_emits_the_target_distribution():
+    """DySpec's growth in fixed shapes (`DySpec.grow_on_device`): the same valid nodes as on the host, the tree
+    filled to the budget with slots that were never drawn (never tried), 20k draws."""
+    check(SpecConfig(tree="dyspec", budget=4, delta=0.4, max_depth=2, temperature=1.0), 20_000, on_device=True)
 
 
 def test_sampled_chains_emit_the_target_distribution():

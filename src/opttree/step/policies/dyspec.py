@@ -17,6 +17,13 @@ by token matching. Temperature > 0: children are successive draws without replac
 draft's distribution warped like the target's, and the tree carries those distributions for
 recursive rejection sampling. Whether a node offers another child depends only on its earlier
 children (never on the token about to be drawn), which keeps rejection sampling exact.
+
+Where the growth is decided: on the host (the default), one read a layer (is any new child worth a
+draft forward?) and the layer's nodes cut to those taken; or on the device (`grow_on_device`), in fixed
+shapes with nothing read back: every layer holds `budget` slots (the best offers, those past the
+threshold or the budget marked invalid), all of them run through the drafter, to max_depth; the same
+nodes are valid as on the host, and the tree is the valid ones, filled to the budget with the first
+layer's invalid slots (never drawn when sampling, so never tried; top-ranked candidates when not).
 """
 
 from __future__ import annotations
@@ -27,13 +34,15 @@ from ...settings.config import SpecConfig
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker
+from .shapes import ChildPicker, select_best
 
 
 @register_policy("dyspec")
 class DySpec:
     needs_drafter = True
     sampled_keys = False
+
+    grow_on_device = False  # where growth is decided (module docstring): the host, on every device
 
     def __init__(self, config: SpecConfig):
         self.n, self.max_depth = config.budget, config.max_depth
@@ -42,6 +51,8 @@ class DySpec:
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
         max_depth = min(self.max_depth, depth_limit)
+        if self.grow_on_device:
+            return self._grow_fixed(drafter, committed, max_depth)
         dists = self.picker.log_dist(drafter.root(committed)[None])  # (F, V) of the frontier
         device = dists.device
         frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # (F,) tree index of the frontier nodes, -1 = root
@@ -93,3 +104,49 @@ class DySpec:
             draft_probs[torch.cat(prob_nodes) + 1] = torch.cat(probs)
         return DraftTree(torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(scores),
                          torch.cat(slots), draft_probs)
+
+    def _grow_fixed(self, drafter: Drafter, committed: torch.Tensor, max_depth: int) -> DraftTree:
+        """`build` in fixed shapes, nothing read back (module docstring). Candidates are numbered layer by layer;
+        layer d holds the n best offers of the previous layer's slots (the root's for d = 1), in parent then draw
+        order, each valid where its offer passes the threshold and the budget still has room; every slot but the
+        last layer's runs through the drafter (its drafter slot is its candidate index), and offers children only
+        where it is valid and its value passes the threshold."""
+        n = self.n
+        dists = self.picker.log_dist(drafter.root(committed)[None])  # (F, V), F = 1 (the root), then a layer's slots
+        device = dists.device
+        value = torch.zeros(1, device=device)  # (F,) log value of the frontier (-inf: offers no child)
+        frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # (F,) candidate index, -1 = the root
+        size = torch.zeros((), dtype=torch.long, device=device)  # valid candidates so far
+        tokens, parents, depths, keys, probs = [], [], [], [], [dists.exp()]
+        for depth in range(1, max_depth + 1):
+            chosen, ok = self.picker.pick(dists, n)  # (F, k) in draw order
+            k = chosen.shape[1]
+            logq = dists.gather(1, chosen).masked_fill(~ok, float("-inf"))  # (F, k)
+            taken_before = logq.exp().cumsum(dim=1) - logq.exp()  # (F, k) draft mass of the earlier siblings
+            offer = value[:, None] + (1 - taken_before).clamp(min=0).log()  # (F, k)
+            offer = offer.masked_fill(~ok | (offer.exp() <= self.threshold), float("-inf")).flatten()  # (F k,)
+            best = offer.sort(descending=True, stable=True).indices[:n]  # (L,) the best offers, best first
+            room = torch.arange(best.shape[0], device=device) < n - size
+            take = torch.zeros_like(offer, dtype=torch.bool).index_put_((best,), (offer[best] > float("-inf")) & room)
+            slot = best.sort().values  # (L,) by parent, then draw order
+            row, rank, valid = slot // k, slot % k, take[slot]
+            score = torch.where(valid, value[row] + logq[row, rank], float("-inf"))  # (L,) log p-hat; -inf: not a node
+            size = size + valid.sum()
+            first = sum(t.shape[0] for t in tokens)  # candidate index of the layer's first slot
+            tokens.append(chosen[row, rank])
+            parents.append(frontier[row])
+            depths.append(torch.full_like(row, depth))
+            keys.append(score)
+            if depth == max_depth:
+                break
+            frontier = torch.arange(first, first + row.shape[0], device=device)
+            dists = self.picker.log_dist(drafter.expand(tokens[-1], parents[-1]))  # (L, V); parent slot = its index
+            value = torch.where(valid & (score.exp() > self.threshold) & (size < n), score, float("-inf"))
+            probs.append(dists.exp())
+        tokens, parents, depths, keys = (torch.cat(x) for x in (tokens, parents, depths, keys))
+        run = torch.arange(tokens.shape[0], device=device)
+        slots = torch.where(run < tokens.shape[0] - row.shape[0], run, -1)  # the last layer never ran
+        draft_probs = None
+        if self.picker.sampled:  # (C + 1, V): [root] + every candidate's distribution, zero rows for the last layer
+            draft_probs = torch.cat([*probs, probs[0].new_zeros(row.shape[0], probs[0].shape[1])])
+        return select_best(tokens, parents, depths, keys, slots, n, draft_probs=draft_probs)

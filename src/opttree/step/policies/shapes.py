@@ -278,7 +278,7 @@ def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
 
 def select_best(
     tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
-    listed: bool = False,
+    listed: bool = False, draft_probs: torch.Tensor | None = None,
 ) -> DraftTree:
     """The n candidates with the largest score (log p-hat), ties to the earlier (shallower) one.
 
@@ -287,6 +287,8 @@ def select_best(
     `listed`: the candidates come from a drafter that lists its children (`top_children`) and may pad its short
     rows with -inf (not `full_top_rows`): those are never chosen (a shape sync). Otherwise candidates scored
     -inf (past a stop decided on the device) fill the n after every finite one: a fixed size.
+    `draft_probs` (C + 1, V): the distributions sampled children were drawn from ([root] + candidates); the tree
+    then carries the chosen rows, and its scores as keys (-inf: not a draw, never tried by rejection sampling).
     """
     order = torch.sort(scores, descending=True, stable=True).indices[:n]
     if listed:
@@ -296,4 +298,8 @@ def select_best(
     new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
     tree_parents = new_index[parents[chosen] + 1]
     torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
-    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
+    if draft_probs is None:
+        return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
+    rows = torch.cat([chosen.new_zeros(1), chosen + 1])  # [root] + the chosen candidates
+    return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs[rows],
+                     scores[chosen])
