@@ -1,0 +1,77 @@
+"""Several generate settings of this checkout against each other and plain decoding, in one process, prompt by
+prompt (the order rotated per prompt): for comparisons `opttree bench` cannot make in one run, such as an
+environment switch (`OPTTREE_BLOCK=0`: chains verified token by token) or a class switch
+(`DySpec.grow_on_device`). Each variant is LABEL=SETTINGS, SETTINGS being generate keywords in Python syntax
+plus, optionally, `env={...}` (set for that variant's runs only) and `dyspec_on_device=True`; a sampled run
+starts from the pair's profile settings (`opttree.profile_options`), which a variant's keywords override.
+
+    python scripts/settings_ab.py --temperature 1 "chain-top=tree='chain', budget=3, children='top'" \\
+        "chain-token=tree='chain', budget=3, env={'OPTTREE_BLOCK': '0'}" "chain-block=tree='chain', budget=3"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import opttree
+from opttree.bench.prompts import load_prompts
+from opttree.step.policies.dyspec import DySpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, _, settings = text.partition("=")
+    return label, eval(f"dict({settings})")  # noqa: S307 -- a developer's command line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="+", help="LABEL=SETTINGS (module docstring)")
+    parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/humaneval.jsonl")
+    parser.add_argument("--limit", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
+    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
+    base = opttree.profile_options(target, draft, temperature=args.temperature)
+    variants = [("plain decoding", {"tree": "ar"})] + [parse_variant(v) for v in args.variants]
+    totals = {label: [0.0, 0, 0] for label, _ in variants}  # seconds, new tokens, target forwards
+    for i, ids in enumerate(prompts):
+        for label, settings in variants[i % len(variants):] + variants[: i % len(variants)]:
+            settings = dict(settings)
+            env, DySpec.grow_on_device = settings.pop("env", {}), settings.pop("dyspec_on_device", False)
+            plain = settings.get("tree") == "ar"
+            options = settings if plain else {**base, **settings}
+            os.environ.update(env)
+            try:
+                start = time.perf_counter()
+                run = opttree.stream(target, ids, None if plain else draft, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, seed=i, **options)
+                tokens = sum(chunk.numel() for chunk in run)
+                cell = totals[label]
+                cell[0] += time.perf_counter() - start
+                cell[1] += tokens
+                cell[2] += run.stats.steps
+            finally:
+                for key in env:
+                    os.environ.pop(key)
+                DySpec.grow_on_device = False
+    seconds, tokens, _ = totals["plain decoding"]
+    plain_rate = tokens / seconds
+    print("| setting | tokens/s | new tokens a step | ms a step | over plain decoding |")
+    print("|---|---:|---:|---:|---:|")
+    for label, (seconds, tokens, steps) in totals.items():
+        print(f"| {label} | {tokens / seconds:.1f} | {tokens / steps:.3f} | {seconds / steps * 1e3:.2f} | "
+              f"{tokens / seconds / plain_rate:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
