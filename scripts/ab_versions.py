@@ -77,14 +77,19 @@ def main() -> None:
             for label, module, tree in cells if i % 2 == 0 else cells[::-1]:
                 totals[label] = [a + b for a, b in zip(totals[label], run(module, ids, tree))]
             print(f"prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
-    plain = totals["plain decoding"][1] / totals["plain decoding"][0]
     print(f"\n{args.settings}, temperature {args.temperature}, {args.dtype}, {len(prompts)} prompts, "
           f"{args.max_new_tokens} new tokens\n")
-    print("| code | tokens/s | mean accepted length | ms a step | speedup over plain decoding |")
+    print_totals(totals, "code")
+
+
+def print_totals(totals: dict[str, list], what: str) -> None:
+    """A markdown table of {label: [seconds, new tokens, steps]}, speedups over the row "plain decoding"."""
+    plain = totals["plain decoding"][1] / totals["plain decoding"][0]
+    print(f"| {what} | tokens/s | mean accepted length | ms a step | speedup over plain decoding |")
     print("|---|---:|---:|---:|---:|")
     for label, (seconds, tokens, steps) in totals.items():
-        print(f"| {label} | {tokens / seconds:.1f} | {tokens / steps:.2f} | {seconds / steps * 1e3:.2f} | "
-              f"{tokens / seconds / plain:.2f}x |")
+        print(f"| {label} | {tokens / seconds:.1f} | {tokens / steps:.3f} | {seconds / steps * 1e3:.2f} | "
+              f"{tokens / seconds / plain:.3f}x |")
 
 
 if __name__ == "__main__":

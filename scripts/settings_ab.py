@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from ab_versions import print_totals  # this folder's: the same table
 
 import opttree
 from opttree.bench.prompts import load_prompts
@@ -43,34 +44,31 @@ def main() -> None:
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
     base = opttree.profile_options(target, draft, temperature=args.temperature)
     variants = [("plain decoding", {"tree": "ar"})] + [parse_variant(v) for v in args.variants]
-    totals = {label: [0.0, 0, 0] for label, _ in variants}  # seconds, new tokens, target forwards
+    def run(settings: dict, ids: torch.Tensor, seed: int) -> list:
+        """[seconds, new tokens, steps] of one generation with `settings`."""
+        settings = dict(settings)
+        env, DySpec.grow_on_device = settings.pop("env", {}), settings.pop("dyspec_on_device", False)
+        plain = settings.get("tree") == "ar"
+        os.environ.update(env)
+        try:
+            start = time.perf_counter()
+            options = settings if plain else {**base, **settings}
+            stream = opttree.stream(target, ids, None if plain else draft, max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, seed=seed, **options)
+            tokens = sum(chunk.numel() for chunk in stream)
+            return [time.perf_counter() - start, tokens, stream.stats.steps]
+        finally:
+            for key in env:
+                os.environ.pop(key)
+            DySpec.grow_on_device = False
+
+    for _, settings in variants:  # warm-up
+        run(settings, prompts[0], 0)
+    totals = {label: [0.0, 0, 0] for label, _ in variants}  # seconds, new tokens, steps
     for i, ids in enumerate(prompts):
         for label, settings in variants[i % len(variants):] + variants[: i % len(variants)]:
-            settings = dict(settings)
-            env, DySpec.grow_on_device = settings.pop("env", {}), settings.pop("dyspec_on_device", False)
-            plain = settings.get("tree") == "ar"
-            options = settings if plain else {**base, **settings}
-            os.environ.update(env)
-            try:
-                start = time.perf_counter()
-                run = opttree.stream(target, ids, None if plain else draft, max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, seed=i, **options)
-                tokens = sum(chunk.numel() for chunk in run)
-                cell = totals[label]
-                cell[0] += time.perf_counter() - start
-                cell[1] += tokens
-                cell[2] += run.stats.steps
-            finally:
-                for key in env:
-                    os.environ.pop(key)
-                DySpec.grow_on_device = False
-    seconds, tokens, _ = totals["plain decoding"]
-    plain_rate = tokens / seconds
-    print("| setting | tokens/s | new tokens a step | ms a step | over plain decoding |")
-    print("|---|---:|---:|---:|---:|")
-    for label, (seconds, tokens, steps) in totals.items():
-        print(f"| {label} | {tokens / seconds:.1f} | {tokens / steps:.3f} | {seconds / steps * 1e3:.2f} | "
-              f"{tokens / seconds / plain_rate:.3f}x |")
+            totals[label] = [a + b for a, b in zip(totals[label], run(settings, ids, i))]
+    print_totals(totals, "setting")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def token_level_accepted(p, q):
 
 def error(p, distribution):
     """Total variation distance to the target's distribution of LENGTH + 1 tokens."""
-    return sum(abs(distribution.get(s, 0.0) - joint(p, s)) for s in itertools.product(range(VOCAB), repeat=LENGTH + 1)) / 2
+    sequences = itertools.product(range(VOCAB), repeat=LENGTH + 1)
+    return sum(abs(distribution.get(s, 0.0) - joint(p, s)) for s in sequences) / 2
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -43,13 +43,14 @@ def shipped():
 
 # Host syncs per step, after the prefill, over 64 tokens of the shipped pair (fp32). With OPT-Tree's
 # delta stop and DySpec's growth decided on the device (`OptTree.stop_on_device`, `DySpec.grow_on_device`), a
-# step of a model-drafting method reads the device once: the accepted tokens. At temperature 1 with top-ranked children (children="top") and with
-# sampled children (the default there: rejection sampling decides every node at once, on the device, as
-# everywhere but on a CPU).
+# step of a model-drafting method reads the device once: the accepted tokens. At temperature 1 with top-ranked
+# children (children="top") and with sampled children (the default there: rejection sampling decides every
+# node at once, on the device, as everywhere but on a CPU).
 ONE_SYNC = [("opt", "model", 16, 0.0), ("opt", "model", 64, 0.0), ("opt", "model", 16, 1.0), ("opt", "model", 64, 1.0),
             ("opt", "head", 16, 0.0), ("eagle2", "model", 16, 1.0), ("opt", "model", 16, 1.0, "sampled"),
             ("opt", "model", 64, 1.0, "sampled"), ("opt", "head", 16, 1.0, "sampled"),
-            ("eagle2", "model", 16, 1.0, "sampled"), ("dyspec", "model", 16, 0.0), ("dyspec", "model", 64, 1.0, "sampled")]
+            ("eagle2", "model", 16, 1.0, "sampled"), ("dyspec", "model", 16, 0.0),
+            ("dyspec", "model", 64, 1.0, "sampled")]
 # Token Recycling's tree with lookup's trie merged in on the device: one read a step as well. The last step of a
 # generation may take a shape sync more: there the depth limit (the tokens left) leaves recycling's tree with fewer
 # nodes than the budget, and the merge then drops the duplicate paths by value.
