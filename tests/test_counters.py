@@ -6,6 +6,7 @@ import torch
 
 import opttree
 from opttree.counters import StepCounter, count_steps
+from opttree.step.drafters.estimates import forget
 
 
 def test_the_counter_counts_host_reads_shape_syncs_and_ops_outside_modules():
@@ -72,6 +73,7 @@ def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_devi
     monkeypatch.setattr(OptTree, "stop_on_device", stop_on_device)
     monkeypatch.setattr(DySpec, "grow_on_device", stop_on_device)
     target, draft, ids = shipped
+    forget(target)  # every count starts cold: the train-free sources' state is kept per target, across tests
     run = opttree.stream(target, ids, draft if "model" in drafter else None, tree=tree, drafter=drafter,
                          budget=budget, max_new_tokens=64, temperature=temperature, seed=0, children=children)
     costs, counter = count_steps(run, where=True)
