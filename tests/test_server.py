@@ -418,6 +418,55 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     assert "opttree:batch_size_bucket" in text and "opttree:iteration_tokens_total_count" in text
 
 
+def test_prompts_of_very_different_lengths_prefill_and_decode_apart():
+    """`prefill_groups`: every job once, by length, each group within the padding limit (or alone); `fits`: rows
+    share a lane while their padded positions stay small or within the padding bound. Against brute force."""
+    import itertools
+    from types import SimpleNamespace
+
+    from opttree.server.batcher import LANE_PADDING, LANE_POSITIONS, PADDING_LIMIT, fits, prefill_groups
+
+    job = lambda n: SimpleNamespace(row=SimpleNamespace(prompt_len=n))  # noqa: E731
+    for lengths in itertools.product([3, 20, 22, 25, 90, 1600], repeat=4):
+        jobs = [job(n) for n in lengths]
+        groups = prefill_groups(jobs)
+        assert sorted(map(id, (j for g in groups for j in g))) == sorted(map(id, jobs))
+        flat = [j.row.prompt_len for g in groups for j in g]
+        assert flat == sorted(lengths)
+        for g in groups:
+            sizes = [j.row.prompt_len for j in g]
+            assert len(g) == 1 or max(sizes) * len(sizes) <= PADDING_LIMIT * sum(sizes)
+    assert [len(g) for g in prefill_groups([job(n) for n in (20, 22, 25, 1600)])] == [3, 1]
+    assert fits([200] * 8) and not fits([200] * 7 + [1700])  # 1,700 x 8 = 13,600 > 2 x 3,100
+    assert fits([LANE_POSITIONS // 4] * 4) and fits([3000, 2500]) and not fits([100, 100, 100, 3000])
+    assert not fits([LANE_POSITIONS, 10, 10]) and fits([LANE_POSITIONS] * 2)
+    assert all(fits([n]) for n in (1, LANE_POSITIONS, int(LANE_PADDING * 10 ** 5)))
+
+
+def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pair, monkeypatch):
+    """A prompt far longer than the others gets a batch (lane) of its own, stepped in turn with theirs, instead of
+    every short row attending over its length; each answer is still exactly its greedy output."""
+    import opttree.server.batcher as batcher
+    from opttree.server.app import CompletionRequest
+
+    monkeypatch.setattr(batcher, "LANE_POSITIONS", 64)  # small positions here: a 200-token prompt is "long"
+    target, draft, tok = pair
+    server, rows = _batching_server(pair, max_batch=4)
+    long_prompt = "".join(CODE_PROMPTS) * 4
+    prompts = [CODE_PROMPTS[0], long_prompt, CODE_PROMPTS[3], CODE_PROMPTS[4]]
+    lanes = []
+    observe = server.batcher.on_step
+    server.batcher.on_step = lambda *a: (lanes.append(len(server.batcher.lanes)), observe(*a))
+    with server.batcher.changed:
+        jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0] for p in prompts]
+    answers = [[t for chunk in job.chunks() for t in chunk] for job in jobs]
+    for prompt, answer in zip(prompts, answers):
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        assert answer == reference(pair, ids, 12)
+    assert max(lanes) == 2 and max(n for n, _ in rows) == 3  # the three short ones together, the long one apart
+    assert server.running() == 0
+
+
 def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pair):
     """A request cancelled mid-way leaves the batch at the next step; one whose prefill fails ends with
     that error; the rows beside them finish exactly as alone, and the server goes on serving."""

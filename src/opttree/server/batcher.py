@@ -18,6 +18,27 @@ from ..threads import release_openmp_threads
 _END = object()  # a job's queue: no more chunks
 
 
+PADDING_LIMIT = 1.25  # a prefill of several prompts computes at most this many positions per real one
+
+
+def prefill_groups(jobs: list["BatchJob"]) -> list[list["BatchJob"]]:
+    """The jobs in groups that share a prefill: one prefill pads every prompt to its longest (and a short one
+    next to a long one also asks for the logits of every position after its last `prompt_rows`), so prompts of
+    very different lengths are prefilled apart. By length, shortest first; a group takes the next prompt while
+    its padded positions (longest x count) stay within PADDING_LIMIT x its real ones."""
+    groups: list[list[BatchJob]] = []
+    total = 0
+    for job in sorted(jobs, key=lambda job: job.row.prompt_len):
+        length = job.row.prompt_len
+        if groups and length * (len(groups[-1]) + 1) <= PADDING_LIMIT * (total + length):
+            groups[-1].append(job)
+            total += length
+        else:
+            groups.append([job])
+            total = length
+    return groups
+
+
 class BatchJob:
     """One request's place in the batch: its row and the chunks the scheduler hands it."""
 
@@ -64,11 +85,79 @@ class BatchJob:
         self._ended.set()
 
 
+class Lane:
+    """One running batch (`Generation`) and its jobs: requests whose lengths are close enough to share a
+    cache that pads every row to the longest (`fits`)."""
+
+    def __init__(self):
+        self.run: Generation | None = None
+        self.jobs: dict[int, BatchJob] = {}  # row index in `run` -> its job
+
+    def lengths(self) -> list[int]:
+        """The positions each running row holds now (prompt and tokens emitted)."""
+        return [job.row.prefix_len for job in self.jobs.values()]
+
+    def join(self, jobs: list[BatchJob], target, allocator: Allocator | None) -> None:
+        """The jobs' rows join this lane's batch (a new one if none runs), prefilled now in one forward; if that
+        raises, none of them joins."""
+        rows = [job.row for job in jobs]
+        if self.run is None or self.run.ended:
+            run = Generation(target, rows, width=0, static=False, batch=True, allocator=allocator)
+            run.begin()
+            self.run, indices = run, list(range(len(rows)))
+        else:
+            indices = self.run.admit_all(rows)
+        now = time.perf_counter()
+        for b, job in zip(indices, jobs):
+            job.waited_s = now - job.joined
+            self.jobs[b] = job
+
+    def drop_stopped(self) -> None:
+        for b in [b for b, job in self.jobs.items() if job.stopped()]:
+            self.run.cancel(b)
+            self.jobs.pop(b).end()
+
+    def fail(self, err: BaseException) -> None:
+        for job in self.jobs.values():
+            job.end(error=err)
+        self.jobs.clear()
+        self.run = None
+
+    def step(self, on_step: Callable[[int, int, list[int]], None]) -> None:
+        drafted = {b: job.stats.drafted_tokens for b, job in self.jobs.items()}
+        try:
+            pairs = self.run.step()
+        except Exception as err:  # the step failed: every row in it fails, the next requests start afresh
+            self.fail(err)
+            return
+        tokens = 0
+        for b, chunk in pairs:
+            tokens += chunk.shape[0]
+            self.jobs[b].put(chunk.tolist())
+        on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs])
+        for b in [b for b in self.jobs if self.run.rows[b].finished]:
+            self.jobs.pop(b).end(complete=True)
+
+
+LANE_POSITIONS = 4096  # a lane's rows x its longest row: any mix of lengths up to this many positions in all ...
+LANE_PADDING = 2.0  # ... or, past them, at most this many positions per real one
+
+
+def fits(lengths: list[int]) -> bool:
+    """Whether rows of these lengths share a lane: a step's attention covers every row up to the longest, so a
+    long prompt beside short ones would multiply the short ones' attention work (measured: one prompt of 1,606
+    tokens among 15 of 16-131 took 8 clients' throughput from ~630 to ~200 tokens/s). Past LANE_POSITIONS padded
+    positions (where attention starts to weigh against a step's reading of the weights), the padding is bounded."""
+    return max(lengths) * len(lengths) <= max(LANE_POSITIONS, LANE_PADDING * sum(lengths))
+
+
 class Batcher:
-    """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops
-    the stopped ones and steps the batch. `on_step(rows, tokens, drafted)` observes each step: how many
-    rows ran, the tokens they emitted, the draft nodes each row verified. `allocator`: how the rows
-    share a step (one node budget for the batch, or each tree sized for the rows decoding), None: a tree each."""
+    """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops the
+    stopped ones and steps the running batches. Requests of similar lengths share a batch (a `Lane`), those of very
+    different lengths run in lanes of their own, stepped in turn (a step of each lane a turn). `on_step(rows, tokens,
+    drafted)` observes each step: how many rows ran, the tokens they emitted, the draft nodes each row verified.
+    `allocator`: how the rows share a step (one node budget for the batch, or each tree sized for the rows
+    decoding), None: a tree each."""
 
     def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None,
                  allocator: Allocator | None = None):
@@ -77,8 +166,7 @@ class Batcher:
         self.target, self.max_rows, self.on_step, self.allocator = target, max_rows, on_step, allocator
         self.waiting: deque[BatchJob] = deque()
         self.changed = threading.Condition()
-        self.run: Generation | None = None
-        self.jobs: dict[int, BatchJob] = {}  # row index in `run` -> its job
+        self.lanes: list[Lane] = []
         threading.Thread(target=self._loop, daemon=True, name="opttree-batch").start()
 
     def submit(self, job: BatchJob) -> None:
@@ -96,64 +184,68 @@ class Batcher:
             self.changed.notify()
 
     def running(self) -> int:
-        """Rows in the batch now."""
-        return len(self.jobs)
+        """Rows in the running batches now."""
+        return sum(len(lane.jobs) for lane in self.lanes)
 
     def _loop(self) -> None:
         while True:
             with self.changed:
-                if not self.waiting and not self.jobs:
+                if not self.waiting and not self.running():
                     release_openmp_threads()  # idle: its OpenMP workers go, not to slow another thread's
-                while not self.waiting and not self.jobs:
+                while not self.waiting and not self.running():
                     self.changed.wait()
-                room = self.max_rows - len(self.jobs)
+                room = self.max_rows - self.running()
                 arrivals = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
             try:
                 self._turn(arrivals)
             except Exception as err:  # never leave the scheduler dead: the batch's requests fail, the next start afresh
                 with self.changed:
                     queued = set(map(id, self.waiting))
-                running = list(self.jobs.values())
+                running = [job for lane in self.lanes for job in lane.jobs.values()]
                 for job in running + [j for j in arrivals if id(j) not in queued and j not in running]:
                     job.end(error=err)
-                self.jobs.clear()
-                self.run = None
+                self.lanes = []
 
     def _turn(self, arrivals: list[BatchJob]) -> None:
-        """Between two steps: the stopped rows leave, the arrivals join (in order), then one step."""
-        for b in [b for b, job in self.jobs.items() if job.stopped()]:
-            self.run.cancel(b)
-            self.jobs.pop(b).end()
+        """Between two steps: the stopped rows leave, the arrivals join (in order), then one step of each lane."""
+        for lane in self.lanes:
+            lane.drop_stopped()
+        self.lanes = [lane for lane in self.lanes if lane.jobs]
         arrivals = self._admit_together(arrivals)
         for i, job in enumerate(arrivals):
-            if not self._admit(job):  # it decodes alone: first in line again, once the batch has drained
+            if not self._admit(job):  # it decodes alone: first in line again, once the batches have drained
                 with self.changed:
                     self.waiting.extendleft(reversed(arrivals[i:]))
                 break
-        if self.jobs:
-            self._step()
+        for lane in self.lanes:
+            if lane.jobs:
+                lane.step(self.on_step)
 
     def _admit_together(self, arrivals: list[BatchJob]) -> list[BatchJob]:
-        """The arrivals join the batch in one prefill (`Generation.admit_all`); returns those left to admit
-        one at a time: all of them when that fails, so that a request that cannot share a batch, or whose
-        prefill fails, is found alone and the others join."""
+        """The arrivals join the batches in one prefill (`Generation.admit_all`) per group of similar prompt lengths
+        (`prefill_groups`); returns those left to admit one at a time: the groups of one, and a group whose
+        prefill failed, so that a request that cannot share a batch, or whose prefill fails, is found alone and
+        the others join."""
         live = []
         for job in arrivals:
             if job.stopped():
                 job.end()
             else:
                 live.append(job)
-        if len(live) < 2:
-            return live
-        try:
-            self._join(live)
-        except Exception:  # noqa: BLE001 - each is admitted alone instead, and fails alone if it fails
-            return live
-        return []
+        alone = []
+        for group in prefill_groups(live):
+            if len(group) < 2:
+                alone += group
+                continue
+            try:
+                self._join(group)
+            except Exception:  # noqa: BLE001 - each is admitted alone instead, and fails alone if it fails
+                alone += group
+        return alone
 
     def _admit(self, job: BatchJob) -> bool:
-        """`job` joins the batch, or ends (stopped, or failed alone); False: it cannot share a batch
-        (e.g. the early-exit source, a target verified as chains) and must wait for this one to end."""
+        """`job` joins a batch, or ends (stopped, or failed alone); False: it cannot share a batch (e.g. the
+        early-exit source, a target verified as chains) and must wait for the running ones to end."""
         if job.stopped():
             job.end()
             return True
@@ -166,34 +258,15 @@ class Batcher:
         return True
 
     def _join(self, jobs: list[BatchJob]) -> None:
-        """The jobs' rows join the batch (a new one if none runs), prefilled now in one forward; if that
-        raises, none of them joins."""
-        rows = [job.row for job in jobs]
-        if self.run is None or self.run.ended:
-            run = Generation(self.target, rows, width=0, static=False, batch=True, allocator=self.allocator)
-            run.begin()
-            self.run, indices = run, list(range(len(rows)))
-        else:
-            indices = self.run.admit_all(rows)
-        now = time.perf_counter()
-        for b, job in zip(indices, jobs):
-            job.waited_s = now - job.joined
-            self.jobs[b] = job
-
-    def _step(self) -> None:
-        drafted = {b: job.stats.drafted_tokens for b, job in self.jobs.items()}
-        try:
-            pairs = self.run.step()
-        except Exception as err:  # the step failed: every row in it fails, the next requests start afresh
-            for job in self.jobs.values():
-                job.end(error=err)
-            self.jobs.clear()
-            self.run = None
+        """The jobs join the lane their lengths fit (`fits`; the fullest such), else a lane of their own. A lane
+        that cannot take them (a row that cannot share a batch, theirs or one running) raises NotImplementedError
+        for the caller: they wait."""
+        lengths = [job.row.prompt_len for job in jobs]
+        fitting = [lane for lane in self.lanes if lane.jobs and fits(lane.lengths() + lengths)]
+        lane = max(fitting, key=lambda lane: len(lane.jobs), default=None)
+        if lane is None:
+            lane = Lane()
+            lane.join(jobs, self.target, self.allocator)  # raises before the lane is kept
+            self.lanes.append(lane)
             return
-        tokens = 0
-        for b, chunk in pairs:
-            tokens += chunk.shape[0]
-            self.jobs[b].put(chunk.tolist())
-        self.on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs])
-        for b in [b for b in self.jobs if self.run.rows[b].finished]:
-            self.jobs.pop(b).end(complete=True)
+        lane.join(jobs, self.target, self.allocator)
