@@ -47,11 +47,10 @@ def shipped():
 # step of a model-drafting method reads the device once: the accepted tokens. At temperature 1 with top-ranked
 # children (children="top") and with sampled children (the default there: rejection sampling decides every
 # node at once, on the device, as everywhere but on a CPU).
-ONE_SYNC = [("opt", "model", 16, 0.0), ("opt", "model", 64, 0.0), ("opt", "model", 16, 1.0), ("opt", "model", 64, 1.0),
-            ("opt", "head", 16, 0.0), ("eagle2", "model", 16, 1.0), ("opt", "model", 16, 1.0, "sampled"),
-            ("opt", "model", 64, 1.0, "sampled"), ("opt", "head", 16, 1.0, "sampled"),
-            ("eagle2", "model", 16, 1.0, "sampled"), ("dyspec", "model", 16, 0.0),
-            ("dyspec", "model", 64, 1.0, "sampled")]
+ONE_SYNC = [(tree, drafter, budget, temperature, children)
+            for tree, drafter in [("opt", "model"), ("opt", "head"), ("eagle2", "model"), ("dyspec", "model")]
+            for budget in (16, 64)
+            for temperature, children in [(0.0, "top"), (1.0, "top"), (1.0, "sampled")]]
 # Token Recycling's tree with lookup's trie merged in on the device: one read a step as well. The last step of a
 # generation may take a shape sync more: there the depth limit (the tokens left) leaves recycling's tree with fewer
 # nodes than the budget, and the merge then drops the duplicate paths by value.
@@ -84,8 +83,7 @@ def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_devi
 @pytest.mark.parametrize("case", ONE_SYNC)
 def test_one_host_sync_per_step(shipped, monkeypatch, case):
     monkeypatch.setenv("OPTTREE_REJECTION", "device")  # as on a GPU (on a CPU the walk on the host is faster)
-    children = case[4] if len(case) > 4 else "top"
-    costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=True, children=children)
+    costs, where = syncs(shipped, monkeypatch, *case[:4], stop_on_device=True, children=case[4])
     assert costs.host_syncs == 1.0 and costs.shape_syncs == 0, where
 
 
