@@ -2,9 +2,9 @@
 
 python scripts/gpu_step_profile.py --target DIR --draft DIR [--methods ar,opt@16,...] [--compiled ar,...]
 
-A method is `POLICY[:DRAFTER][@BUDGET]`, with `!host` or `!device` to decide OPT-Tree's delta stop there
-(default: the host, a read per draft layer; `!device` drafts every layer to max_depth and reads nothing
-until the acceptance: `opt@16!device` against `opt@16`).
+A method is `POLICY[:DRAFTER][@BUDGET]`, with `!host` or `!device` to decide OPT-Tree's delta stop (and
+DySpec's growth) there (default: the host, a read per draft layer; `!device` drafts every layer to max_depth
+and reads nothing until the acceptance: `opt@16!device` against `opt@16`, `dyspec@16!device`).
 
 Each method (`POLICY[:DRAFTER][@BUDGET]`) generates --max-new-tokens tokens from one HumanEval-style
 prompt, greedy: one warm-up, one timed run (wall time per step, tokens/s, mean accepted length), one
@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import opttree
+from opttree.step.policies.dyspec import DySpec
 from opttree.step.policies.opt import OptTree
 
 PROMPT = 'def binary_search(items, target):\n    """Return the index of target in items, or -1."""\n'
@@ -47,12 +48,12 @@ def run(target, draft, ids, kwargs, max_new_tokens):
     kwargs = dict(kwargs)
     stop = kwargs.pop("stop")
     uses_draft = kwargs["tree"] != "ar" and "model" in kwargs.get("drafter", "model")
-    OptTree.stop_on_device = stop == "device"
+    OptTree.stop_on_device = DySpec.grow_on_device = stop == "device"
     try:
         return opttree.generate(target, ids, draft if uses_draft else None, max_new_tokens=max_new_tokens,
                                 eos_token_id=[], **kwargs)
     finally:
-        OptTree.stop_on_device = False
+        OptTree.stop_on_device = DySpec.grow_on_device = False
 
 
 def sync() -> None:
