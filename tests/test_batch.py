@@ -68,6 +68,27 @@ def test_a_batch_of_sixteen(models):
     check_rows(target, batch, opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[]), references)
 
 
+def test_prompts_of_very_different_lengths_run_as_batches_of_similar_ones(monkeypatch):
+    """`generate` with a list whose lengths do not share a batch well (`batch_sizing.fits`) runs one batch per group
+    of similar lengths, and each row is still its prompt's own greedy output, in the order given."""
+    import opttree.batch_sizing as batch_sizing
+    from opttree.speculator import Speculator
+
+    monkeypatch.setattr(batch_sizing, "LANE_POSITIONS", 16)  # small positions here: 120 beside 3 and 9 is "long"
+    assert batch_sizing.length_lanes([120, 3, 9]) == [[1, 2], [0]]
+    target, draft = tiny("llama", "sdpa", seed=1), tiny("llama", "sdpa", seed=2)
+    batch = prompts([120, 3, 9], seed=5)
+    streams = []
+    original = Speculator.stream
+    monkeypatch.setattr(Speculator, "stream", lambda self, requests, **kw: (streams.append(len(requests)),
+                                                                            original(self, requests, **kw))[1])
+    for draft_model, method in [(None, dict()), (draft, dict(tree="chain"))]:
+        streams.clear()
+        check_rows(target, batch, opttree.generate(target, batch, draft_model, max_new_tokens=NEW, eos_token_id=[],
+                                                   **method))
+        assert streams == [2, 1]
+
+
 def test_rows_that_end_early_leave_the_batch_and_the_others_go_on():
     target = tiny("llama", seed=1)
     batch = prompts([4, 30, 11], seed=3)

@@ -424,7 +424,8 @@ def test_prompts_of_very_different_lengths_prefill_and_decode_apart():
     import itertools
     from types import SimpleNamespace
 
-    from opttree.server.batcher import LANE_PADDING, LANE_POSITIONS, PADDING_LIMIT, fits, prefill_groups
+    from opttree.batch_sizing import LANE_PADDING, LANE_POSITIONS, fits
+    from opttree.server.batcher import PADDING_LIMIT, prefill_groups
 
     job = lambda n: SimpleNamespace(row=SimpleNamespace(prompt_len=n))  # noqa: E731
     for lengths in itertools.product([3, 20, 22, 25, 90, 1600], repeat=4):
@@ -446,10 +447,10 @@ def test_prompts_of_very_different_lengths_prefill_and_decode_apart():
 def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pair, monkeypatch):
     """A prompt far longer than the others gets a batch (lane) of its own, stepped in turn with theirs, instead of
     every short row attending over its length; each answer is still exactly its greedy output."""
-    import opttree.server.batcher as batcher
+    import opttree.batch_sizing as batch_sizing
     from opttree.server.app import CompletionRequest
 
-    monkeypatch.setattr(batcher, "LANE_POSITIONS", 64)  # small positions here: a 200-token prompt is "long"
+    monkeypatch.setattr(batch_sizing, "LANE_POSITIONS", 64)  # small positions here: a 200-token prompt is "long"
     target, draft, tok = pair
     server, rows = _batching_server(pair, max_batch=4)
     long_prompt = "".join(CODE_PROMPTS) * 4

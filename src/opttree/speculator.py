@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .batch_sizing import BatchLatency, SizedBudget, batch_latency
+from .batch_sizing import BatchLatency, SizedBudget, batch_latency, length_lanes
 from .certify import certify
 from .device import has_static_step, model_device
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
@@ -135,8 +135,19 @@ class Speculator:
         return self.latency or batch_latency(self.target, rows)
 
     def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
-        """Run `stream` to the end: one `GenerationOutput` per request (a list for a list)."""
-        return self.stream(requests, **kwargs).finish()
+        """Run `stream` to the end: one `GenerationOutput` per request (a list for a list). A list whose prompts'
+        lengths differ too much to share a batch (`batch_sizing.fits`: every row is padded to the longest) runs as
+        several batches of similar lengths, one after the other; the outputs come in the requests' order."""
+        if not isinstance(requests, (list, tuple)) or len(requests) < 2 or kwargs.get("joinable") \
+                or kwargs.get("attention_mask") is not None:
+            return self.stream(requests, **kwargs).finish()
+        lengths = [_prompt_ids(prompt_and_mask(request.prompt)[0], self.target).shape[0] for request in requests]
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        for lane in length_lanes(lengths):
+            done = self.stream([requests[i] for i in lane], **kwargs).finish()
+            for i, output in zip(lane, done if isinstance(done, list) else [done]):
+                outputs[i] = output
+        return outputs
 
     def _check(self, check: Callable, *args, **kwargs) -> None:
         """Run one of the checks of a model against a generation's sizes, once per speculator and arguments:
@@ -246,22 +257,34 @@ def stream(
     that preparation (custom_generate passes what transformers prepared); `depth` replaces the depth
     control `depth_control` names (`opttree train length-predictor` records the steps with one).
     The same as `Speculator(target, draft, ...).stream(Request(...))`."""
+    speculator, requests, mask = _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_processor,
+                                           generation_config, options)
+    return speculator.stream(requests, rules=rules, depth=depth, attention_mask=mask)
+
+
+def _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_processor, generation_config, options
+              ) -> tuple[Speculator, Request | list[Request], torch.Tensor | None]:
+    """`stream`'s and `generate`'s arguments as (speculator, the request or a list of them, one prompt's mask)."""
     input_ids, mask = prompt_and_mask(input_ids)
     prompts, batch = _prompts(input_ids, mask, target)
     speculator = Speculator(target, draft, tokenizer=tokenizer, eos_token_id=eos_token_id,
                             generation_config=generation_config, **options)
     requests = [Request(ids, stop=stop, logits_processor=logits_processor) for ids in prompts]
-    return speculator.stream(requests if batch else requests[0], rules=rules, depth=depth,
-                             attention_mask=None if batch else mask)
+    return speculator, requests if batch else requests[0], None if batch else mask
 
 
-def generate(target: PreTrainedModel, input_ids, draft=None, **kwargs) -> GenerationOutput | list[GenerationOutput]:
+def generate(target: PreTrainedModel, input_ids, draft=None, *, tokenizer=None, eos_token_id=None, stop=None,
+             logits_processor=None, generation_config=None, rules: Rules | None = None,
+             depth: DepthControl | None = None, **options) -> GenerationOutput | list[GenerationOutput]:
     """Generate with speculative decoding; same output as `target.generate` (exactly, at temperature 0).
 
     Returns `.sequences` (1, prompt + new) and `.stats`; for a batch of prompts, a list of them, one
-    per prompt in order. Arguments as for `stream`.
+    per prompt in order (prompts of very different lengths run as several batches: `Speculator.generate`).
+    Arguments as for `stream`.
     """
-    return stream(target, input_ids, draft, **kwargs).finish()
+    speculator, requests, mask = _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_processor,
+                                           generation_config, options)
+    return speculator.generate(requests, rules=rules, depth=depth, attention_mask=mask)
 
 
 class _UserDepth(Declared):

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
+from ..batch_sizing import fits
 from ..engine import Allocator, Generation, Row
 from ..threads import release_openmp_threads
 
@@ -137,18 +138,6 @@ class Lane:
         on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs])
         for b in [b for b in self.jobs if self.run.rows[b].finished]:
             self.jobs.pop(b).end(complete=True)
-
-
-LANE_POSITIONS = 4096  # a lane's rows x its longest row: any mix of lengths up to this many positions in all ...
-LANE_PADDING = 2.0  # ... or, past them, at most this many positions per real one
-
-
-def fits(lengths: list[int]) -> bool:
-    """Whether rows of these lengths share a lane: a step's attention covers every row up to the longest, so a
-    long prompt beside short ones would multiply the short ones' attention work (measured: one prompt of 1,606
-    tokens among 15 of 16-131 took 8 clients' throughput from ~630 to ~200 tokens/s). Past LANE_POSITIONS padded
-    positions (where attention starts to weigh against a step's reading of the weights), the padding is bounded."""
-    return max(lengths) * len(lengths) <= max(LANE_POSITIONS, LANE_PADDING * sum(lengths))
 
 
 class Batcher:
