@@ -267,7 +267,7 @@ class Generation:
         self.long_keys = False  # the target's cache holds keys of LongRoPE's long factors
         self.lockstep = lockstep_for(target)  # a target sharded over ranks: they compare every step (`opttree.parallel`)
         if len(rows) > 1:
-            _check_batchable(self, rows)
+            check_batchable(self, rows)
         self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
         self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
         self.phases = PhaseClock(self.device)
@@ -374,7 +374,7 @@ class Generation:
             raise ValueError("one sequence does not admit others: start a batch (a list of prompts or requests)")
         if self.ended:
             raise ValueError("this batch has ended (every row finished): start a new one")
-        _check_batchable(self, [self.rows[b] for b in self.active] + rows)  # refused: they never join `rows`
+        check_batchable(self, [self.rows[b] for b in self.active] + rows)  # refused: they never join `rows`
         first = len(self.rows)
         self.rows += rows
         new = list(range(first, len(self.rows)))
@@ -399,7 +399,7 @@ class Generation:
         """Rows `new` start: prefilled together into a cache of their own, then one cache of all running
         rows (`stack_rows`)."""
         start = _clock(self.device)
-        cache = self._new_cache(self.rows[new[0]])  # several rows: the dynamic path (`_check_batchable`)
+        cache = self._new_cache(self.rows[new[0]])  # several rows: the dynamic path (`check_batchable`)
         prefill(self.target, cache, [self.rows[b] for b in new])
         if self.cache is None:
             self.cache = cache
@@ -408,9 +408,9 @@ class Generation:
                                      (cache, [self.rows[b].prefix_len for b in new])])
         self.active += new
         row = self.rows[new[0]]
-        if self.rope_switch is not None:  # one sequence (`_check_batchable`)
+        if self.rope_switch is not None:  # one sequence (`check_batchable`)
             self.long_keys = row.prefix_len > self.rope_switch
-        if row.self_drafts:  # a self-drafter runs the target's first layers (one sequence: `_check_batchable`)
+        if row.self_drafts:  # a self-drafter runs the target's first layers (one sequence: `check_batchable`)
             row.drafter.share_target_cache(self.cache)
         prefill_s = _clock(self.device) - start
         for b in new:
@@ -524,7 +524,7 @@ def packs(models: list, rows: list[Row]) -> list[PackedLinears]:
     return [pack for pack in map(packed_linears, networks.values()) if pack is not None]
 
 
-def _check_batchable(generation: Generation, rows: list[Row]) -> None:
+def check_batchable(generation: Generation, rows: list[Row]) -> None:
     """What decodes one sequence at a time, refused for a batch with the reason."""
     why = []
     if isinstance(generation.verifier, ChainVerifier):

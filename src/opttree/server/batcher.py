@@ -13,7 +13,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..batch_sizing import fits
-from ..engine import Allocator, Generation, Row
+from ..engine import Allocator, Generation, Row, check_batchable
 from ..threads import release_openmp_threads
 
 _END = object()  # a job's queue: no more chunks
@@ -254,6 +254,9 @@ class Batcher:
         fitting = [lane for lane in self.lanes if lane.jobs and fits(lane.lengths() + lengths)]
         lane = max(fitting, key=lambda lane: len(lane.jobs), default=None)
         if lane is None:
+            if self.lanes:  # what cannot share a batch does not run beside other lanes either: it waits
+                running = self.lanes[0].run
+                check_batchable(running, [running.rows[b] for b in running.active] + [job.row for job in jobs])
             lane = Lane()
             lane.join(jobs, self.target, self.allocator)  # raises before the lane is kept
             self.lanes.append(lane)
