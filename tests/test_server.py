@@ -468,6 +468,42 @@ def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pa
     assert server.running() == 0
 
 
+def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, monkeypatch):
+    """A request refused as a batch's row (`engine.check_batchable`: e.g. the early-exit source) neither joins a
+    running lane nor starts one beside it: it waits until they have drained, then decodes, exactly."""
+    import opttree.batch_sizing as batch_sizing
+    import opttree.engine as engine
+    import opttree.server.batcher as batcher
+    from opttree.server.app import CompletionRequest
+
+    monkeypatch.setattr(batch_sizing, "LANE_POSITIONS", 64)  # the long prompt would get a lane of its own
+    target, draft, tok = pair
+    server, _ = _batching_server(pair, max_batch=4)
+    long_prompt = "".join(CODE_PROMPTS) * 4
+    with server.batcher.changed:  # two short ones run together (the long one would not fit their lane)
+        first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0]
+                         for p in CODE_PROMPTS[:2])
+    next(first.chunks())  # they run
+    alone = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0]
+    original = engine.check_batchable
+
+    def refuse_alone(generation, rows):
+        if alone.row in rows and len(rows) > 1:
+            raise NotImplementedError("a batch of 2 prompts does not combine with this request")
+        original(generation, rows)
+
+    monkeypatch.setattr(engine, "check_batchable", refuse_alone)
+    monkeypatch.setattr(batcher, "check_batchable", refuse_alone)
+    joined_after = []  # whether the first two had finished when the refused one joined
+    join = batcher.Lane.join
+    monkeypatch.setattr(batcher.Lane, "join", lambda lane, jobs, *a: (
+        joined_after.append(first.complete and second.complete) if alone in jobs else None, join(lane, jobs, *a))[1])
+    answer = [t for chunk in alone.chunks() for t in chunk]
+    assert joined_after == [True] and first.complete and second.complete
+    ids = tok(long_prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    assert answer == reference(pair, ids, 8)
+
+
 def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pair):
     """A request cancelled mid-way leaves the batch at the next step; one whose prefill fails ends with
     that error; the rows beside them finish exactly as alone, and the server goes on serving."""
