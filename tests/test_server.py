@@ -354,11 +354,12 @@ def test_metrics_count_queue_time_and_what_is_running(pair):
             break
         time.sleep(0.01)
     assert metric("opttree:num_requests_running") == 1  # the long request decodes ...
+    assert metric("opttree:num_batches_running") == 1
     waited = time.perf_counter()
     httpx.post(url + "/v1/completions", timeout=120, json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
     waited = time.perf_counter() - waited
     long.join()
-    assert metric("opttree:num_requests_running") == 0
+    assert metric("opttree:num_requests_running") == 0 and metric("opttree:num_batches_running") == 0
     assert metric("opttree:request_queue_time_seconds_count") == 2
     assert 0 < metric("opttree:request_queue_time_seconds_sum") < waited  # ... while the short one waited its turn
 
@@ -457,7 +458,7 @@ def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pa
     prompts = [CODE_PROMPTS[0], long_prompt, CODE_PROMPTS[3], CODE_PROMPTS[4]]
     lanes = []
     observe = server.batcher.on_step
-    server.batcher.on_step = lambda *a: (lanes.append(len(server.batcher.lanes)), observe(*a))
+    server.batcher.on_step = lambda *a: (lanes.append(server.batches()), observe(*a))
     with server.batcher.changed:
         jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0] for p in prompts]
     answers = [[t for chunk in job.chunks() for t in chunk] for job in jobs]

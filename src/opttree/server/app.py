@@ -163,6 +163,8 @@ class Metrics:
         self.waiting = prom.Gauge("opttree:num_requests_waiting", "requests queued or running", registry=r)
         self.running = prom.Gauge("opttree:num_requests_running", "requests decoding now (rows of the batch)",
                                   registry=r)
+        self.lanes = prom.Gauge("opttree:num_batches_running", "batches decoding now, stepped in turn (requests of "
+                                "very different lengths decode in batches of their own)", registry=r)
         self.step_tokens = prom.Histogram("opttree:iteration_tokens_total", "tokens emitted per step, all rows",
                                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_rows = prom.Histogram("opttree:batch_size", "rows (requests) in a step's batch",
@@ -246,6 +248,10 @@ class Server:
     def running(self) -> int:
         """Requests decoding now."""
         return self.batcher.running() if self.batcher else self.turns.running()
+
+    def batches(self) -> int:
+        """Batches decoding now (one request at a time: 0 or 1)."""
+        return self.batcher.batches() if self.batcher else self.turns.running()
 
     def start(self, req) -> tuple[BatchJob | Job, list[int]]:
         """Validate a request and queue its generation (errors here are 400s, before anything is sent).
@@ -553,6 +559,7 @@ def create_app(server: Server) -> FastAPI:
     async def metrics():
         server.metrics.waiting.set(server.pending)
         server.metrics.running.set(server.running())
+        server.metrics.lanes.set(server.batches())
         return PlainTextResponse(prom.generate_latest(server.metrics.registry).decode(),
                                  media_type=prom.CONTENT_TYPE_LATEST)
 

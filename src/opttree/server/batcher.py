@@ -176,6 +176,10 @@ class Batcher:
         """Rows in the running batches now."""
         return sum(len(lane.jobs) for lane in self.lanes)
 
+    def batches(self) -> int:
+        """Batches (lanes) running now."""
+        return sum(1 for lane in self.lanes if lane.jobs)
+
     def _loop(self) -> None:
         while True:
             with self.changed:
