@@ -321,13 +321,14 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
 
 
 def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_the_batch_as_it_was(monkeypatch):
-    """`Generation.admit_all`: arrivals join a running batch in one prefill forward and decode exactly; if
-    that prefill raises, none of them joins and the running rows go on unharmed."""
+    """`Generation.admit_all`: arrivals join a running batch in one prefill forward per group of similar lengths
+    (`engine.prefill_groups`) and decode exactly; if a prefill raises, none of them joins and the running rows go on
+    unharmed."""
     import opttree.engine as engine
 
     target = tiny("llama", seed=1)
     speculator = opttree.Speculator(target, budget=6, eos_token_id=[], max_new_tokens=NEW)
-    first, later = prompts([9, 30], seed=41), prompts([4, 60, 17], seed=42)
+    first, later = prompts([9, 30], seed=41), prompts([15, 60, 17], seed=42)
     run = speculator.stream([opttree.Request(p) for p in first])
     chunks = {b: list(chunk) for b, chunk in run.step()}  # the first step (the first two rows' prefill with it)
     prefills = []
@@ -339,7 +340,8 @@ def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_th
         run.admit_all(broken)
     assert len(run.rows) == 2 and run.active == [0, 1]
     assert run.admit_all([speculator.row(opttree.Request(p)) for p in later]) == [2, 3, 4]
-    assert prefills == [3, 3]  # one forward for the three arrivals (the failed try, then the admission)
+    # 15 and 17 tokens in one forward, 60 in one of its own: the failed try (60's prefill raised), then the admission
+    assert prefills == [2, 1, 2, 1]
     for b, chunk in run:
         chunks.setdefault(b, []).extend(chunk.tolist())
     for b, prompt in enumerate(first + later):

@@ -420,25 +420,25 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
 
 
 def test_prompts_of_very_different_lengths_prefill_and_decode_apart():
-    """`prefill_groups`: every job once, by length, each group within the padding limit (or alone); `fits`: rows
-    share a lane while their padded positions stay small or within the padding bound. Against brute force."""
+    """`prefill_groups`: every prompt once, by length, each group within the padding limit (or alone); the server's
+    `job_groups` the same over its jobs; `fits`: rows share a lane while their padded positions stay small or
+    within the padding bound. Against brute force."""
     import itertools
     from types import SimpleNamespace
 
     from opttree.batch_sizing import LANE_PADDING, LANE_POSITIONS, fits
-    from opttree.server.batcher import PADDING_LIMIT, prefill_groups
+    from opttree.engine import PADDING_LIMIT, prefill_groups
+    from opttree.server.batcher import job_groups
 
-    job = lambda n: SimpleNamespace(row=SimpleNamespace(prompt_len=n))  # noqa: E731
     for lengths in itertools.product([3, 20, 22, 25, 90, 1600], repeat=4):
-        jobs = [job(n) for n in lengths]
-        groups = prefill_groups(jobs)
-        assert sorted(map(id, (j for g in groups for j in g))) == sorted(map(id, jobs))
-        flat = [j.row.prompt_len for g in groups for j in g]
-        assert flat == sorted(lengths)
+        groups = prefill_groups(list(lengths))
+        assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+        assert [lengths[i] for g in groups for i in g] == sorted(lengths)
         for g in groups:
-            sizes = [j.row.prompt_len for j in g]
+            sizes = [lengths[i] for i in g]
             assert len(g) == 1 or max(sizes) * len(sizes) <= PADDING_LIMIT * sum(sizes)
-    assert [len(g) for g in prefill_groups([job(n) for n in (20, 22, 25, 1600)])] == [3, 1]
+    jobs = [SimpleNamespace(row=SimpleNamespace(prompt_len=n)) for n in (1600, 20, 25, 22)]
+    assert [[j.row.prompt_len for j in g] for g in job_groups(jobs)] == [[20, 22, 25], [1600]]
     assert fits([200] * 8) and not fits([200] * 7 + [1700])  # 1,700 x 8 = 13,600 > 2 x 3,100
     assert fits([LANE_POSITIONS // 4] * 4) and fits([3000, 2500]) and not fits([100, 100, 100, 3000])
     assert not fits([LANE_POSITIONS, 10, 10]) and fits([LANE_POSITIONS] * 2)

@@ -204,6 +204,26 @@ class Row:
         return chunk, finished, (readout.accepted, readout.depth, draft_s, verify_s)
 
 
+PADDING_LIMIT = 1.25  # a prefill of several prompts computes at most this many positions per real one
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """The indices of prompts of these lengths in groups that share a prefill: one prefill pads every prompt to
+    its longest (and a short one next to a long one also asks for the logits of every position after its last
+    `prompt_rows`), so prompts of very different lengths are prefilled apart. By length, shortest first; a group
+    takes the next prompt while its padded positions (longest x count) stay within PADDING_LIMIT x its real ones."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= PADDING_LIMIT * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
 def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
     """The target's cache of each row's committed[:-1] (the last committed token is the root), in one
     forward; each drafter starts, and hears the prompt's logits or hidden states if it asks for them.
@@ -396,17 +416,17 @@ class Generation:
         self._leave()
 
     def _join(self, new: list[int]) -> None:
-        """Rows `new` start: prefilled together into a cache of their own, then one cache of all running
-        rows (`stack_rows`)."""
+        """Rows `new` start: prefilled together, in groups of similar lengths (`prefill_groups`), into caches of
+        their own, then one cache of all running rows (`stack_rows`)."""
         start = _clock(self.device)
-        cache = self._new_cache(self.rows[new[0]])  # several rows: the dynamic path (`check_batchable`)
-        prefill(self.target, cache, [self.rows[b] for b in new])
-        if self.cache is None:
-            self.cache = cache
-        else:
-            self.cache = stack_rows([(self.cache, [self.rows[b].prefix_len for b in self.active]),
-                                     (cache, [self.rows[b].prefix_len for b in new])])
-        self.active += new
+        groups = [[new[i] for i in group] for group in prefill_groups([self.rows[b].prompt_len for b in new])]
+        parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
+        for group in groups:
+            cache = self._new_cache(self.rows[group[0]])  # several rows: the dynamic path (`check_batchable`)
+            prefill(self.target, cache, [self.rows[b] for b in group])
+            parts.append((cache, [self.rows[b].prefix_len for b in group]))
+        self.cache = parts[0][0] if len(parts) == 1 else stack_rows(parts)
+        self.active += [b for group in groups for b in group]
         row = self.rows[new[0]]
         if self.rope_switch is not None:  # one sequence (`check_batchable`)
             self.long_keys = row.prefix_len > self.rope_switch

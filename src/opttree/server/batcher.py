@@ -13,31 +13,15 @@ from collections import deque
 from typing import Callable, Iterator
 
 from ..batch_sizing import fits
-from ..engine import Allocator, Generation, Row, check_batchable
+from ..engine import Allocator, Generation, Row, check_batchable, prefill_groups
 from ..threads import release_openmp_threads
 
 _END = object()  # a job's queue: no more chunks
 
 
-PADDING_LIMIT = 1.25  # a prefill of several prompts computes at most this many positions per real one
-
-
-def prefill_groups(jobs: list["BatchJob"]) -> list[list["BatchJob"]]:
-    """The jobs in groups that share a prefill: one prefill pads every prompt to its longest (and a short one
-    next to a long one also asks for the logits of every position after its last `prompt_rows`), so prompts of
-    very different lengths are prefilled apart. By length, shortest first; a group takes the next prompt while
-    its padded positions (longest x count) stay within PADDING_LIMIT x its real ones."""
-    groups: list[list[BatchJob]] = []
-    total = 0
-    for job in sorted(jobs, key=lambda job: job.row.prompt_len):
-        length = job.row.prompt_len
-        if groups and length * (len(groups[-1]) + 1) <= PADDING_LIMIT * (total + length):
-            groups[-1].append(job)
-            total += length
-        else:
-            groups.append([job])
-            total = length
-    return groups
+def job_groups(jobs: list["BatchJob"]) -> list[list["BatchJob"]]:
+    """The jobs in groups that share a prefill (`engine.prefill_groups` of their prompts' lengths)."""
+    return [[jobs[i] for i in group] for group in prefill_groups([job.row.prompt_len for job in jobs])]
 
 
 class BatchJob:
@@ -216,7 +200,7 @@ class Batcher:
 
     def _admit_together(self, arrivals: list[BatchJob]) -> list[BatchJob]:
         """The arrivals join the batches in one prefill (`Generation.admit_all`) per group of similar prompt lengths
-        (`prefill_groups`); returns those left to admit one at a time: the groups of one, and a group whose
+        (`job_groups`); returns those left to admit one at a time: the groups of one, and a group whose
         prefill failed, so that a request that cannot share a batch, or whose prefill fails, is found alone and
         the others join."""
         live = []
@@ -226,7 +210,7 @@ class Batcher:
             else:
                 live.append(job)
         alone = []
-        for group in prefill_groups(live):
+        for group in job_groups(live):
             if len(group) < 2:
                 alone += group
                 continue
