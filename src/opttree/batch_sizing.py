@@ -250,12 +250,17 @@ def fits(lengths: list[int]) -> bool:
 
 
 def length_lanes(lengths: list[int]) -> list[list[int]]:
-    """The indices of `lengths` in batches that `fits`: by length, shortest first, each batch taking the next
-    while it fits."""
-    lanes: list[list[int]] = []
+    """The indices of `lengths` in batches that `fits` (`by_length`)."""
+    return by_length(lengths, fits)
+
+
+def by_length(lengths: list[int], together) -> list[list[int]]:
+    """The indices of `lengths` in groups: by length, shortest first, each group taking the next while
+    together(the group's lengths with it) holds."""
+    groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if lanes and fits([lengths[j] for j in lanes[-1]] + [lengths[i]]):
-            lanes[-1].append(i)
+        if groups and together([lengths[j] for j in groups[-1]] + [lengths[i]]):
+            groups[-1].append(i)
         else:
-            lanes.append([i])
-    return lanes
+            groups.append([i])
+    return groups

@@ -11,6 +11,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .batch_sizing import by_length
 from .device import PhaseClock, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
 from .packed import PackedLinears, entered, packed_linears
@@ -212,16 +213,7 @@ def prefill_groups(lengths: list[int]) -> list[list[int]]:
     its longest (and a short one next to a long one also asks for the logits of every position after its last
     `prompt_rows`), so prompts of very different lengths are prefilled apart. By length, shortest first; a group
     takes the next prompt while its padded positions (longest x count) stay within PADDING_LIMIT x its real ones."""
-    groups: list[list[int]] = []
-    total = 0
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if groups and lengths[i] * (len(groups[-1]) + 1) <= PADDING_LIMIT * (total + lengths[i]):
-            groups[-1].append(i)
-            total += lengths[i]
-        else:
-            groups.append([i])
-            total = lengths[i]
-    return groups
+    return by_length(lengths, lambda group: max(group) * len(group) <= PADDING_LIMIT * sum(group))
 
 
 def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:

@@ -62,11 +62,7 @@ class DySpec:
         size = next_slot = 0
         for depth in range(1, max_depth + 1):
             room = self.n - size
-            chosen, ok = self.picker.pick(dists, room)  # (F, k) in draw order
-            logq = dists.gather(1, chosen).masked_fill(~ok, float("-inf"))  # (F, k)
-            taken_before = logq.exp().cumsum(dim=1) - logq.exp()  # (F, k) draft mass of the earlier siblings
-            offer = value[:, None] + (1 - taken_before).clamp(min=0).log()  # (F, k) log value offering child i
-            offer = offer.masked_fill(~ok | (offer.exp() <= self.threshold), float("-inf"))
+            chosen, logq, offer = self._offers(dists, value, room)  # (F, k) each
             order = offer.flatten().sort(descending=True, stable=True).indices[:room]
             take = torch.zeros(offer.numel(), dtype=torch.bool, device=device)
             take[order] = offer.flatten()[order] > float("-inf")
@@ -105,6 +101,18 @@ class DySpec:
         return DraftTree(torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(scores),
                          torch.cat(slots), draft_probs)
 
+    def _offers(self, dists: torch.Tensor, value: torch.Tensor, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frontier's next k children (`dists` (F, V), `value` (F,) log values): (tokens, log q, log value
+        offering each), (F, k') each in draw order; an offer is -inf where the child cannot be drawn or its offer
+        does not pass the threshold. A child's offer is its parent's value times the draft mass its earlier
+        siblings left (module docstring): it never looks at the child's own token."""
+        chosen, ok = self.picker.pick(dists, k)  # (F, k') in draw order
+        logq = dists.gather(1, chosen).masked_fill(~ok, float("-inf"))  # (F, k')
+        taken_before = logq.exp().cumsum(dim=1) - logq.exp()  # (F, k') draft mass of the earlier siblings
+        offer = value[:, None] + (1 - taken_before).clamp(min=0).log()  # (F, k')
+        return chosen, logq, offer.masked_fill(~ok | (offer.exp() <= self.threshold), float("-inf"))
+
     def _grow_fixed(self, drafter: Drafter, committed: torch.Tensor, max_depth: int) -> DraftTree:
         """`build` in fixed shapes, nothing read back (module docstring). Candidates are numbered layer by layer;
         layer d holds the n best offers of the previous layer's slots (the root's for d = 1), in parent then draw
@@ -119,12 +127,8 @@ class DySpec:
         size = torch.zeros((), dtype=torch.long, device=device)  # valid candidates so far
         tokens, parents, depths, keys, probs = [], [], [], [], [dists.exp()]
         for depth in range(1, max_depth + 1):
-            chosen, ok = self.picker.pick(dists, n)  # (F, k) in draw order
-            k = chosen.shape[1]
-            logq = dists.gather(1, chosen).masked_fill(~ok, float("-inf"))  # (F, k)
-            taken_before = logq.exp().cumsum(dim=1) - logq.exp()  # (F, k) draft mass of the earlier siblings
-            offer = value[:, None] + (1 - taken_before).clamp(min=0).log()  # (F, k)
-            offer = offer.masked_fill(~ok | (offer.exp() <= self.threshold), float("-inf")).flatten()  # (F k,)
+            chosen, logq, offer = self._offers(dists, value, n)  # (F, k) each
+            k, offer = chosen.shape[1], offer.flatten()  # (F k,)
             best = offer.sort(descending=True, stable=True).indices[:n]  # (L,) the best offers, best first
             room = torch.arange(best.shape[0], device=device) < n - size
             take = torch.zeros_like(offer, dtype=torch.bool).index_put_((best,), (offer[best] > float("-inf")) & room)
