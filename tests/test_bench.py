@@ -366,6 +366,7 @@ def test_draft_sources_are_chosen_by_measurement_and_never_slower_than_plain_dec
     assert measure.drafter_runs(8, 16) == [("model", 8), ("model+lookup", 8), ("recycling+lookup", 8),
                                        ("recycling+lookup", 16)]
     assert measure.drafter_runs(8, 12)[-1] == ("recycling+lookup", 12) and len(measure.drafter_runs(16, 16)) == 3
+    assert measure.drafter_runs(4, 32)[2:] == [("recycling+lookup", 4), ("recycling+lookup", 8), ("recycling+lookup", 16)]
     rows = [{"drafter": "model", "budget": 8, "measured_tokens_per_second": 90.0, "measured_speedup": 0.9},
             {"drafter": "recycling+lookup", "budget": 8, "measured_tokens_per_second": 110.0, "measured_speedup": 1.1},
             {"drafter": "recycling+lookup", "budget": 16, "measured_tokens_per_second": 120.0, "measured_speedup": 1.2}]
@@ -610,6 +611,7 @@ def test_calibrate_quick_honours_limit_and_keeps_a_disturbed_profile_out_of_use(
     profile = json.loads((tmp_path / "cal" / "profile.json").read_text())
     assert profile["settings"]["prompts"] == 1 and profile["settings"]["repeats"] == 3  # --limit; --quick's repeats
     assert profile["settings"]["max_new_tokens"] == 48  # --quick's
+    assert profile["settings"]["source_tokens"] == 128  # the draft sources compared over longer generations
     assert [r["delta"] for r in profile["grid"]] == [0.3, 0.6, 0.3, 0.6]  # --quick's delta grid
     assert not list((tmp_path / "cache").glob(f"**/{profile['key']}.json"))  # not where --budget auto looks
 
@@ -678,7 +680,7 @@ def test_a_new_pair_is_calibrated_on_first_use(model_dirs, tmp_path, monkeypatch
     measured = json.loads(path.read_text())  # measured before the step's costs changed (an older step revision)
     path.write_text(json.dumps(dict(measured, step_revision=cal_run.STEP_REVISION - 1)))
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
-    assert "measured before this opttree's cheaper steps" in capsys.readouterr().err  # measured again, once
+    assert "measured by an older opttree" in capsys.readouterr().err  # measured again, once
     assert json.loads(path.read_text())["step_revision"] == cal_run.STEP_REVISION
     assert main(["generate", *pair, "--prompt", "def g(", "--max-new-tokens", "6", "--json"]) == 0
     assert "a quick one first" not in capsys.readouterr().err

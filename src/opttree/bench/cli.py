@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..settings.config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, budget_arg
+from ..settings.config import DEFAULT_DELTA, DEFAULT_MAX_DEPTH, SOURCE_TOKENS, budget_arg
 from ..settings.drafter_spec import DrafterSpec
 from ..settings.names import TRAINED_HELP, TRAINED_SOURCES
 
@@ -64,6 +64,8 @@ def register(subparsers) -> None:
     cal.add_argument("--max-tokens", type=int, help="latency curve up to this many new tokens (default: 64; 17 with --quick)")
     cal.add_argument("--context", type=int, default=200, help="cached tokens before the timed forwards (default: 200)")
     cal.add_argument("--repeats", type=int, help="timed repeats per point, the median is kept (default: 7; 3 with --quick)")
+    cal.add_argument("--source-tokens", type=int, help=f"new tokens a run when comparing the draft sources (default: "
+                     f"{SOURCE_TOKENS}, also with --quick: the train-free sources gain along a generation)")
     cal.add_argument("--budgets", help="budget grid (default: 2,4,6,8,10,12,16,24,32; 2,4,8,12,16 with --quick)")
     cal.add_argument("--deltas", help="delta grid (default: 0.1,0.3,0.45,0.6; 0.3,0.6 with --quick)")
     cal.add_argument("--save-disturbed", action="store_true",
@@ -75,9 +77,10 @@ def register(subparsers) -> None:
     cal.set_defaults(func=cmd_calibrate)
 
 
-FULL_CALIBRATION = dict(limit=8, max_tokens=64, repeats=7, max_new_tokens=128, budgets="2,4,6,8,10,12,16,24,32",
-                        deltas="0.1,0.3,0.45,0.6")
-QUICK_CALIBRATION = dict(limit=3, max_tokens=17, repeats=3, max_new_tokens=48, budgets="2,4,8,12,16", deltas="0.3,0.6")
+FULL_CALIBRATION = dict(limit=8, max_tokens=64, repeats=7, max_new_tokens=128, source_tokens=SOURCE_TOKENS,
+                        budgets="2,4,6,8,10,12,16,24,32", deltas="0.1,0.3,0.45,0.6")
+QUICK_CALIBRATION = dict(limit=3, max_tokens=17, repeats=3, max_new_tokens=48, source_tokens=SOURCE_TOKENS,
+                         budgets="2,4,8,12,16", deltas="0.3,0.6")
 
 
 def describe_calibration(settings: dict) -> str:
@@ -299,8 +302,8 @@ def cmd_calibrate(args) -> int:
     profile = run_calibration(
         target, draft, [encode(tokenizer, p) for p in prompts], budgets=budgets, deltas=deltas,
         max_tokens=args.max_tokens, context=args.context, repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-        max_depth=args.max_depth, temperature=args.temperature, seed=args.seed, eos_token_id=tokenizer.eos_token_id,
-        progress=not args.no_progress,
+        source_tokens=args.source_tokens, max_depth=args.max_depth, temperature=args.temperature, seed=args.seed,
+        eos_token_id=tokenizer.eos_token_id, progress=not args.no_progress,
     )
     problem = profile["noise"]["problem"]
     if problem:

@@ -23,6 +23,7 @@ from ..profiles import (
     profile_key,
     save_profile,
 )
+from ..settings.config import SOURCE_TOKENS
 from ..step.cache import context_window
 from ..step.policies import sequoia
 from .estimate import fitted_overhead, grid_rows, recommend, recommend_drafter
@@ -42,8 +43,10 @@ from .report import sampled_choice
 SAMPLED_TEMPERATURE = 1.0  # step 6 measures sampling at this temperature (OpenAI's and the server's default)
 # Raised when a step's costs change enough to move what the calibration chooses: a profile of this machine measured
 # at an older revision is measured again on first use. 1: a layer's q, k, v and gate, up as one product each on
-# CPUs with bf16 kernels (2026-11-28: wider trees cheaper; the greedy budget there moved from 8 to 16-24).
-STEP_REVISION = 1
+# CPUs with bf16 kernels (2026-11-28: wider trees cheaper; the greedy budget there moved from 8 to 16-24). 2: the draft
+# sources compared over SOURCE_TOKENS-token generations (at 48 the quick one chose the draft model on an AVX2 CPU,
+# 1.22x plain decoding on HumanEval, where recycling+lookup made 2.3-2.8x).
+STEP_REVISION = 2
 DEFAULT_BUDGETS = (2, 4, 6, 8, 10, 12, 16, 24, 32)
 DEFAULT_DELTAS = (0.1, 0.3, 0.45, 0.6)
 CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --prompts for your own workload
@@ -64,8 +67,10 @@ CALIBRATION_PROMPTS = [  # code to continue: the shipped pair's domain; pass --p
 def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_BUDGETS, deltas=DEFAULT_DELTAS,
               max_tokens: int = 64, context: int = 200, repeats: int = 7, max_new_tokens: int = 128,
               max_depth: int | None = None, temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
-              progress: bool = True) -> dict:
-    """Measure, estimate and recommend. Returns the profile (a JSON-able dict). Prompts: ids (1, T)."""
+              progress: bool = True, source_tokens: int | None = None) -> dict:
+    """Measure, estimate and recommend. Returns the profile (a JSON-able dict). Prompts: ids (1, T).
+    `source_tokens`: new tokens a run when the draft sources are compared for greedy decoding (default:
+    max_new_tokens; `SOURCE_TOKENS` says why the first-use calibration takes more)."""
     if draft is None:
         raise ValueError("calibrate needs a draft model (--draft)")
     if not prompts:
@@ -91,8 +96,9 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
     chosen = recommend(rows)
     # the train-free sources draft a layer with no forward, so a wider tree costs them only its verification,
     # which each run measures: they also try twice the chosen budget, up to twice the grid's largest
+    source_options = dict(options, max_new_tokens=source_tokens or max_new_tokens)
     sources = drafter_run(target, draft, prompts, drafter_runs(chosen["budget"], 2 * budgets[-1]), chosen["delta"],
-                          options, progress, draft_temperature)
+                          source_options, progress, draft_temperature)
     sampled_temperature = profile_draft_temperature(alignment, SAMPLED_TEMPERATURE)
     acceptance = sequoia.profile_vector(alignment, greedy=False)  # sampled children's p-hat, as generate takes it
     sampled = drafter_run(target, draft, prompts, sampled_runs(chosen["budget"]), chosen["delta"],
@@ -109,7 +115,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
         "target": target.config._name_or_path,
         "draft": draft.config._name_or_path,
         "dtype": dtype_name(target),
-        "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats),
+        "settings": dict(options, prompts=len(prompts), context=context, repeats=repeats,
+                         source_tokens=source_options["max_new_tokens"]),
         "latency": {"k": list(range(1, max_tokens + 1)), "target_s": t_target, "draft_s": t_draft},
         "overhead_per_step_s": overhead,
         "estimate_over_measured": statistics.median(
@@ -129,8 +136,8 @@ def run_calibration(target, draft, prompts: list[torch.Tensor], budgets=DEFAULT_
 
 # ---- first use -----------------------------------------------------------------------------------
 
-FIRST_USE = dict(prompts=3, max_tokens=17, repeats=3, max_new_tokens=48, budgets=(2, 4, 8, 12, 16),
-                 deltas=(0.3, 0.6))  # the same as `opttree calibrate --quick`
+FIRST_USE = dict(prompts=3, max_tokens=17, repeats=3, max_new_tokens=48, source_tokens=SOURCE_TOKENS,
+                 budgets=(2, 4, 8, 12, 16), deltas=(0.3, 0.6))  # the same as `opttree calibrate --quick`
 
 
 def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> dict | None:
@@ -152,7 +159,8 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
            "process does not use" if passive else
            "the calibration profile of this pair here predates the draft sources' measurements"
            if not measured_sources(profile) else
-           "the calibration profile of this pair here was measured before this opttree's cheaper steps")
+           "the calibration profile of this pair here was measured by an older opttree (its steps cost differently, "
+           "or it compared the draft sources over shorter generations)")
     print(f"opttree: {why}: a quick one first (about a minute at most; {AUTO_ENV}=0 skips it, `opttree calibrate` "
           "runs the full one)", file=sys.stderr)
     prompts = [tokenizer(p, return_tensors="pt", add_special_tokens=False).input_ids
@@ -160,7 +168,7 @@ def calibrate_on_first_use(target, draft, tokenizer, progress: bool = True) -> d
     profile = run_calibration(target, draft, prompts, budgets=FIRST_USE["budgets"], deltas=FIRST_USE["deltas"],
                               max_tokens=FIRST_USE["max_tokens"], repeats=FIRST_USE["repeats"],
                               max_new_tokens=FIRST_USE["max_new_tokens"], eos_token_id=tokenizer.eos_token_id,
-                              progress=progress)
+                              progress=progress, source_tokens=FIRST_USE.get("source_tokens"))
     rec, problem = profile["recommended"], profile["noise"]["problem"]
     if problem:  # measured on a busy machine: not kept, the defaults apply
         print(f"opttree: the machine looked disturbed ({problem}): calibration not saved, the defaults apply; "

@@ -11,6 +11,8 @@ from .drafter_spec import DrafterSpec
 DEFAULT_BUDGET = 16
 DEFAULT_DELTA = 0.1
 DEFAULT_MAX_DEPTH = 8
+SOURCE_TOKENS = 128  # new tokens a calibration run when it compares the draft sources (`opttree bench`'s length): the
+# train-free sources' acceptance grows along a generation (recycling learns the target, lookup finds its repeats)
 # Below this, logits / temperature overflow float32 for ordinary logit gaps: use 0 (greedy) instead.
 MIN_TEMPERATURE = 1e-4
 DEPTH_CONTROL_NAMES = ("delta", "fixed", "thompson", "predictor")  # opttree.step.depth.DEPTH_CONTROLS
