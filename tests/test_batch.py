@@ -69,8 +69,9 @@ def test_a_batch_of_sixteen(models):
 
 
 def test_prompts_of_very_different_lengths_run_as_batches_of_similar_ones(monkeypatch):
-    """`generate` with a list whose lengths do not share a batch well (`batch_sizing.fits`) runs one batch per group
-    of similar lengths, and each row is still its prompt's own greedy output, in the order given."""
+    """`generate` and `stream` with a list whose lengths do not share a batch well (`batch_sizing.fits`) run one
+    batch per group of similar lengths, stepped in turn, and each row is still its prompt's own greedy output, in
+    the order given."""
     import opttree.batch_sizing as batch_sizing
     from opttree.speculator import Speculator
 
@@ -78,15 +79,25 @@ def test_prompts_of_very_different_lengths_run_as_batches_of_similar_ones(monkey
     assert batch_sizing.length_lanes([120, 3, 9]) == [[1, 2], [0]]
     target, draft = tiny("llama", "sdpa", seed=1), tiny("llama", "sdpa", seed=2)
     batch = prompts([120, 3, 9], seed=5)
-    streams = []
-    original = Speculator.stream
-    monkeypatch.setattr(Speculator, "stream", lambda self, requests, **kw: (streams.append(len(requests)),
-                                                                            original(self, requests, **kw))[1])
+    batches = []
+    original = Speculator._stream
+    monkeypatch.setattr(Speculator, "_stream", lambda self, requests, *args: (batches.append(len(requests)),
+                                                                              original(self, requests, *args))[1])
+    references = {}
     for draft_model, method in [(None, dict()), (draft, dict(tree="chain"))]:
-        streams.clear()
+        batches.clear()
         check_rows(target, batch, opttree.generate(target, batch, draft_model, max_new_tokens=NEW, eos_token_id=[],
-                                                   **method))
-        assert streams == [2, 1]
+                                                   **method), references)
+        assert batches == [2, 1]
+    run = opttree.stream(target, batch, max_new_tokens=NEW, eos_token_id=[])
+    order = [b for b, _ in run]  # (prompt index, chunk) pairs, as one batch's
+    seen = {b: [] for b in range(3)}
+    for b, chunk in opttree.stream(target, batch, max_new_tokens=NEW, eos_token_id=[]):
+        seen[b].append(chunk)
+    for b, prompt in enumerate(batch):
+        assert torch.equal(torch.cat([prompt, *seen[b]]), references[tuple(prompt.tolist())][0])
+        assert torch.equal(run.rows[b].committed, references[tuple(prompt.tolist())][0])
+    assert sorted(order[:3]) == [0, 1, 2]  # each lane takes a step in turn: every row has a chunk after one round
 
 
 def test_rows_that_end_early_leave_the_batch_and_the_others_go_on():

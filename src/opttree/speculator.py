@@ -7,7 +7,7 @@ from __future__ import annotations
 import numbers
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -93,11 +93,25 @@ class Speculator:
         self.sized = self.sized and policy.needs_drafter
 
     def stream(self, requests: Request | Sequence[Request], *, rules: Rules | None = None,
-               depth: DepthControl | None = None, attention_mask=None, joinable: bool = False) -> Generation:
+               depth: DepthControl | None = None, attention_mask=None, joinable: bool = False
+               ) -> Generation | LaneGenerations:
         """A `Generation`: chunks (C,) for one request, (row index, chunk) pairs for a list of them.
         `rules` (custom_generate's preparation) replaces every row's; `depth` (a depth control, which
         learns as it goes) applies to one request. `joinable`: a batch that other requests will join
-        while it runs (`admit`), so even a list of one takes the path of several rows."""
+        while it runs (`admit`), so even a list of one takes the path of several rows. A list whose prompts'
+        lengths differ too much to share a batch (`batch_sizing.fits`: every row is padded to the longest)
+        runs as several batches of similar lengths, stepped in turn (`LaneGenerations`)."""
+        if isinstance(requests, (list, tuple)) and len(requests) > 1 and not joinable and attention_mask is None:
+            lengths = [_prompt_ids(prompt_and_mask(request.prompt)[0], self.target).shape[0] for request in requests]
+            lanes = length_lanes(lengths)
+            if len(lanes) > 1:
+                return LaneGenerations([(lane, self._stream([requests[i] for i in lane], rules, depth, None, False))
+                                        for lane in lanes])
+        return self._stream(requests, rules, depth, attention_mask, joinable)
+
+    def _stream(self, requests: Request | Sequence[Request], rules: Rules | None, depth: DepthControl | None,
+                attention_mask, joinable: bool) -> Generation:
+        """`stream` as one `Generation`."""
         batch = isinstance(requests, (list, tuple))
         items = list(requests) if batch else [requests]
         if not items or not all(isinstance(item, Request) for item in items):
@@ -135,19 +149,8 @@ class Speculator:
         return self.latency or batch_latency(self.target, rows)
 
     def generate(self, requests: Request | Sequence[Request], **kwargs) -> GenerationOutput | list[GenerationOutput]:
-        """Run `stream` to the end: one `GenerationOutput` per request (a list for a list). A list whose prompts'
-        lengths differ too much to share a batch (`batch_sizing.fits`: every row is padded to the longest) runs as
-        several batches of similar lengths, one after the other; the outputs come in the requests' order."""
-        if not isinstance(requests, (list, tuple)) or len(requests) < 2 or kwargs.get("joinable") \
-                or kwargs.get("attention_mask") is not None:
-            return self.stream(requests, **kwargs).finish()
-        lengths = [_prompt_ids(prompt_and_mask(request.prompt)[0], self.target).shape[0] for request in requests]
-        outputs: list[GenerationOutput | None] = [None] * len(requests)
-        for lane in length_lanes(lengths):
-            done = self.stream([requests[i] for i in lane], **kwargs).finish()
-            for i, output in zip(lane, done if isinstance(done, list) else [done]):
-                outputs[i] = output
-        return outputs
+        """Run `stream` to the end: one `GenerationOutput` per request (a list for a list, in the requests' order)."""
+        return self.stream(requests, **kwargs).finish()
 
     def _check(self, check: Callable, *args, **kwargs) -> None:
         """Run one of the checks of a model against a generation's sizes, once per speculator and arguments:
@@ -220,6 +223,36 @@ class Speculator:
 class _Shape:
     width: int  # the static path's padded tree size
     static: bool
+
+
+class LaneGenerations:
+    """One list of requests as several batches ("lanes") of similar prompt lengths (`batch_sizing.length_lanes`),
+    each a `Generation`, stepped in turn (a step each a turn, as the server's lanes): an iterator of (request index,
+    chunk) pairs, as one batch's; `.rows` and `finish()` in the requests' order."""
+
+    def __init__(self, lanes: list[tuple[list[int], Generation]]):
+        self.lanes = lanes  # (the requests' indices, their batch)
+        self.single = False
+
+    @property
+    def rows(self) -> list[Row]:
+        by_index = {i: run.rows[b] for lane, run in self.lanes for b, i in enumerate(lane)}
+        return [by_index[i] for i in range(len(by_index))]
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        running = list(self.lanes)
+        while running:
+            for lane, run in list(running):
+                for b, chunk in run.step():  # one step of the lane's rows (its prefill first)
+                    yield lane[b], chunk
+                if not run.active:
+                    running.remove((lane, run))
+
+    def finish(self) -> list[GenerationOutput]:
+        """Run to the end: one output per request, in their order."""
+        for _ in self:
+            pass
+        return [GenerationOutput(row.committed[None], row.stats) for row in self.rows]
 
 
 def stream(
