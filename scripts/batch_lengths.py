@@ -1,5 +1,5 @@
-"""A batch `generate` of prompts of very different lengths against the same prompts one at a time, with and
-without the longest: what padding every row to the longest costs a batch (`batch_sizing.length_lanes`).
+"""A batch `generate` (and `stream`) of prompts of very different lengths against the same prompts one at a time,
+with and without the longest: what padding every row to the longest costs a batch (`batch_sizing.length_lanes`).
 
     python scripts/batch_lengths.py                      # examples/mixed-lengths.jsonl, bf16, 64 new tokens
 """
@@ -33,10 +33,13 @@ def main() -> None:
         outs = opttree.generate(target, batch, max_new_tokens=args.max_new_tokens)
         batched = sum(out.stats.new_tokens for out in outs) / (time.perf_counter() - start)
         start = time.perf_counter()
+        streamed = sum(chunk.numel() for _, chunk in opttree.stream(target, batch, max_new_tokens=args.max_new_tokens))
+        streamed /= time.perf_counter() - start
+        start = time.perf_counter()
         outs = [opttree.generate(target, p[None], max_new_tokens=args.max_new_tokens) for p in batch]
         single = sum(out.stats.new_tokens for out in outs) / (time.perf_counter() - start)
         print(f"{name} ({len(batch)} prompts, {min(p.shape[0] for p in batch)}-{max(p.shape[0] for p in batch)} "
-              f"tokens): a batch {batched:.1f} tokens/s, one at a time {single:.1f}")
+              f"tokens): a batch {batched:.1f} tokens/s, streamed {streamed:.1f}, one at a time {single:.1f}")
 
 
 if __name__ == "__main__":
