@@ -724,3 +724,27 @@ def test_the_sampled_runs_are_each_measured_once_at_every_greedy_budget():
     for budget in range(1, 41):
         runs = measure.sampled_runs(budget)
         assert len(runs) == len(set(runs)) and ("model", budget, "opt") in runs and ("model", 2, "opt") in runs
+
+
+def test_each_method_learns_from_its_own_runs_only(pair, cases):
+    """Token Recycling's matrix and lookup's hit rates learn across generations with the same target. In a bench,
+    one method running a prompt after another must not start from what the other just learnt there: the same
+    method twice (two labels) emits the same tokens in the same steps on every prompt, whichever runs first."""
+    from opttree.bench.methods import MethodSpec
+    from opttree.step.drafters.estimates import forget, kept_apart, per_model
+
+    target, draft = pair
+    specs = [MethodSpec("ar"), MethodSpec("opt:recycling+lookup", 8), MethodSpec("opt:recycling+lookup", 8, 0.1)]
+    records = run_bench(target, draft, cases * 2, specs, Settings(max_new_tokens=24, eos_token_id=None),
+                        progress=False)
+    first = [r for r in records if r["label"] == specs[1].label]
+    second = [r for r in records if r["label"] == specs[2].label]
+    assert len(first) == len(second) == 6
+    for a, b in zip(first, second):  # in prompt order; the order of the two on a prompt rotates
+        assert a["token_ids"] == b["token_ids"] and a["accepted_histogram"] == b["accepted_histogram"]
+    forget(target)
+    shared = per_model(target, "probe", lambda: "shared")
+    with kept_apart(target, {}) as own:
+        assert per_model(target, "probe", lambda: "own") == "own" and own == {"probe": "own"}
+    assert per_model(target, "probe", lambda: "new") == shared == "shared"  # the shared state is back
+    forget(target)

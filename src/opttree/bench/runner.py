@@ -2,7 +2,8 @@
 
 For each repeat and prompt, every method runs once, in an order rotated from prompt to prompt, so
 machine drift and order effects fall on all methods alike. One short warm-up per method comes first,
-then one untimed run per method that counts its host syncs and device ops (`host_costs`).
+then one untimed run per method that counts its host syncs and device ops (`host_costs`). What the train-free
+sources learn online, each method learns from its own timed runs only (`learning_apart`).
 At temperature 0 every run's tokens are compared with `ar`'s on the same prompt and repeat.
 """
 
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 from ..counters import StepCounter
 from ..parallel import sharded
 from ..step.cache import context_window, static_capacity
+from ..step.drafters.estimates import kept_apart
 from .methods import MethodSpec, Run, RunFn, Settings, find_method, method_delta
 from .prompts import Prompt
 
@@ -49,10 +51,25 @@ def prepare(prompts: list[Prompt], encode: Callable[[Prompt], torch.Tensor], tar
 
 
 def build_runners(target, draft, specs: list[MethodSpec], settings: Settings) -> dict[str, RunFn]:
+    """Each method's run function, learning apart (`learning_apart`)."""
     missing = [s.name for s in specs if find_method(s.name).needs_draft and draft is None]
     if missing:
         raise ValueError(f"method(s) {sorted(set(missing))} need a draft model (--draft)")
-    return {s.label: find_method(s.name).make(target, draft, settings, s) for s in specs}
+    return learning_apart(target, {s.label: find_method(s.name).make(target, draft, settings, s) for s in specs})
+
+
+def learning_apart(target, runners: dict[str, RunFn]) -> dict[str, RunFn]:
+    """The runners, each with a state of its own for what the train-free sources learn online (Token Recycling's
+    matrix, lookup's hit rates: `estimates.kept_apart`): a method learns from its own earlier runs only, never
+    from another method's run (or a warm-up) of the prompt it is about to run."""
+    def apart(run: RunFn) -> RunFn:
+        states: dict = {}
+
+        def kept(prompt_ids):
+            with kept_apart(target, states):
+                return run(prompt_ids)
+        return kept
+    return {label: apart(run) for label, run in runners.items()}
 
 
 def run_bench(target, draft, cases: list[Case], specs: list[MethodSpec], settings: Settings, repeats: int = 1,
@@ -96,10 +113,12 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
                 progress: bool, batch: int) -> list[dict]:
     """`run_bench` with B > 1: per group of B cases, each method one prompt after another and as one batch
     (method and label `... xB`). A last group of fewer cases runs as a smaller batch."""
-    runners = build_runners(target, draft, specs, settings)
+    runners = build_runners(target, draft, specs, settings)  # one after another
+    batched = build_runners(target, draft, specs, settings)  # as one batch: learning apart from the runs alone
     warm_up(target, draft, specs, settings, cases)
-    for runner in runners.values():  # the batch path warms up too, and refuses here, not half-way; at the
-        # batch's size, so that what is timed once per machine for it (the batch latency table) is not timed here
+    for runner in build_runners(target, draft, specs, settings).values():  # the batch path warms up too, and
+        # refuses here, not half-way; at the batch's size, so that what is timed once per machine for it (the
+        # batch latency table) is not timed here
         runner([case.ids[:, :WARMUP_TOKENS] for case in cases[:max(batch, 2)]])
     groups = [cases[i : i + batch] for i in range(0, len(cases), batch)]
     records = []
@@ -113,7 +132,7 @@ def run_batched(target, draft, cases: list[Case], specs: list[MethodSpec], setti
                 bar.set_postfix_str(f"group {g} {spec.label}", refresh=False)
                 alone[spec.label] = [runners[spec.label](case.ids) for case in group]
                 bar.update()
-                together[spec.label] = runners[spec.label]([case.ids for case in group])
+                together[spec.label] = batched[spec.label]([case.ids for case in group])
                 bar.update()
             reference = alone[specs[0].label] if settings.temperature == 0 else None
             for spec in specs:

@@ -20,6 +20,7 @@ from ..settings.drafter_spec import DrafterSpec
 from ..speculator import _vocab_size, generate
 from ..step.cache import cache_argument, new_cache, truncate
 from ..step.drafters import model_drafter
+from ..step.drafters.estimates import kept_apart
 from ..step.policies import sequoia
 from ..step.tree import position_ids, tree_attention_mask
 from ..step.verify import masked_forward
@@ -205,6 +206,7 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], d
     keys = [None, *runs]
     deltas = {key: drafter_delta(DrafterSpec.parse(key[0]), delta) for key in runs}
     tallies = {key: Tally(None, None) if key is None else Tally(key[1], deltas[key]) for key in keys}
+    learnt: dict = {key: {} for key in keys}  # each run learns from its own earlier prompts only (`kept_apart`)
     bar = tqdm(total=len(prompts) * len(keys), desc="draft sources", unit="run", disable=not progress)
     for i, ids in enumerate(prompts):
         shift = i % len(keys)
@@ -216,7 +218,8 @@ def drafter_run(target, draft, prompts: list[torch.Tensor], runs: list[tuple], d
                 run = dict(tree=key[2] if len(key) > 2 else "opt", drafter=key[0], budget=key[1], delta=deltas[key],
                            draft_temperature=draft_temperature if with_model else 1.0)
             start = time.perf_counter()
-            out = generate(target, ids, draft if with_model else None, **run, **options)
+            with kept_apart(target, learnt[key]):
+                out = generate(target, ids, draft if with_model else None, **run, **options)
             tally = tallies[key]
             tally.time_s += seconds_since(start, target)
             tally.new_tokens += out.stats.new_tokens
