@@ -21,6 +21,7 @@ from ab_versions import print_totals  # this folder's: the same table
 
 import opttree
 from opttree.bench.prompts import load_prompts
+from opttree.step.drafters.estimates import kept_apart
 from opttree.step.policies.dyspec import DySpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +45,10 @@ def main() -> None:
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
     base = opttree.profile_options(target, draft, temperature=args.temperature)
     variants = [("plain decoding", {"tree": "ar"})] + [parse_variant(v) for v in args.variants]
-    def run(settings: dict, ids: torch.Tensor, seed: int) -> list:
-        """[seconds, new tokens, steps] of one generation with `settings`."""
+    learnt = {label: {} for label, _ in variants}  # what each variant's train-free sources learn: its own
+
+    def run(settings: dict, ids: torch.Tensor, seed: int, states: dict) -> list:
+        """[seconds, new tokens, steps] of one generation with `settings`, learning into `states`."""
         settings = dict(settings)
         env, DySpec.grow_on_device = settings.pop("env", {}), settings.pop("dyspec_on_device", False)
         plain = settings.get("tree") == "ar"
@@ -53,21 +56,25 @@ def main() -> None:
         try:
             start = time.perf_counter()
             options = settings if plain else {**base, **settings}
-            stream = opttree.stream(target, ids, None if plain else draft, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, seed=seed, **options)
-            tokens = sum(chunk.numel() for chunk in stream)
+            uses_draft = not plain and "model" in str(options.get("drafter") or "model")
+            if not uses_draft:  # train-free sources: no draft model, no draft temperature
+                options = {k: v for k, v in options.items() if k != "draft_temperature"}
+            with kept_apart(target, states):
+                stream = opttree.stream(target, ids, draft if uses_draft else None, max_new_tokens=args.max_new_tokens,
+                                        temperature=args.temperature, seed=seed, **options)
+                tokens = sum(chunk.numel() for chunk in stream)
             return [time.perf_counter() - start, tokens, stream.stats.steps]
         finally:
             for key in env:
                 os.environ.pop(key)
             DySpec.grow_on_device = False
 
-    for _, settings in variants:  # warm-up
-        run(settings, prompts[0], 0)
+    for _, settings in variants:  # warm-up (what it teaches is dropped)
+        run(settings, prompts[0], 0, {})
     totals = {label: [0.0, 0, 0] for label, _ in variants}  # seconds, new tokens, steps
     for i, ids in enumerate(prompts):
         for label, settings in variants[i % len(variants):] + variants[: i % len(variants)]:
-            totals[label] = [a + b for a, b in zip(totals[label], run(settings, ids, i))]
+            totals[label] = [a + b for a, b in zip(totals[label], run(settings, ids, i, learnt[label]))]
     print_totals(totals, "setting")
 
 
