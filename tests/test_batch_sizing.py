@@ -127,7 +127,7 @@ def test_without_first_use_measurement_a_batch_keeps_the_budget(monkeypatch, tmp
     run = opttree.Speculator(target, drafter="lookup", max_new_tokens=16)
     run = run.stream([opttree.Request(torch.arange(3, 9))] * 2)
     assert {row.config.budget for row in run.rows} == {opttree.SpecConfig().budget}
-    assert not list(tmp_path.iterdir())
+    assert not batch_sizing.latency_path(target).exists()  # nothing timed (the packed kernels' checks may be kept)
     with pytest.raises(TypeError, match="'sized' or 'rows'"):
         opttree.Speculator(target, batch_budget="auto")
 

@@ -1,5 +1,6 @@
-"""Packed bf16 linear weights (`opttree.packed`): a layer runs packed only at row counts where the packed
-kernel matched the plain one bit for bit, and a generation's tokens do not change."""
+"""Packed linear weights (`opttree.packed`): a bf16 layer runs packed only at row counts where the packed kernel
+matched the plain one bit for bit, a float32 one from 2 rows where it agreed within float32 rounding (1 row: the plain
+kernel), and a generation's tokens do not change."""
 
 import json
 
@@ -28,24 +29,52 @@ def test_a_layer_runs_packed_only_up_to_the_rows_where_the_kernels_agreed(monkey
 
     monkeypatch.setattr(packing, "_LINEAR", kernel)
     layer = torch.nn.Linear(8, 3).to(torch.bfloat16)
-    assert packing._identical_rows([layer], layer.weight.detach()) == 4
+    assert packing._checked_rows([layer], layer.weight.detach()) == 4
+    rows = packing._rows_run(torch.bfloat16, 4)
     with torch.inference_mode():
         x = torch.randn(2, 2, 8, dtype=torch.bfloat16)  # 4 rows: packed
         calls.clear()
-        assert torch.equal(packing._packed_forward(layer, layer.weight, 4, x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(packing._packed_forward(layer, layer.weight, rows, x), F.linear(x, layer.weight, layer.bias))
         assert calls == [4]
         calls.clear()
         wide = torch.randn(6, 8, dtype=torch.bfloat16)  # past the limit: the plain layer
-        assert torch.equal(packing._packed_forward(layer, layer.weight, 4, wide), F.linear(wide, layer.weight, layer.bias))
+        assert torch.equal(packing._packed_forward(layer, layer.weight, rows, wide),
+                           F.linear(wide, layer.weight, layer.bias))
         assert calls == []
     x = torch.randn(3, 8, dtype=torch.bfloat16)  # grad mode (training): the plain layer
-    packing._packed_forward(layer, layer.weight, 4, x)
+    packing._packed_forward(layer, layer.weight, rows, x)
     assert calls == []
 
 
-def test_packing_applies_to_bf16_cpu_models_that_fit_in_memory(monkeypatch):
+def test_a_float32_layer_runs_packed_from_two_rows_where_the_kernels_agree(monkeypatch):
+    """float32: checked from 2 rows within float32 rounding (a kernel off by more is caught), never run packed on
+    1 row (plain decoding keeps the plain kernel, bit for bit)."""
+    calls = []
+
+    def kernel(x, weight, bias, *args):
+        calls.append(x.shape[0])
+        out = F.linear(x, weight, bias)
+        return out * (1 + 1e-6) if x.shape[0] < 7 else out * 1.01  # rounding-sized from 2 rows; off from 7
+
+    monkeypatch.setattr(packing, "_LINEAR", kernel)
+    layer = torch.nn.Linear(8, 3)
+    assert packing._checked_rows([layer], layer.weight.detach()) == 6 and min(calls) == 2
+    rows = packing._rows_run(torch.float32, 6)
+    assert list(rows) == [2, 3, 4, 5, 6]
+    with torch.inference_mode():
+        calls.clear()
+        one = torch.randn(1, 8)
+        assert torch.equal(packing._packed_forward(layer, layer.weight, rows, one), F.linear(one, layer.weight,
+                                                                                              layer.bias))
+        assert calls == []  # one row: the plain kernel
+        packing._packed_forward(layer, layer.weight, rows, torch.randn(5, 8))
+        assert calls == [5]
+        assert packing._checked_rows([layer], layer.weight.detach()) == 6
+
+
+def test_packing_applies_to_bf16_and_float32_cpu_models_that_fit_in_memory(monkeypatch):
     model = tiny_model("llama")
-    assert not packing_applies(model)  # float32: packing is not bit-identical there, never used
+    assert packing_applies(model) == (torch.backends.mkldnn.is_available() and packing._LINEAR is not None)  # float32
     model = model.to(torch.bfloat16)
     if BF16_KERNELS:
         assert packing_applies(model)
@@ -72,7 +101,7 @@ def test_generation_is_token_identical_with_packed_weights(monkeypatch, arch):
     if arch in ("llama", "qwen2"):  # each layer's q, k, v and gate, up packed together too (`lean.shared_inputs`)
         grouped = [layer for group in pack.groups.values() for layer in group.layers]
         assert len(pack.groups) == 2 * target.config.num_hidden_layers and len(grouped) == 5 * len(pack.groups) // 2
-    assert all(rows >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
+    assert all(len(rows) >= 1 for _, _, rows in pack.layers)  # each runs packed at some row counts
     layer = pack.layers[0][0]
     with entered([pack]):
         with entered([pack]):  # two generations stepping at once: the last out restores
@@ -100,15 +129,15 @@ def test_packed_layers_match_the_plain_ones_bit_for_bit():
 def test_the_checked_limits_are_kept_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
     checked = []
-    monkeypatch.setattr(packing, "_identical_rows", lambda layers, packed: checked.append(layers[0].weight.shape) or 7)
+    monkeypatch.setattr(packing, "_checked_rows", lambda layers, packed: checked.append(layers[0].weight.shape) or 7)
     model = tiny_model("llama").to(torch.bfloat16)
     first = PackedLinears(model)
     shapes = {(m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear}
     shapes |= {tuple((m.in_features, m.out_features) for m in group) for group in shared_inputs(model)}  # stacked
-    assert len(checked) == len(shapes) and {rows for _, _, rows in first.layers} == {7}
-    assert {group.max_rows for group in first.groups.values()} == {7}
+    assert len(checked) == len(shapes) and {rows for _, _, rows in first.layers} == {range(1, 8)}
+    assert {group.rows for group in first.groups.values()} == {range(1, 8)}
     again = PackedLinears(tiny_model("llama", seed=3).to(torch.bfloat16))  # other weights, the same shapes
-    assert len(checked) == len(shapes) and {rows for _, _, rows in again.layers} == {7}  # read, not checked again
+    assert len(checked) == len(shapes) and {rows for _, _, rows in again.layers} == {range(1, 8)}  # read, not checked
 
 
 def test_a_cpu_whose_kernels_refuse_to_pack_runs_the_plain_layers(monkeypatch):
@@ -147,12 +176,15 @@ def test_the_networks_a_drafter_runs_are_packed_too(monkeypatch):
 @pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")
 def test_a_model_converted_after_use_is_packed_as_it_is_now():
     model = tiny_model("llama")
-    assert packed_linears(model) is None  # float32
+    as_float32 = packed_linears(model)  # float32 packs too
+    assert as_float32 is not None and {layer.weight.dtype for layer, _, _ in as_float32.layers} == {torch.float32}
     model.to(torch.bfloat16)
     pack = packed_linears(model)
-    assert pack is not None and packed_linears(model) is pack  # kept
+    assert pack is not None and pack is not as_float32 and packed_linears(model) is pack  # packed again, then kept
+    assert {layer.weight.dtype for layer, _, _ in pack.layers} == {torch.bfloat16}
     model.to(torch.float32)
-    assert packed_linears(model) is None  # its weights were replaced: nothing packed is used
+    again = packed_linears(model)  # its weights were replaced: packed again, as they are now
+    assert again is not pack and {layer.weight.dtype for layer, _, _ in again.layers} == {torch.float32}
 
 
 @pytest.mark.skipif(not BF16_KERNELS, reason="no oneDNN bf16 matrix kernels on this CPU")

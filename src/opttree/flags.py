@@ -279,7 +279,7 @@ def load_pair(args):
         from .packed import packing_applies
 
         if packing_applies(target):  # compiled graphs run the plain kernels, not the packed weights
-            print("opttree: --compile: this CPU runs bf16 linear layers from packed weights when eager, which "
+            print("opttree: --compile: this CPU runs linear layers from packed weights when eager, which "
                   "compiled steps do not; compiled measured slower on such a CPU (docs/USAGE.md, \"Static shapes "
                   "and compiled steps\")", file=sys.stderr)
         static = getattr(args, "static", None) is not False

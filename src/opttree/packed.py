@@ -1,4 +1,4 @@
-"""Linear weights prepacked for the CPU's bf16 matrix kernels, during opttree's steps.
+"""Linear weights prepacked for the CPU's matrix kernels (bf16 and float32), during opttree's steps.
 
 On a CPU with bf16 matrix instructions (AVX512-bf16, AMX), a bf16 `nn.Linear` runs oneDNN's brgemm
 kernel, which first copies the weight into its blocked layout: every call, for every layer. A decoding
@@ -21,7 +21,15 @@ their weights stacked: the lean forward runs each group as one product (`PackedL
 for bit against the plain layers side by side as single layers are. One product of three costs about what
 one of them costs alone: 4 products a decoder layer instead of 7, 7 % of a greedy step of the shipped target
 on a 2-core AMD EPYC with avx512_bf16.
-The packed copies cost memory (the size of the bf16 linear weights): a model is packed only while they
+float32 linear weights are packed too, on any CPU oneDNN runs on (AVX2 included), for products of 2 rows or more:
+transformers' float32 kernel (MKL's) is slow on a few rows (17 rows by the shipped target's 8192 x 512 head: 1.7 ms
+against 0.3 packed, on a 2-core AMD EPYC; a tree step of 17 tokens 20.4 -> 13.9 ms restricted to AVX2). There the
+packed kernel rounds differently from the plain one (its sums run in another order), so float32 is checked to agree
+within float32 rounding (`_agreeing_rows`), not bit for bit; but the plain kernel itself rounds a row differently
+with 1 row than with 4 or more (its one-row path), so a tree step's rows never were the one-row products of plain
+decoding bit for bit. A product of 1 row (plain decoding) always runs the plain kernel: opttree's plain decoding
+stays transformers' own, bit for bit, and greedy identity with `target.generate` is tested as before.
+The packed copies cost memory (the size of the packed linear weights): a model is packed only while they
 fit in a quarter of the memory available (`MEMORY_SHARE`), its groups only while their stacked copies fit
 there too (every layer keeps its own copy: a forward the lean one does not drive runs them), and the copies
 live as long as the model.
@@ -45,6 +53,8 @@ from .device import is_compiled
 from .shipped import cache_root
 
 MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
+FLOAT32_MIN_ROWS = 2  # a float32 product of fewer rows runs the plain kernel (plain decoding: bit for bit transformers')
+FLOAT32_AGREEMENT = 1e-4  # float32: packed and plain outputs differ by at most this share of the largest output
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
@@ -94,22 +104,22 @@ def packed_models(*models: torch.nn.Module | None) -> contextlib.ExitStack:
 
 
 def packing_applies(model: torch.nn.Module) -> bool:
-    """A CPU model with bf16 linear layers, not compiled, on a CPU with oneDNN's bf16 kernels, whose packed
-    copies fit in MEMORY_SHARE of the free memory."""
+    """A CPU model with linear layers that pack (`_packable_linears`: float32, or bf16 on a CPU with oneDNN's bf16
+    kernels), not compiled, whose packed copies fit in MEMORY_SHARE of the free memory."""
     params = list(model.parameters())
     if not params or params[0].device.type != "cpu" or is_compiled(model):  # inductor makes its own kernels
         return False
-    if _LINEAR is None or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if _LINEAR is None or not torch.backends.mkldnn.is_available():
         return False
-    size = sum(m.weight.numel() * 2 for m in _bf16_linears(model))
+    size = sum(_bytes(m) for m in _packable_linears(model))
     return 0 < size <= MEMORY_SHARE * _available_bytes()
 
 
 class PackedLinears:
-    """A model's bf16 linear layers with packed copies of their weights; `with` it, they run from them."""
+    """A model's bf16 and float32 linear layers with packed copies of their weights; `with` it, they run from them."""
 
     def __init__(self, model: torch.nn.Module):
-        self.layers: list[tuple[torch.nn.Module, torch.Tensor, int]] = []  # (layer, packed weight, max rows)
+        self.layers: list[tuple[torch.nn.Module, torch.Tensor, range]] = []  # (layer, packed weight, rows it runs)
         self.groups: dict[tuple[int, ...], _Group] = {}  # by the ids of its layers
         self._saved: list = []  # the layers' own instance forwards (None: the class's) while entered
         self._entered = 0
@@ -120,27 +130,27 @@ class PackedLinears:
         except (OSError, ValueError):  # none yet (or unreadable): checked again
             limits = {}
         known = len(limits)
-        packable = _bf16_linears(model)
+        packable = _packable_linears(model)
         groups = _groups(model, packable)
-        room = MEMORY_SHARE * _available_bytes() - sum(m.weight.numel() * 2 for m in packable)
-        if sum(m.weight.numel() * 2 for group in groups for m in group) > room:
+        room = MEMORY_SHARE * _available_bytes() - sum(map(_bytes, packable))
+        if sum(_bytes(m) for group in groups for m in group) > room:
             groups = []  # the layers' own packed copies first: they serve every forward, the groups only the lean one
         with torch.inference_mode():
             for group in groups:
                 shape = "+".join(_shape(layer) for layer in group)
                 packed = _Group(group)
                 if shape not in limits:
-                    limits[shape] = _identical_rows(group, packed.weight)
+                    limits[shape] = _checked_rows(group, packed.weight)
                 if limits[shape]:
-                    packed.max_rows = limits[shape]
+                    packed.rows = _rows_run(group[0].weight.dtype, limits[shape])
                     self.groups[tuple(map(id, group))] = packed
             for layer in packable:
                 packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 16)
                 shape = _shape(layer)
                 if shape not in limits:
-                    limits[shape] = _identical_rows([layer], packed)
+                    limits[shape] = _checked_rows([layer], packed)
                 if limits[shape]:
-                    self.layers.append((layer, packed, limits[shape]))
+                    self.layers.append((layer, packed, _rows_run(layer.weight.dtype, limits[shape])))
         if len(limits) > known:  # written whole, then renamed: another process never reads half a file
             path.parent.mkdir(parents=True, exist_ok=True)
             written = path.with_suffix(f".{os.getpid()}.tmp")
@@ -167,7 +177,7 @@ class PackedLinears:
         the rows are within the checked limit (the results are views of that product's columns); else each
         layer called as usual."""
         group = self.groups.get(tuple(map(id, layers))) if self._entered else None
-        if group is None or x.numel() // x.shape[-1] > group.max_rows or x.dtype is not torch.bfloat16 \
+        if group is None or x.numel() // x.shape[-1] not in group.rows or x.dtype is not group.dtype \
                 or torch.is_grad_enabled() or any(layer._forward_hooks or layer._forward_pre_hooks
                                                    for layer in layers) or self._replaced(layers):
             return tuple(layer(x) for layer in layers)  # each from its own packed copy where it has one
@@ -200,30 +210,34 @@ class PackedLinears:
                    for layer in layers)
 
 
-def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, max_rows: int, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() // x.shape[-1] > max_rows or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+def _packed_forward(layer: torch.nn.Module, packed: torch.Tensor, rows: range, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() // x.shape[-1] not in rows or x.dtype is not layer.weight.dtype or torch.is_grad_enabled():
         return F.linear(x, layer.weight, layer.bias)
     return _run_packed(x, packed, layer.bias)
 
 
+def _rows_run(dtype: torch.dtype, checked: int) -> range:
+    """The row counts a packed layer of `dtype` runs packed, its kernel checked up to `checked` rows."""
+    return range(FLOAT32_MIN_ROWS if dtype == torch.float32 else 1, checked + 1)
+
+
 def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(..., in) bf16 -> (..., out) through oneDNN's kernel on a packed weight."""
+    """(..., in) bf16 or float32 -> (..., out) through oneDNN's kernel on a packed weight."""
     return _LINEAR(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "").view(*x.shape[:-1], -1)
 
 
 class PackedMatmul:
-    """x (..., in) -> x W^T + b (..., out), through a packed copy of W where `packed` (a bf16 CPU weight, on a
-    CPU with the bf16 kernels: `packing_applies`), else `F.linear`. For a draft's own stacked weights
+    """x (..., in) -> x W^T + b (..., out), through a packed copy of W where `packed` (a bf16 or float32 CPU
+    weight that packs: `packing_applies`), else `F.linear`. For a draft's own stacked weights
     (`opttree.step.draft_forward`): the packed kernel is not checked against the plain one here, as it is for
     `PackedLinears`, since a draft's roundings never reach the output; it runs at any row count."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
         self.weight, self.bias = weight, bias  # (out, in), (out,)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if packed and weight.dtype == torch.bfloat16 \
-            else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16) if packed and _packs(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+        if self.packed is None or x.dtype is not self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         return _run_packed(x, self.packed, self.bias)
 
@@ -239,7 +253,8 @@ class _Group:
         stacked = torch.cat([layer.weight.detach() for layer in layers])  # (sum of outs, in)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, 16)
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        self.max_rows = 0
+        self.dtype = layers[0].weight.dtype
+        self.rows = range(0)  # the row counts it runs packed
 
 
 _SHARED_INPUTS: list = []  # functions: model -> groups of its linears that a forward applies to one input
@@ -262,20 +277,28 @@ def _groups(model: torch.nn.Module, packable: list[torch.nn.Module]) -> list[lis
 
 
 def _shape(layer: torch.nn.Module) -> str:
-    return f"{layer.in_features}x{layer.out_features}{'+bias' if layer.bias is not None else ''}"
+    """A layer's key in the checked limits: its shape (and dtype, float32's own key)."""
+    kind = "/float32" if layer.weight.dtype == torch.float32 else ""
+    return f"{layer.in_features}x{layer.out_features}{'+bias' if layer.bias is not None else ''}{kind}"
 
 
-def _identical_rows(layers: list[torch.nn.Module], packed: torch.Tensor) -> int:
-    """The largest r <= MAX_ROWS such that the packed kernel's output (of the layers' stacked weights) equals the
-    plain layers' outputs side by side, bit for bit, at every row count 1..r (random inputs)."""
+def _checked_rows(layers: list[torch.nn.Module], packed: torch.Tensor) -> int:
+    """The largest r <= MAX_ROWS such that the packed kernel's output (of the layers' stacked weights) agrees with
+    the plain layers' outputs side by side at every row count up to r (random inputs): bf16 bit for bit from 1
+    row, float32 within FLOAT32_AGREEMENT of the largest output from FLOAT32_MIN_ROWS (module docstring)."""
     generator = torch.Generator().manual_seed(0)
     biases = [layer.bias for layer in layers]
     bias = None if biases[0] is None else torch.cat(biases)
-    for rows in range(1, MAX_ROWS + 1):
-        x = torch.randn(rows, layers[0].in_features, generator=generator).to(torch.bfloat16)
+    dtype = layers[0].weight.dtype
+    first = FLOAT32_MIN_ROWS if dtype == torch.float32 else 1
+    for rows in range(first, MAX_ROWS + 1):
+        x = torch.randn(rows, layers[0].in_features, generator=generator).to(dtype)
         plain = torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
-        if not torch.equal(plain, _LINEAR(x, packed, bias, "none", [], "")):
-            return rows - 1
+        out = _LINEAR(x, packed, bias, "none", [], "")
+        agree = torch.equal(plain, out) if dtype != torch.float32 else \
+            bool((out - plain).abs().max() <= FLOAT32_AGREEMENT * plain.abs().max())
+        if not agree:
+            return rows - 1 if rows > first else 0
     return MAX_ROWS
 
 
@@ -296,10 +319,24 @@ def _lines(path: str) -> list[str]:
         return []
 
 
-def _bf16_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's plain bf16 linear layers on the CPU (not a subclass, not a quantized or sharded weight)."""
+def _packable_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's plain linear layers on the CPU (not a subclass, not a quantized or sharded weight) whose
+    weights pack (`_packs`)."""
     return [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-            and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+            and m.weight.device.type == "cpu" and _packs(m.weight)]
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    """float32 on any CPU oneDNN runs on; bf16 where it has the bf16 matrix kernels."""
+    return weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and _bf16_kernels()
+
+
+def _bf16_kernels() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _bytes(layer: torch.nn.Module) -> int:
+    return layer.weight.numel() * layer.weight.element_size()
 
 
 def _available_bytes() -> int:
