@@ -53,7 +53,7 @@ from .device import is_compiled
 from .shipped import cache_root
 
 MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
-FLOAT32_MIN_ROWS = 2  # a float32 product of fewer rows runs the plain kernel (plain decoding: bit for bit transformers')
+FLOAT32_MIN_ROWS = 2  # a float32 product of fewer rows runs the plain kernel (plain decoding: transformers')
 FLOAT32_AGREEMENT = 1e-4  # float32: packed and plain outputs differ by at most this share of the largest output
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
 
