@@ -1,8 +1,9 @@
-"""Packed bf16 linear weights (`opttree.packed`) against the plain layers: the same methods with and without
+"""Packed linear weights (`opttree.packed`) against the plain layers: the same methods with and without
 them, interleaved per prompt (the order rotated), in one process; every output compared token for token.
 
     python scripts/packed_linears.py --limit 20                 # HumanEval's first 20, 128 tokens, bf16
     python scripts/packed_linears.py --layers                   # also each linear shape of the target alone
+    python scripts/packed_linears.py --dtype float32 --layers --limit 0    # float32's shapes alone
 
 The train-free sources' state (Token Recycling's matrix) is reset before every generation, so both
 versions of a method start from the same state and must give the same tokens.
@@ -27,10 +28,10 @@ METHODS = {"ar": dict(tree="ar"), "opt:recycling+lookup@16": dict(drafter="recyc
 
 
 def layer_times(target) -> None:
-    """Median microseconds of each distinct linear shape, plain and packed, at 1 and 17 rows."""
+    """Median microseconds of each distinct linear shape, plain and packed, at 1, 9 and 17 rows."""
     pack = packed_linears(target)
     if pack is None:
-        print("packing does not apply here (no oneDNN bf16 kernels for this CPU, or not enough memory)")
+        print("packing does not apply here (no oneDNN kernels for this CPU and dtype, or not enough memory)")
         return
     seen = set()
     for layer, packed, rows in pack.layers:
@@ -39,12 +40,12 @@ def layer_times(target) -> None:
             continue
         seen.add(shape)
         cells = []
-        for m in (1, 17):
-            x = torch.randn(m, layer.in_features).to(torch.bfloat16)
+        for m in (1, 9, 17):
+            x = torch.randn(m, layer.in_features).to(layer.weight.dtype)
             plain = _median(lambda: F.linear(x, layer.weight, layer.bias))
             fast = _median(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
             cells.append(f"{m} rows: {plain:.0f} -> {fast:.0f} us")
-        print(f"linear {shape[0]} x {shape[1]} (packed up to {rows} rows): " + ", ".join(cells))
+        print(f"linear {shape[0]} x {shape[1]} (run packed at {rows.start}-{rows.stop - 1} rows): " + ", ".join(cells))
 
 
 def _median(call, n: int = 300) -> float:
@@ -65,12 +66,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--layers", action="store_true", help="time each linear shape alone first")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    target, draft, tok = opttree.demo_models(torch.bfloat16)
+    target, draft, tok = opttree.demo_models(getattr(torch, args.dtype))
     if args.layers:
         layer_times(target)
     lines = open(args.prompts).read().splitlines()[: args.limit]
     prompts = [tok(json.loads(line)["prompt"], return_tensors="pt").input_ids for line in lines]
+    if not prompts:
+        return
     runs = [(name, packed) for name in METHODS for packed in (False, True)]
     for name, packed in runs:  # first calls (packing, kernels) out of the timing
         os.environ["OPTTREE_PACKED"] = str(int(packed))
@@ -92,7 +96,7 @@ def main() -> None:
             if (name, j) in outputs:
                 differ[name] += not torch.equal(outputs[(name, j)], out.sequences)
             outputs[(name, j)] = out.sequences
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, bfloat16, interleaved\n")
+    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.dtype}, interleaved\n")
     print("| method | MAL | tokens/s plain | tokens/s packed | packed / plain | outputs that differ |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in METHODS:
