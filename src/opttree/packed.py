@@ -25,7 +25,7 @@ float32 linear weights are packed too, on any CPU oneDNN runs on (AVX2 included)
 transformers' float32 kernel (MKL's) is slow on a few rows (17 rows by the shipped target's 8192 x 512 head: 1.7 ms
 against 0.3 packed, on a 2-core AMD EPYC; a tree step of 17 tokens 20.4 -> 13.9 ms restricted to AVX2). There the
 packed kernel rounds differently from the plain one (its sums run in another order), so float32 is checked to agree
-within float32 rounding (`_agreeing_rows`), not bit for bit; but the plain kernel itself rounds a row differently
+within float32 rounding (`_checked_rows`), not bit for bit; but the plain kernel itself rounds a row differently
 with 1 row than with 4 or more (its one-row path), so a tree step's rows never were the one-row products of plain
 decoding bit for bit. A product of 1 row (plain decoding) always runs the plain kernel: opttree's plain decoding
 stays transformers' own, bit for bit, and greedy identity with `target.generate` is tested as before.
