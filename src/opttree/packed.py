@@ -21,7 +21,8 @@ their weights stacked: the lean forward runs each group as one product (`PackedL
 for bit against the plain layers side by side as single layers are. One product of three costs about what
 one of them costs alone: 4 products a decoder layer instead of 7, 7 % of a greedy step of the shipped target
 on a 2-core AMD EPYC with avx512_bf16.
-float32 linear weights are packed too, on any CPU oneDNN runs on (AVX2 included), for products of 2 rows or more:
+float32 linear weights are packed too (from FLOAT32_MIN_ELEMENTS), on any CPU oneDNN runs on (AVX2 included), for
+products of 2 rows or more:
 transformers' float32 kernel (MKL's) is slow on a few rows (17 rows by the shipped target's 8192 x 512 head: 1.7 ms
 against 0.3 packed, on a 2-core AMD EPYC; a tree step of 17 tokens 20.4 -> 13.9 ms restricted to AVX2). There the
 packed kernel rounds differently from the plain one (its sums run in another order), so float32 is checked to agree
@@ -55,6 +56,10 @@ from .shipped import cache_root
 MAX_ROWS = 128  # rows of a call checked (and run) packed: a tree step's and a batch's, not a prefill's
 FLOAT32_MIN_ROWS = 2  # a float32 product of fewer rows runs the plain kernel (plain decoding: transformers')
 FLOAT32_AGREEMENT = 1e-4  # float32: packed and plain outputs differ by at most this share of the largest output
+FLOAT32_CHECKED = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, MAX_ROWS)  # row counts float32 is checked at
+# a smaller float32 weight is not packed: oneDNN's call costs ~10 us more than MKL's, which a product by a small
+# weight does not earn back (on a 2-core AMD EPYC, 9 rows: 64 x 64 3.6 us plain, 10.9 packed; 512 x 256 31 / 16)
+FLOAT32_MIN_ELEMENTS = 1 << 17
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the memory available
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
@@ -284,22 +289,24 @@ def _shape(layer: torch.nn.Module) -> str:
 
 def _checked_rows(layers: list[torch.nn.Module], packed: torch.Tensor) -> int:
     """The largest r <= MAX_ROWS such that the packed kernel's output (of the layers' stacked weights) agrees with
-    the plain layers' outputs side by side at every row count up to r (random inputs): bf16 bit for bit from 1
-    row, float32 within FLOAT32_AGREEMENT of the largest output from FLOAT32_MIN_ROWS (module docstring)."""
+    the plain layers' outputs side by side up to r rows (random inputs): bf16 bit for bit at every row count from 1,
+    float32 within FLOAT32_AGREEMENT of the largest output at FLOAT32_CHECKED's row counts (agreement within rounding
+    does not hinge on one row count, as bit equality may; module docstring)."""
     generator = torch.Generator().manual_seed(0)
     biases = [layer.bias for layer in layers]
     bias = None if biases[0] is None else torch.cat(biases)
     dtype = layers[0].weight.dtype
-    first = FLOAT32_MIN_ROWS if dtype == torch.float32 else 1
-    for rows in range(first, MAX_ROWS + 1):
+    passed = 0
+    for rows in FLOAT32_CHECKED if dtype == torch.float32 else range(1, MAX_ROWS + 1):
         x = torch.randn(rows, layers[0].in_features, generator=generator).to(dtype)
         plain = torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
         out = _LINEAR(x, packed, bias, "none", [], "")
         agree = torch.equal(plain, out) if dtype != torch.float32 else \
             bool((out - plain).abs().max() <= FLOAT32_AGREEMENT * plain.abs().max())
         if not agree:
-            return rows - 1 if rows > first else 0
-    return MAX_ROWS
+            return passed
+        passed = rows
+    return passed
 
 
 def _limits_path() -> Path:
@@ -327,8 +334,11 @@ def _packable_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _packs(weight: torch.Tensor) -> bool:
-    """float32 on any CPU oneDNN runs on; bf16 where it has the bf16 matrix kernels."""
-    return weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and _bf16_kernels()
+    """float32 of at least FLOAT32_MIN_ELEMENTS on any CPU oneDNN runs on; bf16 where it has the bf16 matrix
+    kernels."""
+    if weight.dtype == torch.float32:
+        return weight.numel() >= FLOAT32_MIN_ELEMENTS
+    return weight.dtype == torch.bfloat16 and _bf16_kernels()
 
 
 def _bf16_kernels() -> bool:
