@@ -232,7 +232,6 @@ class LaneGenerations:
 
     def __init__(self, lanes: list[tuple[list[int], Generation]]):
         self.lanes = lanes  # (the requests' indices, their batch)
-        self.single = False
 
     @property
     def rows(self) -> list[Row]:

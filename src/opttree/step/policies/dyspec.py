@@ -125,7 +125,9 @@ class DySpec:
         value = torch.zeros(1, device=device)  # (F,) log value of the frontier (-inf: offers no child)
         frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # (F,) candidate index, -1 = the root
         size = torch.zeros((), dtype=torch.long, device=device)  # valid candidates so far
-        tokens, parents, depths, keys, probs = [], [], [], [], [dists.exp()]
+        sampled = self.picker.sampled
+        tokens, parents, depths, keys = [], [], [], []
+        probs = [dists.exp()] if sampled else []  # the distributions children were drawn from (sampled only)
         for depth in range(1, max_depth + 1):
             chosen, logq, offer = self._offers(dists, value, n)  # (F, k) each
             k, offer = chosen.shape[1], offer.flatten()  # (F k,)
@@ -146,11 +148,12 @@ class DySpec:
             frontier = torch.arange(first, first + row.shape[0], device=device)
             dists = self.picker.log_dist(drafter.expand(tokens[-1], parents[-1]))  # (L, V); parent slot = its index
             value = torch.where(valid & (score.exp() > self.threshold) & (size < n), score, float("-inf"))
-            probs.append(dists.exp())
+            if sampled:
+                probs.append(dists.exp())
         tokens, parents, depths, keys = (torch.cat(x) for x in (tokens, parents, depths, keys))
         run = torch.arange(tokens.shape[0], device=device)
         slots = torch.where(run < tokens.shape[0] - row.shape[0], run, -1)  # the last layer never ran
         draft_probs = None
-        if self.picker.sampled:  # (C + 1, V): [root] + every candidate's distribution, zero rows for the last layer
+        if sampled:  # (C + 1, V): [root] + every candidate's distribution, zero rows for the last layer
             draft_probs = torch.cat([*probs, probs[0].new_zeros(row.shape[0], probs[0].shape[1])])
         return select_best(tokens, parents, depths, keys, slots, n, draft_probs=draft_probs)
