@@ -288,6 +288,45 @@ def test_draws_without_replacement_are_exact_and_short_only_where_the_draws_repe
     assert not valid[:, 2].any() and valid[:, 0].all() and 0 < valid[:, 1].sum() < 100  # 1 - 0.999^12 = 1.2 %
 
 
+def test_one_draw_a_row_follows_q_and_marks_a_row_without_mass():
+    """One child a row (`draw_distinct` with k = 1, its own short path): 60,000 draws from q follow it (and the
+    same counts refuse q with 1.5 % of its mass moved); a token without mass is never drawn; a row without any mass
+    gives an invalid child (an id in range)."""
+    from scipy.stats import chisquare
+
+    from opttree.step.sampling import draw_distinct
+
+    q = torch.tensor([0.4, 0.25, 0.2, 0.15, 0.0])
+    rows = 60_000
+    tokens, valid = draw_distinct(torch.cat([q.expand(rows, 5), torch.zeros(1, 5)]), 1, torch.Generator().manual_seed(0))
+    assert tokens.shape == valid.shape == (rows + 1, 1) and valid[:rows].all() and not valid[rows].any()
+    assert 0 <= int(tokens[rows]) < 5 and (tokens[:rows] != 4).all()
+    observed = torch.bincount(tokens[:rows, 0], minlength=5)[:4].double()
+    expected = rows * q[:4].double()
+    assert chisquare(observed, expected).pvalue > 1e-3
+    biased = expected + torch.tensor([0.015, -0.015, 0.0, 0.0], dtype=torch.float64) * rows
+    assert chisquare(observed, biased).pvalue < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_drafters_slot_tree_gives_each_slots_depth_and_ancestors(seed):
+    """`SlotTree` (a model drafter's slots of one step, in buffers that double) against the tree it describes,
+    layer by layer, past its first capacity: each new slot's depth and the slots it may attend to (its ancestors
+    and itself, among every slot so far)."""
+    from opttree.step.drafters.model import SlotTree
+
+    g = torch.Generator().manual_seed(seed)
+    slots = SlotTree(torch.device("cpu"), capacity=4)
+    parents: list[int] = []
+    for width in (3, 5, 1, 7, 2):
+        new = [int(torch.randint(-1, len(parents), (1,), generator=g)) if parents else -1 for _ in range(width)]
+        depths, allowed = slots.add(torch.tensor(new))
+        parents += new
+        every = ancestor_mask(torch.tensor(parents))  # (S, S)
+        assert torch.equal(allowed, every[-width:])
+        assert torch.equal(depths, every[-width:].sum(dim=1)) and torch.equal(slots.depths, every.sum(dim=1))
+
+
 @pytest.mark.parametrize("tree_name", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("n,depth,temperature", [(1, 3, 0.0), (7, 3, 0.0), (30, 5, 0.0), (10, 4, 1.0)])

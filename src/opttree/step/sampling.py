@@ -114,6 +114,10 @@ def draw_distinct(p: torch.Tensor, k: int, generator: torch.Generator | None) ->
     """
     rows, vocab = p.shape
     k = min(k, vocab)
+    if k == 1:  # a row's first draw is its first distinct token: one draw, none to set apart (a third of the ops)
+        drawn = inverse_cdf(p, 1, generator)  # (R, 1), V = a row without mass
+        valid = drawn < vocab
+        return drawn.clamp(max=vocab - 1), valid  # an invalid entry: any id (never tried)
     drawn = inverse_cdf(p, max(DRAWS_PER_CHILD * k, MIN_DRAWS), generator)  # (R, L)
     ordered, order = drawn.sort(dim=-1, stable=True)  # equal tokens in draw order
     first = torch.ones_like(ordered, dtype=torch.bool)

@@ -12,7 +12,7 @@ carry the distribution they were actually drawn from.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 from transformers import PreTrainedModel
@@ -44,29 +44,47 @@ def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
 
 
-class SlotTree:
-    """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors."""
+@lru_cache(maxsize=8)
+def _identity(size: int, device: torch.device) -> torch.Tensor:
+    """(size, size) bool identity, made once (read only)."""
+    return torch.eye(size, dtype=torch.bool, device=device)
 
-    def __init__(self, device: torch.device):
+
+class SlotTree:
+    """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors, kept in buffers that
+    double when full (a layer's slots: a dozen ops, none sized by the tree)."""
+
+    def __init__(self, device: torch.device, capacity: int = 32):
         self.device = device
-        self.depths = torch.empty(0, dtype=torch.long, device=device)  # (S,)
-        self.ancestors = torch.empty(0, 0, dtype=torch.bool, device=device)  # (S, S): [i, j] slot j is i or its ancestor
+        self.size = 0  # slots so far
+        self._grow(capacity)
+        self.depths = self._depths[:0]  # (S,) the slots' depths
+
+    def _grow(self, capacity: int) -> None:
+        """Buffers for `capacity` slots, holding the slots so far."""
+        depths = torch.zeros(capacity, dtype=torch.long, device=self.device)  # (C,)
+        reach = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)  # [i, j] slot j is i or its ancestor
+        if self.size:
+            depths[: self.size] = self._depths[: self.size]
+            reach[: self.size, : self.size] = self._reach[: self.size, : self.size]
+        self._depths, self._reach, self._eye = depths, reach, _identity(capacity, self.device)
 
     def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K new slots with these parents (-1 = the root) -> (their depths (K,), the slots each one may
         attend to among the S + K (K, S+K): its ancestors and itself)."""
-        k, s = parent_slots.shape[0], self.depths.shape[0]
-        has_parent = parent_slots >= 0
-        depths = torch.where(has_parent, self.depths[parent_slots.clamp(min=0)] + 1, 1) if s else torch.ones_like(parent_slots)
-        ancestors = torch.zeros(k, s + k, dtype=torch.bool, device=self.device)  # (K, S+K)
-        if s:
-            ancestors[:, :s] = self.ancestors[parent_slots.clamp(min=0)] & has_parent[:, None]
-        ancestors[:, s:] = torch.eye(k, dtype=torch.bool, device=self.device)
-        grown = torch.zeros(s + k, s + k, dtype=torch.bool, device=self.device)
-        grown[:s, :s] = self.ancestors
-        grown[s:] = ancestors
-        self.ancestors, self.depths = grown, torch.cat([self.depths, depths])
-        return depths, ancestors
+        k, s = parent_slots.shape[0], self.size
+        if s + k > self._depths.shape[0]:
+            self._grow(max(2 * self._depths.shape[0], s + k))
+        if s == 0:  # the first slots: every parent is the root
+            depths, reach = self._depths[:k].fill_(1), self._reach[:k].copy_(self._eye[:k])
+        else:
+            parents, has_parent = parent_slots.clamp(min=0), parent_slots >= 0  # (K,) each
+            depths = self._depths[parents] * has_parent + 1  # (K,) a root's child: depth 1
+            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): the parent's, and itself
+            self._depths[s : s + k], self._reach[s : s + k] = depths, reach
+        self.size = s + k
+        self.depths = self._depths[: s + k]
+        return depths, reach[:, : s + k]
 
 
 class ModelDrafter(Declared):
