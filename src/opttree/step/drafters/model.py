@@ -63,7 +63,7 @@ class SlotTree:
     def _grow(self, capacity: int) -> None:
         """Buffers for `capacity` slots, holding the slots so far."""
         depths = torch.zeros(capacity, dtype=torch.long, device=self.device)  # (C,)
-        reach = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)  # [i, j] slot j is i or its ancestor
+        reach = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)  # [i, j]: j is i or an ancestor
         if self.size:
             depths[: self.size] = self._depths[: self.size]
             reach[: self.size, : self.size] = self._reach[: self.size, : self.size]
@@ -80,7 +80,7 @@ class SlotTree:
         else:
             parents, has_parent = parent_slots.clamp(min=0), parent_slots >= 0  # (K,) each
             depths = self._depths[parents] * has_parent + 1  # (K,) a root's child: depth 1
-            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): the parent's, and itself
+            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): the parent's and its own
             self._depths[s : s + k], self._reach[s : s + k] = depths, reach
         self.size = s + k
         self.depths = self._depths[: s + k]
