@@ -80,7 +80,7 @@ class SlotTree:
         else:
             parents, has_parent = parent_slots.clamp(min=0), parent_slots >= 0  # (K,) each
             depths = self._depths[parents] * has_parent + 1  # (K,) a root's child: depth 1
-            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): the parent's and its own
+            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): parent's, own
             self._depths[s : s + k], self._reach[s : s + k] = depths, reach
         self.size = s + k
         self.depths = self._depths[: s + k]
