@@ -112,3 +112,21 @@ def test_no_word_about_how_the_project_was_made():
             found += [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for pattern in HISTORY
                       if re.search(pattern, line)]
     assert not found, "\n".join(found)
+
+
+def test_the_codes_pointers_into_the_docs_name_pages_and_sections_that_exist():
+    """A docstring or comment that sends the reader to `docs/PAGE.md, "Section"` names a page that exists and
+    words that a heading of it holds (the pointers span lines: they are read with the lines joined)."""
+    headings = {page.name: [h.lower() for h in re.findall(r"^#{1,6} (.+)$", without_code(page.read_text()), flags=re.M)]
+                for page in (ROOT / "docs").glob("*.md")}
+    broken, seen = [], 0
+    for path in sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "scripts").glob("*.py")):
+        joined = re.sub(r"\s*\n\s*(#\s*)?", " ", path.read_text(encoding="utf-8"))
+        for page in re.findall(r"docs/(\w+\.md)", joined):
+            if page not in headings:
+                broken.append(f"{path.relative_to(ROOT)}: docs/{page} does not exist")
+        for page, section in re.findall(r'docs/(\w+\.md),?\s*"([^"]+)"', joined):
+            seen += 1
+            if page in headings and not any(section.lower() in heading for heading in headings[page]):
+                broken.append(f'{path.relative_to(ROOT)}: no heading of docs/{page} holds "{section}"')
+    assert seen > 10 and not broken, "\n".join(broken)

@@ -33,7 +33,7 @@ def fitted_overhead(grid: list[Tally], t_target: list[float], t_draft: list[floa
 
 
 def estimated_tps(tally: Tally, t_target: list[float], t_draft: list[float], overhead: float) -> float:
-    """Estimated tokens/s (docs/BENCH_USAGE.md, "An estimate"): new tokens / (steps * (modelled
+    """Estimated tokens/s (docs/BENCH_USAGE.md, "`opttree calibrate`", step 3): new tokens / (steps * (modelled
     forwards + overhead) + prefill)."""
     step_s = forward_seconds_per_step(tally, t_target, t_draft) + overhead
     return tally.new_tokens / (tally.steps * step_s + tally.prefill_s)
