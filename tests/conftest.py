@@ -9,3 +9,6 @@ torch.set_num_threads(1)  # tiny models: threads only add contention
 os.environ["OMP_NUM_THREADS"] = "1"  # and so do the CLI commands the tests run in-process
 os.environ["OPTTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="opttree-test-cache-")  # never the user's profiles
 os.environ["OPTTREE_AUTO_CALIBRATE"] = "0"  # no first-use calibration in every CLI test (test_bench tests it)
+# a batch's float32 attention is chosen by a timing on first use: off, so that bf16 runs do not depend on this
+# machine's timings (tests/test_float32_attention.py turns it on)
+os.environ.setdefault("OPTTREE_FLOAT32_ATTENTION", "0")

@@ -33,6 +33,7 @@ from .step.chains import ChainVerifier, state_cache, verified_as_chains
 from .step.depth import DepthControl
 from .step.drafters import Drafter
 from .step.drafters.together import Round
+from .step.lean import float32_attention
 from .step.policies import TreePolicy
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
@@ -417,7 +418,9 @@ class Generation:
             cache = self._new_cache(self.rows[group[0]])  # several rows: the dynamic path (`check_batchable`)
             prefill(self.target, cache, [self.rows[b] for b in group])
             parts.append((cache, [self.rows[b].prefix_len for b in group]))
-        self.cache = parts[0][0] if len(parts) == 1 else stack_rows(parts)
+        rows = sum(len(lengths) for _, lengths in parts)
+        attention = torch.float32 if rows > 1 and not self.static and float32_attention(self.target) else None
+        self.cache = parts[0][0] if len(parts) == 1 and attention is None else stack_rows(parts, attention)
         self.active += [b for group in groups for b in group]
         row = self.rows[new[0]]
         if self.rope_switch is not None:  # one sequence (`check_batchable`)

@@ -100,9 +100,10 @@ class GrowingLayer(DynamicLayer):
     def _rebuffer(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         """New buffers with room for `needed` positions and more, holding the cached states."""
         length, room = self.get_seq_length(), self.room(needed)
+        dtype = self.keys.dtype if length else key_states.dtype  # a cache kept in float32 stays so (`stack_rows`)
         buffers = []
         for cached, states in zip((self.keys, self.values), (key_states, value_states)):
-            buffer = states.new_empty((*states.shape[:2], room, states.shape[3]))  # (B, H, room, Dh)
+            buffer = states.new_empty((*states.shape[:2], room, states.shape[3]), dtype=dtype)  # (B, H, room, Dh)
             if length:
                 buffer.narrow(2, 0, length).copy_(cached)
             buffers.append(buffer)
@@ -277,11 +278,12 @@ def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
     return torch.arange(keep, device=device)
 
 
-def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
+def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None = None) -> Cache:
     """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
     length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
     to the longest with zeros; the padding is never attended to (the tree masks). Each tensor is copied
-    once, into a growing layer's buffers where the layer is one."""
+    once, into a growing layer's buffers where the layer is one. `dtype`: the keys and values kept in it
+    (default: theirs), a growing layer's from then on (`opttree.step.lean.float32_attention`)."""
     longest = max(length for _, lengths in parts for length in lengths)
     filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
@@ -297,7 +299,7 @@ def stack_rows(parts: list[tuple[Cache, list[int]]]) -> Cache:
                 like = getattr(layer, name)  # (b, H, T, Dh) keys / values, (b, T, Di) indexer keys
                 shape = [count, *like.shape[1:]]
                 shape[axis] = GrowingLayer.room(longest) if growing else longest
-                stack = like.new_zeros(shape)  # (B, ..., room, ...)
+                stack = like.new_zeros(shape, dtype=dtype if growing and dtype is not None else like.dtype)
                 row = 0
                 for cache, lengths in parts:
                     if max(lengths):

@@ -18,11 +18,15 @@ runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it: `python 
 One liberty, where bf16 weights run packed (`opttree.packed`): a layer's q, k, v, and its MLP's gate, up,
 each take one product over their stacked weights (`shared_inputs`), whose columns were checked bit for bit
 against the separate layers' outputs on this machine; elsewhere each projection is called as the model does.
+And a second, in a batch of several rows on CPUs whose bf16 attention kernel is slow: the batch's keys and values
+kept in float32 and its queries cast to them (`float32_attention`): the same function, rounded otherwise.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -35,6 +39,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.utils import output_capturing
 
 from ..packed import active_pack, register_shared_inputs
+from .attention import mask_layout
 
 
 def _llama_masks(model, **arguments) -> list:
@@ -111,6 +116,56 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
     return runner if runner.applies() else None
 
 
+FLOAT32_ATTENTION_SHARE = 0.8  # a batch's cache is kept in float32 where that attention took at most this share
+
+
+def float32_attention(model: torch.nn.Module) -> bool:
+    """Whether a batch of several rows keeps `model`'s keys and values in float32 (`cache.stack_rows`), so that its
+    lean forwards attend in float32 (the queries cast up, the output cast back): on CPUs whose bf16 sdpa kernel is
+    slow. On a 2-core AMD EPYC with avx512_bf16 and no AMX, 8 rows of one query over 250 keys (8 heads of 64) take
+    616-669 us in bf16 and 91 in float32, and a batch of 8 decoding plainly ran 1.20x faster so (tree batches 0.99x,
+    within the noise; docs/BENCHMARKS.md, "Where a batched step goes on this CPU"), at twice the cache's memory.
+    Measured once per attention shape on first use (`_float32_pays`); only for a CPU model in bf16 or fp16
+    configured with sdpa whose every forward over a batch is the lean one (full or uniformly windowed attention:
+    one 4D mask). A row alone keeps its dtype (plain decoding: transformers' own kernels).
+    `OPTTREE_FLOAT32_ATTENTION=0` / `=1` turns it off / on without measuring."""
+    params = next(model.parameters(), None)
+    forced = os.environ.get("OPTTREE_FLOAT32_ATTENTION", "auto")
+    if forced == "0" or params is None or params.device.type != "cpu" \
+            or params.dtype not in (torch.bfloat16, torch.float16) or model.config._attn_implementation != "sdpa" \
+            or lean_forward(model, None) is None or mask_layout(model.config.get_text_config()).per_type:
+        return False
+    return forced == "1" or _float32_pays(model.model.layers[0].self_attn, params.dtype)
+
+
+_PAYS: dict[tuple, bool] = {}
+
+
+def _float32_pays(attention: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether sdpa over 8 rows of one query and 256 keys, `attention`'s heads, takes at most FLOAT32_ATTENTION_SHARE
+    of its time in `dtype` when run in float32 (the median of 7 alternated calls; ~10 ms, once per shape)."""
+    config = attention.config
+    heads, dim = config.num_attention_heads, attention.head_dim
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    key = (heads, kv_heads, dim, dtype, torch.get_num_threads())
+    if key not in _PAYS:
+        generator = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(8, n, rows, dim, generator=generator) for n, rows in ((heads, 1), (kv_heads, 256),
+                                                                                    (kv_heads, 256))]
+        times: dict[torch.dtype, list[float]] = {dtype: [], torch.float32: []}
+        with torch.inference_mode():
+            for repeat in range(8):
+                for kind in times:
+                    query, keys, values = (t.to(kind) for t in inputs)
+                    start = time.perf_counter()
+                    torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=kv_heads != heads)
+                    if repeat:
+                        times[kind].append(time.perf_counter() - start)
+        fast, slow = statistics.median(times[torch.float32]), statistics.median(times[dtype])
+        _PAYS[key] = fast <= FLOAT32_ATTENTION_SHARE * slow
+    return _PAYS[key]
+
+
 def shared_inputs(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
     """The linear layers that `_decode` applies to one input, which may run as one product (`packed`): each
     layer's q, k, v and its MLP's gate, up. None for an architecture it does not drive (an empty list)."""
@@ -163,9 +218,10 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
         query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
-        out, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling,
+        # (B, Q, heads, Dh); a cache kept in float32 (`float32_attention`): the queries cast to it, the output back
+        out, _ = attend(attention, query.to(key.dtype), key, value, mask, dropout=0.0, scaling=attention.scaling,
                         **attention_options(attention), **extra)
-        hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous())
+        hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).to(hidden.dtype).contiguous())
         residual = hidden
         gate, up = _products(pack, (mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm(hidden))
         hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)  # the MLP's forward
