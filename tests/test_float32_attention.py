@@ -29,8 +29,13 @@ def test_it_applies_to_half_precision_cpu_models_that_the_lean_forward_drives(fo
     assert not float32_attention(tiny_model())  # float32 already
     assert not float32_attention(tiny_model(attn="eager").to(torch.bfloat16))  # not sdpa
     assert not float32_attention(tiny_model("gpt_neox").to(torch.bfloat16))  # a forward the lean one does not drive
+    from opttree.step import lean
+
+    model = tiny_model().to(torch.bfloat16)  # 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 bytes a position
+    monkeypatch.setattr(lean, "available_bytes", lambda: 4 * 512 * 1000)
+    assert float32_attention(model, positions=1000) and not float32_attention(model, positions=1001)
     monkeypatch.setenv("OPTTREE_FLOAT32_ATTENTION", "0")
-    assert not float32_attention(tiny_model().to(torch.bfloat16))
+    assert not float32_attention(model)
 
 
 def test_the_stacked_cache_stays_float32_through_growth_compaction_and_rows_leaving():

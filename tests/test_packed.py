@@ -80,7 +80,7 @@ def test_packing_applies_to_bf16_and_float32_cpu_models_that_fit_in_memory(monke
     model = tiny_model("llama").to(torch.bfloat16)
     if BF16_KERNELS:
         assert packing_applies(model)
-    monkeypatch.setattr(packing, "_available_bytes", lambda: 1000)  # the copies would not fit
+    monkeypatch.setattr(packing, "available_bytes", lambda: 1000)  # the copies would not fit
     assert not packing_applies(model)
     monkeypatch.undo()
     compiled = opttree.compile_model(tiny_model("llama").to(torch.bfloat16))  # its step compiles when first called
@@ -237,7 +237,7 @@ def test_the_groups_come_after_the_layers_own_copies_in_memory(monkeypatch):
     are made only where both fit in the memory share, and a hooked layer runs on its own."""
     model = tiny_model("llama").to(torch.bfloat16)
     size = sum(m.weight.numel() * 2 for m in model.modules() if type(m) is torch.nn.Linear)
-    monkeypatch.setattr(packing, "_available_bytes", lambda: int(1.2 * size / packing.MEMORY_SHARE))
+    monkeypatch.setattr(packing, "available_bytes", lambda: int(1.2 * size / packing.MEMORY_SHARE))
     tight = PackedLinears(model)
     assert len(tight.layers) == sum(type(m) is torch.nn.Linear for m in model.modules()) and not tight.groups
     monkeypatch.undo()

@@ -418,8 +418,10 @@ class Generation:
             cache = self._new_cache(self.rows[group[0]])  # several rows: the dynamic path (`check_batchable`)
             prefill(self.target, cache, [self.rows[b] for b in group])
             parts.append((cache, [self.rows[b].prefix_len for b in group]))
-        rows = sum(len(lengths) for _, lengths in parts)
-        attention = torch.float32 if rows > 1 and not self.static and float32_attention(self.target) else None
+        running = self.active + [b for group in groups for b in group]
+        positions = len(running) * max(self.rows[b].prefix_len + self.rows[b].stopper.remaining for b in running)
+        attention = torch.float32 if len(running) > 1 and not self.static \
+            and float32_attention(self.target, positions) else None
         self.cache = parts[0][0] if len(parts) == 1 and attention is None else stack_rows(parts, attention)
         self.active += [b for group in groups for b in group]
         row = self.rows[new[0]]

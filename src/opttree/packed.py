@@ -117,7 +117,7 @@ def packing_applies(model: torch.nn.Module) -> bool:
     if _LINEAR is None or not torch.backends.mkldnn.is_available():
         return False
     size = sum(_bytes(m) for m in _packable_linears(model))
-    return 0 < size <= MEMORY_SHARE * _available_bytes()
+    return 0 < size <= MEMORY_SHARE * available_bytes()
 
 
 class PackedLinears:
@@ -137,7 +137,7 @@ class PackedLinears:
         known = len(limits)
         packable = _packable_linears(model)
         groups = _groups(model, packable)
-        room = MEMORY_SHARE * _available_bytes() - sum(map(_bytes, packable))
+        room = MEMORY_SHARE * available_bytes() - sum(map(_bytes, packable))
         if sum(_bytes(m) for group in groups for m in group) > room:
             groups = []  # the layers' own packed copies first: they serve every forward, the groups only the lean one
         with torch.inference_mode():
@@ -349,7 +349,7 @@ def _bytes(layer: torch.nn.Module) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
-def _available_bytes() -> int:
+def available_bytes() -> int:
     """MemAvailable from /proc/meminfo (0 where there is none: nothing is packed)."""
     available = (int(line.split()[1]) * 1024 for line in _lines("/proc/meminfo") if line.startswith("MemAvailable:"))
     return next(available, 0)

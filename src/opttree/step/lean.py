@@ -38,7 +38,7 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.utils import output_capturing
 
-from ..packed import active_pack, register_shared_inputs
+from ..packed import MEMORY_SHARE, active_pack, available_bytes, register_shared_inputs
 from .attention import mask_layout
 
 
@@ -119,7 +119,7 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
 FLOAT32_ATTENTION_SHARE = 0.8  # a batch's cache is kept in float32 where that attention took at most this share
 
 
-def float32_attention(model: torch.nn.Module) -> bool:
+def float32_attention(model: torch.nn.Module, positions: int = 0) -> bool:
     """Whether a batch of several rows keeps `model`'s keys and values in float32 (`cache.stack_rows`), so that its
     lean forwards attend in float32 (the queries cast up, the output cast back): on CPUs whose bf16 sdpa kernel is
     slow. On a 2-core AMD EPYC with avx512_bf16 and no AMX, 8 rows of one query over 250 keys (8 heads of 64) take
@@ -127,18 +127,28 @@ def float32_attention(model: torch.nn.Module) -> bool:
     within the noise; docs/BENCHMARKS.md, "Where a batched step goes on this CPU"), at twice the cache's memory.
     Measured once per attention shape on first use (`_float32_pays`); only for a CPU model in bf16 or fp16
     configured with sdpa whose every forward over a batch is the lean one (full or uniformly windowed attention:
-    one 4D mask). A row alone keeps its dtype (plain decoding: transformers' own kernels).
+    one 4D mask), and only while such a cache of `positions` (rows x positions each) fits in MEMORY_SHARE of the
+    memory available. A row alone keeps its dtype (plain decoding: transformers' own kernels).
     `OPTTREE_FLOAT32_ATTENTION=0` / `=1` turns it off / on without measuring."""
     params = next(model.parameters(), None)
     forced = os.environ.get("OPTTREE_FLOAT32_ATTENTION", "auto")
     if forced == "0" or params is None or params.device.type != "cpu" \
             or params.dtype not in (torch.bfloat16, torch.float16) or model.config._attn_implementation != "sdpa" \
-            or lean_forward(model, None) is None or mask_layout(model.config.get_text_config()).per_type:
+            or lean_forward(model, None) is None or mask_layout(model.config.get_text_config()).per_type \
+            or positions * _float32_bytes(model) > MEMORY_SHARE * available_bytes():
         return False
     return forced == "1" or _float32_pays(model.model.layers[0].self_attn, params.dtype)
 
 
 _PAYS: dict[tuple, bool] = {}
+
+
+def _float32_bytes(model: torch.nn.Module) -> int:
+    """Bytes a position of one row takes in a float32 cache of `model`: keys and values of every layer."""
+    attention = model.model.layers[0].self_attn
+    config = model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * attention.head_dim * 4
 
 
 def _float32_pays(attention: torch.nn.Module, dtype: torch.dtype) -> bool:
