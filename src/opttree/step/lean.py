@@ -143,30 +143,33 @@ def float32_attention(model: torch.nn.Module, positions: int = 0) -> bool:
 _PAYS: dict[tuple, bool] = {}
 
 
+def _heads(attention: torch.nn.Module) -> tuple[int, int, int]:
+    """An attention module's (query heads, key-value heads, head dim)."""
+    config = attention.config
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, attention.head_dim
+
+
 def _float32_bytes(model: torch.nn.Module) -> int:
     """Bytes a position of one row takes in a float32 cache of `model`: keys and values of every layer."""
-    attention = model.model.layers[0].self_attn
-    config = model.config
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * attention.head_dim * 4
+    _, kv_heads, dim = _heads(model.model.layers[0].self_attn)
+    return 2 * model.config.num_hidden_layers * kv_heads * dim * 4
 
 
 def _float32_pays(attention: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether sdpa over 8 rows of one query and 256 keys, `attention`'s heads, takes at most FLOAT32_ATTENTION_SHARE
     of its time in `dtype` when run in float32 (the median of 7 alternated calls; ~10 ms, once per shape)."""
-    config = attention.config
-    heads, dim = config.num_attention_heads, attention.head_dim
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads, dim = _heads(attention)
     key = (heads, kv_heads, dim, dtype, torch.get_num_threads())
     if key not in _PAYS:
         generator = torch.Generator().manual_seed(0)
         inputs = [torch.randn(8, n, rows, dim, generator=generator) for n, rows in ((heads, 1), (kv_heads, 256),
                                                                                     (kv_heads, 256))]
-        times: dict[torch.dtype, list[float]] = {dtype: [], torch.float32: []}
+        kinds = {kind: [t.to(kind) for t in inputs] for kind in (dtype, torch.float32)}  # (query, keys, values)
+        times: dict[torch.dtype, list[float]] = {kind: [] for kind in kinds}
         with torch.inference_mode():
             for repeat in range(8):
-                for kind in times:
-                    query, keys, values = (t.to(kind) for t in inputs)
+                for kind, (query, keys, values) in kinds.items():
                     start = time.perf_counter()
                     torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=kv_heads != heads)
                     if repeat:
