@@ -12,3 +12,7 @@ os.environ["OPTTREE_AUTO_CALIBRATE"] = "0"  # no first-use calibration in every 
 # a batch's float32 attention is chosen by a timing on first use: off, so that bf16 runs do not depend on this
 # machine's timings (tests/test_float32_attention.py turns it on)
 os.environ.setdefault("OPTTREE_FLOAT32_ATTENTION", "0")
+# a draft's products of a few rows run from int8 copies of its weights, which move its log-probabilities: off, so
+# that tests of a drafter's bookkeeping can compare them with its model's forward (tests/test_draft_forward.py
+# and tests/test_distribution.py turn them on)
+os.environ.setdefault("OPTTREE_DRAFT_INT8", "0")

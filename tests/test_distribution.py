@@ -21,14 +21,16 @@ def pair():
     return target, draft, prompt
 
 
-@pytest.mark.parametrize("tree,budget,warp", [
-    ("opt", 4, {}),
-    ("opt", 3, {"top_p": 0.7}),
-    ("opt", 4, {"top_k": 3}),
-    ("chain", 2, {"temperature": 0.7}),
+@pytest.mark.parametrize("tree,budget,warp,int8", [
+    ("opt", 4, {}, "0"),
+    ("opt", 4, {}, "1"),  # the draft's products from int8 copies (`opttree.step.draft_forward`)
+    ("opt", 3, {"top_p": 0.7}, "0"),
+    ("opt", 4, {"top_k": 3}, "0"),
+    ("chain", 2, {"temperature": 0.7}, "0"),
 ])
-def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp):
+def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp, int8, monkeypatch):
     target, draft, prompt = pair
+    monkeypatch.setenv("OPTTREE_DRAFT_INT8", int8)
     warp = {"temperature": 1.0, **warp}
     exact = exact_joint(target, prompt, STEPS, **warp)
     counts = sample_counts(target, draft, prompt, STEPS, FOLLOW_RUNS, tree=tree, budget=budget, delta=0.0, max_depth=3,

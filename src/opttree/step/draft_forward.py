@@ -6,12 +6,13 @@ On a CPU a small draft's forward is mostly overhead: the shipped draft (one Llam
 (their weights stacked once: 4 products a layer instead of 7), the rotary cos / sin looked up in a table
 the model's own rotary embedding filled (not recomputed each forward), RMSNorm as a few tensor ops, no
 module of the model called but the embedding and the activation, the residual stream in float32 and the
-small products too (from float32 copies of their weights, `_Product`), the model's own KV cache
+small products too (from float32 copies of their weights), products of a few rows from int8 copies (a
+forward right after the target's reads its weights from memory: `_Product`), the model's own KV cache
 (`cache.update`), sdpa: 0.6-0.75 ms a forward there. `python scripts/lean_forward.py --switch draft` measures
 what it gains in a generation.
 
 It is not the model's forward bit for bit (the roundings differ: log-probabilities move by ~0.05 in
-bf16), and a draft does not need to be: it only proposes. Trees of top-ranked tokens are verified by the
+bf16, and more where the int8 copies run), and a draft does not need to be: it only proposes. Trees of top-ranked tokens are verified by the
 target alone, and sampled trees carry the distribution their children were drawn from, whatever computed
 it, so the output is exact either way (docs/METHODS.md). So it runs draft models only (`ModelDrafter`),
 never a target.
@@ -37,6 +38,7 @@ from .attention import mask_layout
 from .lean import lean_forward
 
 FLOAT32_COPY_BYTES = 2 * 2**20  # a stacked weight this small in float32 runs from a float32 copy (`_Product`)
+INT8_ROWS = 4  # a product of at most this many rows runs from an int8 copy of the weight (`_Product`)
 MAX_COPY_BYTES = 256 * 2**20  # the stacked q/k/v and gate/up weights are copies: drafts whose layers hold at most this
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary embeddings whose cos / sin depend on the position alone
 
@@ -50,9 +52,14 @@ def draft_forward(model: torch.nn.Module) -> "DraftForward | None":
             or not _applies(model):
         return None
     runner = _RUNNERS.get(model)
-    if runner is None or runner.stale():
+    if runner is None or runner.stale() or runner.int8 != _int8_copies():
         runner = _RUNNERS[model] = DraftForward(model)
     return runner
+
+
+def _int8_copies() -> bool:
+    """Whether products of a few rows run from int8 copies of the weights (`_Product`; `OPTTREE_DRAFT_INT8=0`: not)."""
+    return os.environ.get("OPTTREE_DRAFT_INT8", "1") != "0"
 
 
 def _applies(model: torch.nn.Module) -> bool:
@@ -93,29 +100,59 @@ def _stacked(linears: list[torch.nn.Linear], packed: bool) -> "_Product":
 
 
 class _Product:
-    """x (..., in) in any float dtype -> x W^T + b (..., out) in float32. A weight of at most FLOAT32_COPY_BYTES
-    in float32 runs from a transposed float32 copy: a product of a few rows by it is overhead-bound, and the
-    float32 kernel has less of it than the bf16 one (packed or not): on a 2-core Xeon with AMX, 8 rows by the
-    shipped draft's 768 x 256 q/k/v weight take 10 us against 29 us packed in bf16 with the casts. Larger weights
-    run in the model's dtype (`PackedMatmul`), where reading them costs more than the overhead: 8 rows by the
-    8192 x 256 head take 112 us packed in bf16 against 180 in float32. On a 2-core AMD EPYC with avx512_bf16 and no
-    AMX it is the other way round for the small ones (3 rows by 256 x 1376: 48 us in float32, 15 packed in bf16), yet
-    all in bf16 changed a sampled step by 1 % (8.19 against 8.26 ms, within the noise): kept as it is."""
+    """x (..., in) in any float dtype -> x W^T + b (..., out) in float32.
+
+    A product of at most INT8_ROWS rows runs from an int8 copy of W (per output row, symmetric:
+    `torch._weight_int8pack_mm`, the input in bf16): a draft's forward reads its weights from memory, since the
+    target's forward between two steps evicts them from every cache, and int8 reads a quarter of float32's bytes,
+    half of bf16's. On a 2-core AMD EPYC with avx512_bf16 the shipped draft's forward right after a target's took
+    734 us, then 491 and 433 for the next two, and 444, 336, 312 so (docs/BENCHMARKS.md, "The draft's weights in
+    int8"); its distribution moved by a total variation of 0.005. The int8 kernel's time grows with the rows (the
+    8192 x 256 head: 41 us for one row, 162 for 8, against 51 and 81 packed in bf16, in cache), so more rows take
+    the other copies: a weight of at most FLOAT32_COPY_BYTES in float32 runs from a transposed float32 copy (a
+    product of a few rows by it is overhead-bound, and on a 2-core Xeon with AMX the float32 kernel has less of it
+    than the bf16 one: 8 rows by 768 x 256 take 10 us against 29 packed in bf16), larger weights in the model's
+    dtype (`PackedMatmul`). `OPTTREE_DRAFT_INT8=0` leaves the int8 copies out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool):
         self.small = weight.numel() * 4 <= FLOAT32_COPY_BYTES
+        self.bias = None if bias is None else bias.float()
+        self.int8 = _int8_copy(weight) if _int8_copies() else None
         if self.small:
             self.transposed = weight.float().t().contiguous()  # (in, out)
-            self.bias = None if bias is None else bias.float()
         else:
             self.dtype, self.matmul = weight.dtype, PackedMatmul(weight, bias, packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.small:
+        flat = x.reshape(-1, x.shape[-1])  # (R, in)
+        if self.int8 is not None and flat.shape[0] <= INT8_ROWS:
+            out = torch._weight_int8pack_mm(flat.to(torch.bfloat16).contiguous(), *self.int8).float()
+            out = out if self.bias is None else out.add_(self.bias)
+        elif self.small:
+            flat = flat.float()
+            out = torch.mm(flat, self.transposed) if self.bias is None else torch.addmm(self.bias, flat, self.transposed)
+        else:
             return self.matmul(x.to(self.dtype)).float()
-        flat = x.float().reshape(-1, x.shape[-1])  # (R, in)
-        out = torch.mm(flat, self.transposed) if self.bias is None else torch.addmm(self.bias, flat, self.transposed)
         return out.view(*x.shape[:-1], -1)
+
+
+def _int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(out, in) weight -> (its int8 copy (out, in), the bf16 scale of each output row (out,)), what
+    `torch._weight_int8pack_mm` takes; None where this torch lacks that kernel or it would not compute the
+    product: its CPU kernel needs `in` a multiple of 16 (torch 2.13: other sizes return garbage or crash), and
+    the copy is checked once against the float product of a random input."""
+    if weight.shape[1] % 16 or not hasattr(torch, "_weight_int8pack_mm"):
+        return None
+    scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+    quantized = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    copy = quantized, scale.to(torch.bfloat16)
+    probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # (2, in)
+    want = probe.float() @ (quantized.float() * copy[1].float()[:, None]).t()  # (2, out)
+    try:
+        got = torch._weight_int8pack_mm(probe, *copy).float()
+    except (RuntimeError, NotImplementedError):  # no kernel for this CPU or dtype
+        return None
+    return copy if (got - want).abs().max() <= 0.01 * want.abs().max() + 1e-6 else None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,7 +170,7 @@ class DraftForward(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         inner, packed = model.model, packing_applies(model)
-        self.dtype = model.dtype
+        self.dtype, self.int8 = model.dtype, _int8_copies()
         self._sources = [p for p in model.parameters()]
         self._versions = self._weights()
         with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode
