@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("rev", help="the git revision to compare with (e.g. HEAD~1)")
     parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/humaneval.jsonl")
     parser.add_argument("--limit", type=int, default=40)
+    parser.add_argument("--per-category", type=int, default=None, help="this many prompts of each category (Spec-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -52,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     settings = eval(f"dict({args.settings})")  # noqa: S307 -- a developer's command line
     target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
-    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
+    texts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
+    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in texts]
     with tempfile.TemporaryDirectory() as folder:
         old = load_revision(args.rev, Path(folder))
         cells = [("this checkout", opttree, True), (args.rev, old, True), ("plain decoding", opttree, False)]

@@ -37,12 +37,14 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="LABEL=SETTINGS (module docstring)")
     parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/humaneval.jsonl")
     parser.add_argument("--limit", type=int, default=40)
+    parser.add_argument("--per-category", type=int, default=None, help="this many prompts of each category (Spec-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
-    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
+    texts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
+    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in texts]
     base = opttree.profile_options(target, draft, temperature=args.temperature)
     variants = [("plain decoding", {"tree": "ar"})] + [parse_variant(v) for v in args.variants]
     learnt = {label: {} for label, _ in variants}  # what each variant's train-free sources learn: its own
