@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("rev", help="the git revision to compare with (e.g. HEAD~1)")
     parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/humaneval.jsonl")
     parser.add_argument("--limit", type=int, default=40)
-    parser.add_argument("--per-category", type=int, default=None, help="this many prompts of each category (Spec-Bench)")
+    parser.add_argument("--per-category", type=int, default=None, help="prompts a category (Spec-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)

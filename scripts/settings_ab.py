@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="LABEL=SETTINGS (module docstring)")
     parser.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/humaneval.jsonl")
     parser.add_argument("--limit", type=int, default=40)
-    parser.add_argument("--per-category", type=int, default=None, help="this many prompts of each category (Spec-Bench)")
+    parser.add_argument("--per-category", type=int, default=None, help="prompts a category (Spec-Bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

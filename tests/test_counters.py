@@ -69,6 +69,7 @@ def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_devi
     from opttree.step.policies.dyspec import DySpec
     from opttree.step.policies.opt import OptTree
 
+    monkeypatch.setenv("OPTTREE_MERGE", "device")  # tries merged as on a GPU (on a CPU the host unites them)
     monkeypatch.setattr(OptTree, "stop_on_device", stop_on_device)
     monkeypatch.setattr(DySpec, "grow_on_device", stop_on_device)
     target, draft, ids = shipped

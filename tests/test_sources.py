@@ -74,10 +74,12 @@ def test_top_nodes_keeps_the_best_connected_nodes(seed):
     assert all(path_min[p] <= worst_kept for p in paths if p not in chosen)  # brute force: no better node left out
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
 @pytest.mark.parametrize("seed", range(40))
-def test_merge_best_is_the_best_nodes_of_the_union(seed):
-    """Brute force: the union made on the host (`merge`) and cut by `top_nodes`. Small vocabularies make many
-    shared paths; up to three tries merged into the first."""
+def test_merge_best_is_the_best_nodes_of_the_union(seed, where, monkeypatch):
+    """Brute force: the union made by `merge` and cut by `top_nodes`, against `merge_best` on the device and on the
+    host (`merge_on_host`). Small vocabularies make many shared paths; up to three tries merged into the first."""
+    monkeypatch.setenv("OPTTREE_MERGE", where)
     rng = random.Random(seed)
     vocab = rng.choice([2, 3, 4, 8])
     tries = [random_trie(rng, vocab, rng.randrange(1, 14))] + [
@@ -91,11 +93,36 @@ def test_merge_best_is_the_best_nodes_of_the_union(seed):
     assert torch.allclose(got.scores, expected.scores)
 
 
-def test_merge_best_fills_a_fixed_size_without_reading_the_device():
+@pytest.mark.parametrize("seed", range(60))
+def test_merge_best_on_the_host_is_the_devices_bit_for_bit(seed, monkeypatch):
+    """Ties included (scores drawn from a few values, -inf among them), empty tries, n past the union's size."""
+    rng = random.Random(1000 + seed)
+    vocab = rng.choice([2, 3, 8])
+    tries = [random_trie(rng, vocab, rng.randrange(1, 14), slot_base=rng.choice([0, None]))
+             for _ in range(rng.randrange(2, 5))]
+    for i, trie in enumerate(tries):
+        if rng.random() < 0.15:
+            fields = (trie.tokens, trie.parents, trie.depths, trie.scores, trie.draft_slots)
+            tries[i] = DraftTree(*(t[:0] for t in fields))
+        elif rng.random() < 0.5:  # equal scores and -inf ones (a policy's candidates past its stop)
+            depth_scores = torch.tensor([-0.5, -1.0, float("-inf"), float("-inf"), float("-inf")])
+            tries[i] = DraftTree(trie.tokens, trie.parents, trie.depths, depth_scores[trie.depths - 1],
+                                 trie.draft_slots)
+    n, floor = rng.randrange(1, 30), rng.choice([float("-inf"), -0.7])
+    results = []
+    for where in ("device", "host"):
+        monkeypatch.setenv("OPTTREE_MERGE", where)
+        results.append(merge_best(tries, n, floor))
+    for name in ("tokens", "parents", "depths", "draft_slots", "scores"):
+        assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
+
+
+def test_merge_best_fills_a_fixed_size_without_reading_the_device(monkeypatch):
     """The first trie holds n nodes, two scored -inf (candidates past a stop decided on the device): the merge
     keeps every finite node first, then those, never a second node for one path, and reads nothing back."""
     from opttree.counters import StepCounter
 
+    monkeypatch.setenv("OPTTREE_MERGE", "device")  # as on a GPU (on a CPU the host unites them: `merge_on_host`)
     inf = float("-inf")
     base = DraftTree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, -1, 0, 1]), torch.tensor([1, 1, 2, 2]),
                      torch.tensor([-0.1, -0.2, inf, inf]), torch.tensor([0, 1, 2, 3]))

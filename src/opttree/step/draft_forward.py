@@ -12,9 +12,9 @@ forward right after the target's reads its weights from memory: `_Product`), the
 what it gains in a generation.
 
 It is not the model's forward bit for bit (the roundings differ: log-probabilities move by ~0.05 in
-bf16, and more where the int8 copies run), and a draft does not need to be: it only proposes. Trees of top-ranked tokens are verified by the
-target alone, and sampled trees carry the distribution their children were drawn from, whatever computed
-it, so the output is exact either way (docs/METHODS.md). So it runs draft models only (`ModelDrafter`),
+bf16, and more where the int8 copies run), and a draft does not need to be: it only proposes. Trees of
+top-ranked tokens are verified by the target alone, and sampled trees carry the distribution their children
+were drawn from, whatever computed it, so the output is exact either way (docs/METHODS.md). So it runs draft models only (`ModelDrafter`),
 never a target.
 
 It applies where it computes what the model computes: a Llama, Qwen2 or Mistral model that `lean_forward`
@@ -130,7 +130,8 @@ class _Product:
             out = out if self.bias is None else out.add_(self.bias)
         elif self.small:
             flat = flat.float()
-            out = torch.mm(flat, self.transposed) if self.bias is None else torch.addmm(self.bias, flat, self.transposed)
+            out = torch.mm(flat, self.transposed) if self.bias is None else \
+                torch.addmm(self.bias, flat, self.transposed)
         else:
             return self.matmul(x.to(self.dtype)).float()
         return out.view(*x.shape[:-1], -1)
