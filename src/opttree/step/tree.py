@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -215,32 +216,36 @@ def merge_on_host(device: torch.device) -> bool:
     return forced == "host" or (forced != "device" and device.type == "cpu")
 
 
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
 def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTree:
     """`merge_best` computed in Python from one read of each trie: the same union (the first trie's nodes, then each
     other trie's new paths in its order; a path found again gives its score to the node that has it, the larger
     stays, and counts as a duplicate), the same order (by score, duplicates last, ties to the shallower, then the
     earlier node) and the same cut; returned on the first trie's device."""
     first = tries[0]
-    floor = float(torch.tensor(floor, dtype=first.scores.dtype))  # as a tensor of scores compares with it
-    columns = torch.stack([first.tokens, first.parents, first.depths, first.draft_slots])  # (4, N)
-    tokens, parents, depths, slots = columns.tolist()
-    scores, dead = first.scores.tolist(), [False] * len(tokens)
+    rounded = _NUMPY_FLOATS.get(first.scores.dtype)
+    floor = float(rounded(floor)) if rounded is not None else floor  # rounded as a tensor of scores compares with it
+    tokens, parents, depths, scores, slots = [], [], [], [], []
+    dead: list[bool] = []
     node_of: dict[tuple[int, ...], int] = {}  # token path -> its node in the union
-    for i, path in enumerate(node_paths(first)):
-        node_of.setdefault(path, i)
-    for extra in tries[1:]:
-        for path, depth, score in zip(node_paths(extra), extra.depths.tolist(), extra.scores.tolist()):
+    for which, trie in enumerate(tries):
+        paths: list[tuple[int, ...]] = []
+        for token, parent, depth, score, slot in _read(trie):
+            path = (paths[parent] if parent >= 0 else ()) + (token,)
+            paths.append(path)
             found = node_of.get(path)
-            if found is not None:  # a duplicate: its score goes to the node with its path
+            if found is not None and which:  # a duplicate: its score goes to the node with its path
                 scores[found] = max(scores[found], score)
             else:
-                node_of[path] = len(tokens)
-            tokens.append(path[-1])
+                node_of.setdefault(path, len(tokens))
+            tokens.append(token)
             parents.append(node_of[path[:-1]] if len(path) > 1 else -1)
             depths.append(depth)
-            scores.append(float("-inf") if found is not None else score)
-            slots.append(-1)
-            dead.append(found is not None)
+            scores.append(float("-inf") if found is not None and which else score)
+            slots.append(slot if not which else -1)
+            dead.append(found is not None and which > 0)
     cut = [s if s >= floor else float("-inf") for s in scores]
     lowest = float(torch.finfo(first.scores.dtype).min)
     rank = [float("-inf") if gone else max(s, lowest) for s, gone in zip(cut, dead)]  # duplicates last
@@ -253,6 +258,14 @@ def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTr
     column = lambda values, dtype=torch.long: torch.tensor([values[i] for i in kept], dtype=dtype, device=device)  # noqa: E731
     return DraftTree(column(tokens), torch.tensor([new_index.get(parents[i], -1) for i in kept], device=device),
                      column(depths), column(scores, first.scores.dtype), column(slots))
+
+
+def _read(trie: DraftTree) -> list[tuple[int, int, int, float, int]]:
+    """(token, parent, depth, score, drafter slot) of each node, in one read (float64 holds the ids and the float32
+    scores exactly)."""
+    columns = torch.stack([trie.tokens.double(), trie.parents.double(), trie.depths.double(), trie.scores.double(),
+                           trie.draft_slots.double()])  # (5, N)
+    return [(int(t), int(p), int(d), s, int(slot)) for t, p, d, s, slot in zip(*columns.tolist())]
 
 
 def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree
