@@ -223,4 +223,4 @@ def test_greedy_output_stays_exact_with_the_int8_copies_and_a_toggle_rebuilds_th
     assert "_weight_int8pack_mm" in kernels.names
     first = draft_forward(draft)
     monkeypatch.setenv("OPTTREE_DRAFT_INT8", "0")
-    assert draft_forward(draft) is not first and draft_forward(draft).int8 is False
+    assert draft_forward(draft) is not first and draft_forward(draft).int8_copies is False

@@ -14,8 +14,8 @@ what it gains in a generation.
 It is not the model's forward bit for bit (the roundings differ: log-probabilities move by ~0.05 in
 bf16, and more where the int8 copies run), and a draft does not need to be: it only proposes. Trees of
 top-ranked tokens are verified by the target alone, and sampled trees carry the distribution their children
-were drawn from, whatever computed it, so the output is exact either way (docs/METHODS.md). So it runs draft models only (`ModelDrafter`),
-never a target.
+were drawn from, whatever computed it, so the output is exact either way (docs/METHODS.md). So it runs draft
+models only (`ModelDrafter`), never a target.
 
 It applies where it computes what the model computes: a Llama, Qwen2 or Mistral model that `lean_forward`
 drives (no hooks, not training, sdpa or eager attention), on a CPU, full attention in every layer, a rotary
@@ -52,7 +52,7 @@ def draft_forward(model: torch.nn.Module) -> "DraftForward | None":
             or not _applies(model):
         return None
     runner = _RUNNERS.get(model)
-    if runner is None or runner.stale() or runner.int8 != _int8_copies():
+    if runner is None or runner.stale() or runner.int8_copies != _int8_copies():
         runner = _RUNNERS[model] = DraftForward(model)
     return runner
 
@@ -171,7 +171,7 @@ class DraftForward(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         inner, packed = model.model, packing_applies(model)
-        self.dtype, self.int8 = model.dtype, _int8_copies()
+        self.dtype, self.int8_copies = model.dtype, _int8_copies()
         self._sources = [p for p in model.parameters()]
         self._versions = self._weights()
         with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode

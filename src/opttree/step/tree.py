@@ -210,8 +210,8 @@ def merge_best(tries: list[DraftTree], n: int, floor: float = float("-inf")) -> 
 def merge_on_host(device: torch.device) -> bool:
     """Where `merge_best` unites its tries: on the device (fixed shapes, nothing read back) everywhere but on a CPU,
     where the tries' few dozen nodes are read once and united by token path in Python: 39 against 119 us for tries of
-    16 and 12 nodes, and a batch of 8 `recycling+lookup` rows 1.09x faster on a 2-core AMD EPYC (docs/BENCHMARKS.md,
-    "Tries merged on the host on a CPU"). `OPTTREE_MERGE=device` or `=host` forces one (tests run both)."""
+    16 and 12 nodes, and a batch of 8 `recycling+lookup` rows 1.06-1.09x faster on a 2-core AMD EPYC
+    (docs/BENCHMARKS.md, "Tries merged on the host on a CPU"). `OPTTREE_MERGE=device` or `=host` forces one (tests run both)."""
     forced = os.environ.get("OPTTREE_MERGE", "auto")
     return forced == "host" or (forced != "device" and device.type == "cpu")
 
@@ -255,9 +255,11 @@ def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTr
     kept = sorted(sorted(order), key=lambda i: depths[i])  # by depth, then union order
     new_index = {old: new for new, old in enumerate(kept)}
     device = first.tokens.device
-    column = lambda values, dtype=torch.long: torch.tensor([values[i] for i in kept], dtype=dtype, device=device)  # noqa: E731
-    return DraftTree(column(tokens), torch.tensor([new_index.get(parents[i], -1) for i in kept], device=device),
-                     column(depths), column(scores, first.scores.dtype), column(slots))
+    def column(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:  # (K,) the kept nodes' values
+        return torch.tensor([values[i] for i in kept], dtype=dtype, device=device)
+
+    return DraftTree(column(tokens), column([new_index.get(parent, -1) for parent in parents]), column(depths),
+                     column(scores, first.scores.dtype), column(slots))
 
 
 def _read(trie: DraftTree) -> list[tuple[int, int, int, float, int]]:
