@@ -141,19 +141,23 @@ def _int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     """(out, in) weight -> (its int8 copy (out, in), the bf16 scale of each output row (out,)), what
     `torch._weight_int8pack_mm` takes; None where this torch lacks that kernel or it would not compute the
     product: its CPU kernel needs `in` a multiple of 16 (torch 2.13: other sizes return garbage or crash), and
-    the copy is checked once against the float product of a random input."""
+    the copy is checked once against the float product of a random input at every row count it will take."""
     if weight.shape[1] % 16 or not hasattr(torch, "_weight_int8pack_mm"):
         return None
     scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
     quantized = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
     copy = quantized, scale.to(torch.bfloat16)
-    probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # (2, in)
-    want = probe.float() @ (quantized.float() * copy[1].float()[:, None]).t()  # (2, out)
-    try:
-        got = torch._weight_int8pack_mm(probe, *copy).float()
-    except (RuntimeError, NotImplementedError):  # no kernel for this CPU or dtype
-        return None
-    return copy if (got - want).abs().max() <= 0.01 * want.abs().max() + 1e-6 else None
+    generator = torch.Generator().manual_seed(0)
+    for rows in range(1, INT8_ROWS + 1):
+        probe = torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)  # (R, in)
+        want = probe.float() @ (quantized.float() * copy[1].float()[:, None]).t()  # (R, out)
+        try:
+            got = torch._weight_int8pack_mm(probe, *copy).float()
+        except (RuntimeError, NotImplementedError):  # no kernel for this CPU or dtype
+            return None
+        if (got - want).abs().max() > 0.01 * want.abs().max() + 1e-6:
+            return None
+    return copy
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
