@@ -127,6 +127,36 @@ def test_keeping_a_count_equals_keeping_those_offsets(starts, static):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_compacting_a_batch_moves_each_rows_kept_positions_as_one_row_at_a_time_does(seed):
+    """A batch of rows with different starts, each keeping a count (in place or moved) or chosen offsets, compacted at
+    once (`compact_rows`) against each row's keys and values moved on their own."""
+    from opttree.step.cache import compact_rows
+
+    g = torch.Generator().manual_seed(seed)
+    rows, source, width = 4, 9, 6
+    starts = [source] + [int(torch.randint(3, source + 1, (1,), generator=g)) for _ in range(rows - 1)]
+    keeps = []
+    for _ in range(rows):
+        k = int(torch.randint(1, width + 1, (1,), generator=g))
+        keeps.append(k if torch.rand((), generator=g) < 0.3 else torch.randperm(width, generator=g)[:k].sort().values)
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(0, 96, (rows, source + width), generator=g)
+    with torch.inference_mode():
+        cache = new_cache()
+        model(input_ids=ids, **{cache_argument(model): cache})
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        compact_rows(cache, starts, source, keeps)
+    end = max(start + (k if isinstance(k, int) else k.shape[0]) for start, k in zip(starts, keeps))
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert layer.keys.shape[2] == end
+        for b, (start, keep) in enumerate(zip(starts, keeps)):
+            kept = source + (torch.arange(keep) if isinstance(keep, int) else keep)  # (K,)
+            for mine, theirs in ((layer.keys, keys), (layer.values, values)):
+                assert torch.equal(mine[b, :, :start], theirs[b, :, :start])  # the prefix stays
+                assert torch.equal(mine[b, :, start:start + kept.shape[0]], theirs[b, :, kept])
+
+
 def _same_cache(mine, theirs) -> None:
     assert mine.get_seq_length() == theirs.get_seq_length()
     for a, b in zip(mine.layers, theirs.layers, strict=True):
