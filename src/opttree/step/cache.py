@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import itertools
 from functools import lru_cache
 
 import torch
@@ -278,16 +277,15 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
 def _batch_moves(moves: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Moved rows (batch row b, start, (K_b,) source positions) -> (M, K) batch rows, source and destination positions
     for one gather and one write over them all, K = max K_b: a shorter row repeats its last move (the same value
-    written to the same place again)."""
-    lengths = [rows.shape[0] for _, _, rows in moves]
-    device, widest = moves[0][2].device, max(lengths)
-    j = torch.minimum(torch.arange(widest, device=device)[None, :],
-                      torch.tensor(lengths, device=device)[:, None] - 1)  # (M, K) each row's j-th move, or its last
-    firsts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=device)[:, None]  # (M, 1)
-    rows = torch.cat([rows for _, _, rows in moves])[firsts + j]  # (M, K)
-    dest = torch.tensor([start for _, start, _ in moves], device=device)[:, None] + j  # (M, K)
-    which = torch.tensor([row for row, _, _ in moves], device=device)[:, None].expand_as(rows)  # (M, K)
-    return which, rows, dest
+    written to the same place again). Made on the device from what is there (no host-to-device copy)."""
+    steps = torch.arange(max(rows.shape[0] for _, _, rows in moves), device=moves[0][2].device)  # (K,)
+    which, sources, dests = [], [], []
+    for row, start, rows in moves:
+        j = steps.clamp(max=rows.shape[0] - 1)  # (K,) the row's j-th move, or its last
+        which.append(torch.full_like(j, row))
+        sources.append(rows[j])
+        dests.append(j + start)
+    return torch.stack(which), torch.stack(sources), torch.stack(dests)
 
 
 def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
