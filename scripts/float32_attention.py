@@ -21,6 +21,7 @@ from opttree.bench.prompts import load_prompts
 from opttree.step.drafters.estimates import kept_apart
 from opttree.step.lean import float32_attention
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")
