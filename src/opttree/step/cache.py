@@ -258,34 +258,16 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
         return
     moves = [(row, start, source + _offsets(keep, cache)) for row, (start, keep, stays)
              in enumerate(zip(starts, keeps, in_place)) if not stays]  # made once, for every layer
-    batch = _batch_moves(moves) if len(keeps) > 1 and moves else None  # every moved row's rows at once
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         for name, axis in sequence_tensors(layer):
             data = getattr(layer, name)  # (B, H, S, Dh) keys / values, (B, S, Di) indexer keys
-            if batch is not None:
-                which, rows, dest = batch
-                by_position = data.movedim(axis, 1)  # (B, S, ...): the two indexed axes side by side
-                by_position[which, dest] = by_position[which, rows]  # the gather copies first
-            for _, start, rows in moves if batch is None else ():
-                data.narrow(axis, start, rows.shape[0]).copy_(data.index_select(axis, rows))  # the gather copies first
+            for row, start, rows in moves:
+                part = data if len(keeps) == 1 else data[row:row + 1]  # one row
+                part.narrow(axis, start, rows.shape[0]).copy_(part.index_select(axis, rows))  # the gather copies first
             if data.shape[axis] != end:
                 setattr(layer, name, data.narrow(axis, 0, end))
-
-
-def _batch_moves(moves: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Moved rows (batch row b, start, (K_b,) source positions) -> (M, K) batch rows, source and destination positions
-    for one gather and one write over them all, K = max K_b: a shorter row repeats its last move (the same value
-    written to the same place again). Made on the device from what is there (no host-to-device copy)."""
-    steps = torch.arange(max(rows.shape[0] for _, _, rows in moves), device=moves[0][2].device)  # (K,)
-    which, sources, dests = [], [], []
-    for row, start, rows in moves:
-        j = steps.clamp(max=rows.shape[0] - 1)  # (K,) the row's j-th move, or its last
-        which.append(torch.full_like(j, row))
-        sources.append(rows[j])
-        dests.append(j + start)
-    return torch.stack(which), torch.stack(sources), torch.stack(dests)
 
 
 def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
