@@ -99,3 +99,57 @@ def test_a_bf16_batch_generates_over_a_float32_cache(forced):
         half = [out.new_tokens.tolist() for out in opttree.generate(target, prompts, tree=tree, max_new_tokens=16)]
         full = [out.new_tokens.tolist() for out in run.finish()]
         assert sum(a == b for x, y in zip(half, full) for a, b in zip(x, y)) >= 44, (half, full)
+
+
+def test_one_bf16_sequence_attends_over_float32_caches(forced):
+    """One prompt of the shipped pair in bf16, with the draft model: after the prefill the target's cache and the
+    draft's are float32, and the tokens are those over bf16 caches but where bf16's rounding decides a near-tie (at
+    most a few of 24); the static path keeps the model's dtype (its compiled step reads a preallocated cache)."""
+    target, draft, tokenizer = opttree.demo_models(dtype=torch.bfloat16)
+    prompt = tokenizer("def fibonacci(n):\n", return_tensors="pt").input_ids
+    for tree in ("ar", "chain"):
+        run = opttree.stream(target, prompt, draft if tree != "ar" else None, tree=tree, budget=3, max_new_tokens=24)
+        next(iter(run))
+        assert all(layer.keys.dtype == layer.values.dtype == torch.float32 for layer in run.cache.layers)
+        if tree != "ar":
+            assert all(layer.keys.dtype == torch.float32 for layer in run.rows[0].drafter.cache.layers)
+        full = run.finish().new_tokens.tolist()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("OPTTREE_FLOAT32_ATTENTION", "0")
+            half = opttree.generate(target, prompt, draft if tree != "ar" else None, tree=tree, budget=3,
+                                    max_new_tokens=24).new_tokens.tolist()
+        assert sum(a == b for a, b in zip(half, full)) >= 20, (half, full)
+    run = opttree.stream(target, prompt, tree="ar", max_new_tokens=4, static=True)
+    next(iter(run))
+    assert all(layer.keys.dtype == torch.bfloat16 for layer in run.cache.layers)
+
+
+def test_the_draft_forward_caches_float32_keys_where_it_pays_and_a_toggle_rebuilds_it(forced, monkeypatch):
+    """A bf16 draft's own forward (`draft_forward`) over a float32 cache: its cache float32, its logits as near the
+    float32 model's as over a bf16 cache; turning the switch off makes the runner again, in the model's dtype."""
+    from opttree.step.draft_forward import draft_forward
+
+    reference = tiny_model(init=0.05)
+    model = tiny_model(init=0.05).to(torch.bfloat16)
+    prefix = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    runner = draft_forward(model)
+    assert runner.attention_dtype == torch.float32
+    logits, dtypes = {}, {}
+    for name, forward in (("float32 cache", runner), ("reference", reference)):
+        cache = new_cache()
+        with torch.inference_mode():
+            out = forward(input_ids=prefix, position_ids=torch.arange(9)[None], **{cache_argument(reference): cache})
+            out = forward(input_ids=prefix[:, :1], position_ids=torch.tensor([[9]]), **{cache_argument(reference): cache})
+        logits[name], dtypes[name] = out.logits.float(), cache.layers[0].keys.dtype
+    assert dtypes["float32 cache"] == torch.float32
+    monkeypatch.setenv("OPTTREE_FLOAT32_ATTENTION", "0")
+    bf16 = draft_forward(model)
+    assert bf16 is not runner and bf16.attention_dtype == torch.bfloat16
+    cache = new_cache()
+    with torch.inference_mode():
+        bf16(input_ids=prefix, position_ids=torch.arange(9)[None], cache=cache)
+        plain = bf16(input_ids=prefix[:, :1], position_ids=torch.tensor([[9]]), cache=cache).logits.float()
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    error = {name: (got - logits["reference"]).abs().max().item() for name, got in
+             (("float32 cache", logits["float32 cache"]), ("bf16 cache", plain))}
+    assert error["float32 cache"] <= 1.5 * error["bf16 cache"] + 1e-3, error

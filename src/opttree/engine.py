@@ -420,8 +420,7 @@ class Generation:
             parts.append((cache, [self.rows[b].prefix_len for b in group]))
         running = self.active + [b for group in groups for b in group]
         positions = len(running) * max(self.rows[b].prefix_len + self.rows[b].stopper.remaining for b in running)
-        attention = torch.float32 if len(running) > 1 and not self.static \
-            and float32_attention(self.target, positions) else None
+        attention = torch.float32 if self.float32_attention(running, positions) else None
         self.cache = parts[0][0] if len(parts) == 1 and attention is None else stack_rows(parts, attention)
         self.active += [b for group in groups for b in group]
         row = self.rows[new[0]]
@@ -432,6 +431,13 @@ class Generation:
         prefill_s = _clock(self.device) - start
         for b in new:
             self.rows[b].began, self.rows[b].stats.prefill_s = start, prefill_s
+
+    def float32_attention(self, running: list[int], positions: int) -> bool:
+        """Whether the running rows' cache is kept in float32 after the prefill (`lean.float32_attention`): where
+        every later forward of the target is a lean one (not the static path, nor a self-drafter that runs the
+        target's layers on its cache, nor a target sharded over ranks)."""
+        return not self.static and self.lockstep is None and not any(self.rows[b].self_drafts for b in running) \
+            and float32_attention(self.target, positions, len(running))
 
     def _leave(self) -> None:
         """Rows that finished leave the batch and its cache: they cost nothing more."""

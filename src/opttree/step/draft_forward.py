@@ -8,7 +8,8 @@ the model's own rotary embedding filled (not recomputed each forward), RMSNorm a
 module of the model called but the embedding and the activation, the residual stream in float32 and the
 small products too (from float32 copies of their weights), products of a few rows from int8 copies (a
 forward right after the target's reads its weights from memory: `_Product`), the model's own KV cache
-(`cache.update`), sdpa: 0.6-0.75 ms a forward there. `python scripts/lean_forward.py --switch draft` measures
+(`cache.update`; kept in float32 where bf16 attention is slow: `lean.float32_attention`), sdpa: 0.6-0.75 ms a
+forward there. `python scripts/lean_forward.py --switch draft` measures
 what it gains in a generation.
 
 It is not the model's forward bit for bit (the roundings differ: log-probabilities move by ~0.05 in
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from ..packed import PackedMatmul, packing_applies
 from .attention import mask_layout
-from .lean import lean_forward
+from .lean import float32_attention, lean_forward
 
 FLOAT32_COPY_BYTES = 2 * 2**20  # a stacked weight this small in float32 runs from a float32 copy (`_Product`)
 INT8_ROWS = 4  # a product of at most this many rows runs from an int8 copy of the weight (`_Product`)
@@ -52,9 +53,16 @@ def draft_forward(model: torch.nn.Module) -> "DraftForward | None":
             or not _applies(model):
         return None
     runner = _RUNNERS.get(model)
-    if runner is None or runner.stale() or runner.int8_copies != _int8_copies():
+    if runner is None or runner.stale() or runner.int8_copies != _int8_copies() \
+            or runner.attention_dtype != _attention_dtype(model):
         runner = _RUNNERS[model] = DraftForward(model)
     return runner
+
+
+def _attention_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the draft's cached keys and values and of its queries: float32 where bf16 attention over one
+    row is slow on this CPU (`lean.float32_attention`), else the model's."""
+    return torch.float32 if float32_attention(model, rows=1) else model.dtype
 
 
 def _int8_copies() -> bool:
@@ -176,6 +184,7 @@ class DraftForward(torch.nn.Module):
         object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
         inner, packed = model.model, packing_applies(model)
         self.dtype, self.int8_copies = model.dtype, _int8_copies()
+        self.attention_dtype = _attention_dtype(model)  # of the keys and values it caches, and of the queries
         self._sources = [p for p in model.parameters()]
         self._versions = self._weights()
         with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode
@@ -224,8 +233,8 @@ class DraftForward(torch.nn.Module):
             rotated, value = qkv[:, : heads + kv], qkv[:, heads + kv :]
             half = layer.head_dim // 2
             rotated = rotated * cos + torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1) * sin
-            query = rotated[:, :heads].to(self.dtype)
-            key, value = rotated[:, heads:].to(self.dtype), value.to(self.dtype)
+            query = rotated[:, :heads].to(self.attention_dtype)
+            key, value = rotated[:, heads:].to(self.attention_dtype), value.to(self.attention_dtype)
             if cache is not None:
                 key, value = cache.update(key, value, layer.index)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling,

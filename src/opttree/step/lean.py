@@ -18,8 +18,8 @@ runs the model's forward. `OPTTREE_LEAN=0` turns it off (to measure it: `python 
 One liberty, where bf16 weights run packed (`opttree.packed`): a layer's q, k, v, and its MLP's gate, up,
 each take one product over their stacked weights (`shared_inputs`), whose columns were checked bit for bit
 against the separate layers' outputs on this machine; elsewhere each projection is called as the model does.
-And a second, in a batch of several rows on CPUs whose bf16 attention kernel is slow: the batch's keys and values
-kept in float32 and its queries cast to them (`float32_attention`): the same function, rounded otherwise.
+And a second, on CPUs whose bf16 attention kernel is slow: the keys and values kept in float32 after the prefill and
+the queries cast to them (`float32_attention`): the same function, rounded otherwise.
 """
 
 from __future__ import annotations
@@ -119,17 +119,18 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
 FLOAT32_ATTENTION_SHARE = 0.8  # a batch's cache is kept in float32 where that attention took at most this share
 
 
-def float32_attention(model: torch.nn.Module, positions: int = 0) -> bool:
-    """Whether a batch of several rows keeps `model`'s keys and values in float32 (`cache.stack_rows`), so that its
-    lean forwards attend in float32 (the queries cast up, the output cast back): on CPUs whose bf16 sdpa kernel is
-    slow. On a 2-core AMD EPYC with avx512_bf16 and no AMX, 8 rows of one query over 250 keys (8 heads of 64) take
-    616-669 us in bf16 and 91 in float32, and a batch of 8 decoding plainly ran 1.20x faster so (tree batches 0.99x,
-    within the noise; docs/BENCHMARKS.md, "Where a batched step goes on this CPU"), at twice the cache's memory.
+def float32_attention(model: torch.nn.Module, positions: int = 0, rows: int = 8) -> bool:
+    """Whether a generation of `rows` rows keeps `model`'s keys and values in float32 (`cache.stack_rows`, after the
+    prefill), so that its lean forwards attend in float32 (the queries cast up, the output cast back): on CPUs whose
+    bf16 sdpa kernel is slow. On a 2-core AMD EPYC with avx512_bf16 and no AMX, 8 rows of one query over 250 keys (8
+    heads of 64) take 616-669 us in bf16 and 91 in float32, and a batch of 8 decoding plainly ran 1.20x faster so
+    (docs/BENCHMARKS.md, "Where a batched step goes on this CPU"); one row of one query over 300 keys takes 101 us in
+    bf16 and 20 in float32, over 1,000 keys 357 and 48, and 4 to 33 queries under a tree mask 0.6-0.9x bf16's time
+    ("Attention in float32 for one sequence"), at twice the cache's memory.
     Measured once per attention shape on first use (`_float32_pays`); only for a CPU model in bf16 or fp16
-    configured with sdpa whose every forward over a batch is the lean one (full or uniformly windowed attention:
+    configured with sdpa whose every forward after the prefill is the lean one (full or uniformly windowed attention:
     one 4D mask), and only while such a cache of `positions` (rows x positions each) fits in MEMORY_SHARE of the
-    memory available. A row alone keeps its dtype (plain decoding: transformers' own kernels).
-    `OPTTREE_FLOAT32_ATTENTION=0` / `=1` turns it off / on without measuring."""
+    memory available. `OPTTREE_FLOAT32_ATTENTION=0` / `=1` turns it off / on without measuring."""
     params = next(model.parameters(), None)
     forced = os.environ.get("OPTTREE_FLOAT32_ATTENTION", "auto")
     if forced == "0" or params is None or params.device.type != "cpu" \
@@ -137,7 +138,7 @@ def float32_attention(model: torch.nn.Module, positions: int = 0) -> bool:
             or lean_forward(model, None) is None or mask_layout(model.config.get_text_config()).per_type \
             or positions * _float32_bytes(model) > MEMORY_SHARE * available_bytes():
         return False
-    return forced == "1" or _float32_pays(model.model.layers[0].self_attn, params.dtype)
+    return forced == "1" or _float32_pays(model.model.layers[0].self_attn, params.dtype, rows)
 
 
 _PAYS: dict[tuple, bool] = {}
@@ -156,15 +157,17 @@ def _float32_bytes(model: torch.nn.Module) -> int:
     return 2 * model.config.num_hidden_layers * kv_heads * dim * 4
 
 
-def _float32_pays(attention: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether sdpa over 8 rows of one query and 256 keys, `attention`'s heads, takes at most FLOAT32_ATTENTION_SHARE
-    of its time in `dtype` when run in float32 (the median of 7 alternated calls; ~10 ms, once per shape)."""
+def _float32_pays(attention: torch.nn.Module, dtype: torch.dtype, rows: int = 8) -> bool:
+    """Whether sdpa over `rows` rows (at most 8) of one query and 256 keys, `attention`'s heads, takes at most
+    FLOAT32_ATTENTION_SHARE of its time in `dtype` when run in float32 (the median of 7 alternated calls; a few ms,
+    once per shape)."""
     heads, kv_heads, dim = _heads(attention)
-    key = (heads, kv_heads, dim, dtype, torch.get_num_threads())
+    rows = max(1, min(rows, 8))
+    key = (heads, kv_heads, dim, dtype, rows, torch.get_num_threads())
     if key not in _PAYS:
         generator = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(8, n, rows, dim, generator=generator) for n, rows in ((heads, 1), (kv_heads, 256),
-                                                                                    (kv_heads, 256))]
+        inputs = [torch.randn(rows, n, length, dim, generator=generator)
+                  for n, length in ((heads, 1), (kv_heads, 256), (kv_heads, 256))]
         kinds = {kind: [t.to(kind) for t in inputs] for kind in (dtype, torch.float32)}  # (query, keys, values)
         times: dict[torch.dtype, list[float]] = {kind: [] for kind in kinds}
         with torch.inference_mode():
