@@ -1,6 +1,7 @@
 """One forward of the shipped target (lean) and of its draft (its own forward) over a cache kept in bf16 or in float32
 (`opttree.step.lean.float32_attention`), by query count and cache length: what keeping one sequence's keys and values
-in float32 changes per forward on this CPU (the target's linears packed as in a generation). The two dtypes alternate call by call; medians of `--repeats` calls.
+in float32 changes per forward on this CPU (the target's linears packed as in a generation). The two dtypes alternate
+call by call; medians of `--repeats` calls.
 
     python scripts/attention_dtype.py                         # queries 1, 4, 17 over 150, 400, 1,000 cached positions
     python scripts/attention_dtype.py --queries 1 --lengths 2000

@@ -138,8 +138,9 @@ def test_the_draft_forward_caches_float32_keys_where_it_pays_and_a_toggle_rebuil
     for name, forward in (("float32 cache", runner), ("reference", reference)):
         cache = new_cache()
         with torch.inference_mode():
-            out = forward(input_ids=prefix, position_ids=torch.arange(9)[None], **{cache_argument(reference): cache})
-            out = forward(input_ids=prefix[:, :1], position_ids=torch.tensor([[9]]), **{cache_argument(reference): cache})
+            argument = {cache_argument(reference): cache}
+            out = forward(input_ids=prefix, position_ids=torch.arange(9)[None], **argument)
+            out = forward(input_ids=prefix[:, :1], position_ids=torch.tensor([[9]]), **argument)
         logits[name], dtypes[name] = out.logits.float(), cache.layers[0].keys.dtype
     assert dtypes["float32 cache"] == torch.float32
     monkeypatch.setenv("OPTTREE_FLOAT32_ATTENTION", "0")
