@@ -105,3 +105,24 @@ def test_the_lean_forwards_ops_count_as_a_models():
         with StepCounter() as counter:
             runner(input_ids=tokens, position_ids=positions, attention_mask=mask, **{cache_argument(model): cache})
     assert counter.ops > 50 and counter.machinery_ops == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_rotary_embedding_in_four_ops_is_the_models_bit_for_bit(dtype):
+    """`apply_rotary` against each lean architecture's own `apply_rotary_pos_emb`, on transposed queries and keys as
+    the attention holds them (grouped-query: fewer key heads), random cos / sin: equal bit for bit."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from opttree.step.lean import apply_rotary, signed_sin
+
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 7, 4, 16, generator=g).to(dtype).transpose(1, 2)  # (B, H, Q, Dh)
+    key = torch.randn(2, 7, 2, 16, generator=g).to(dtype).transpose(1, 2)
+    cos, sin = (torch.randn(2, 7, 16, generator=g).to(dtype) for _ in range(2))  # (B, Q, Dh)
+    got = apply_rotary(query, cos[:, None], signed_sin(sin)[:, None]), apply_rotary(key, cos[:, None],
+                                                                                   signed_sin(sin)[:, None])
+    for modeling in (modeling_llama, modeling_qwen2, modeling_mistral):
+        want = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), modeling.__name__

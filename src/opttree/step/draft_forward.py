@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..packed import PackedMatmul, packing_applies
 from .attention import mask_layout
-from .lean import float32_attention, lean_forward
+from .lean import apply_rotary, float32_attention, lean_forward, signed_sin
 
 FLOAT32_COPY_BYTES = 2 * 2**20  # a stacked weight this small in float32 runs from a float32 copy (`_Product`)
 INT8_ROWS = 4  # a product of at most this many rows runs from an int8 copy of the weight (`_Product`)
@@ -202,13 +202,14 @@ class DraftForward(torch.nn.Module):
         return [(p.data_ptr(), p._version) for p in self._sources]
 
     def _rotary(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Q) positions, all below `needed` -> cos, sin (B, 1, Q, Dh) float32, from the model's own
-        rotary embedding (its table grown to cover `needed` positions, by doubling)."""
+        """(B, Q) positions, all below `needed` -> cos, sin with its first half negated (`lean.apply_rotary`'s
+        operands) (B, 1, Q, Dh) float32, from the model's own rotary embedding (its table grown to cover `needed`
+        positions, by doubling)."""
         if needed > self.rope.shape[0]:
             size = max(needed, 2 * self.rope.shape[0], 256)
             probe = torch.zeros(1, size, 1, dtype=torch.float32)
             cos, sin = self._model().model.rotary_emb(probe, torch.arange(size)[None])  # (1, P, Dh)
-            self.rope = torch.cat([cos[0], sin[0]], dim=-1).float()
+            self.rope = torch.cat([cos[0], signed_sin(sin[0])], dim=-1).float()
         rope = self.rope.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1).transpose(1, 2)
         return rope.chunk(2, dim=-1)  # (B, 1, Q, Dh) each
 
@@ -231,8 +232,7 @@ class DraftForward(torch.nn.Module):
             qkv = layer.qkv(_rms_norm(hidden, first, eps1))  # (B, Q, (heads + 2 kv) Dh)
             qkv = qkv.view(batch, rows, heads + 2 * kv, layer.head_dim).transpose(1, 2)  # (B, heads + 2 kv, Q, Dh)
             rotated, value = qkv[:, : heads + kv], qkv[:, heads + kv :]
-            half = layer.head_dim // 2
-            rotated = rotated * cos + torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1) * sin
+            rotated = apply_rotary(rotated, cos, sin)
             query = rotated[:, :heads].to(self.attention_dtype)
             key, value = rotated[:, heads:].to(self.attention_dtype), value.to(self.attention_dtype)
             if cache is not None:
