@@ -724,6 +724,30 @@ def test_the_sampled_runs_are_each_measured_once_at_every_greedy_budget():
     for budget in range(1, 41):
         runs = measure.sampled_runs(budget)
         assert len(runs) == len(set(runs)) and ("model", budget, "opt") in runs and ("model", 2, "opt") in runs
+        assert ("model", measure.SAMPLED_CHAIN, "chain") in runs  # speculative sampling's chain, verified as a block
+
+
+def test_a_sampled_choice_of_a_chain_is_what_a_sampled_generation_runs(pair, tmp_path, monkeypatch):
+    """A profile whose sampling choice is the chain of 3 draws: `opttree generate` at temperature > 0 with no
+    flags drafts that chain (3 nodes a step at most, one draft forward a node), greedy decoding keeps its tree."""
+    from opttree.cli import build_parser
+    from opttree.flags import tree_options
+
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path))
+    target, draft = pair
+    recommended = dict(budget=8, delta=0.3, tree="opt", drafter="model", drafter_budget=8, why="test")
+    sampled = dict(budget=8, delta=0.3, tree="chain", drafter="model", drafter_budget=measure.SAMPLED_CHAIN, why="t")
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(target, draft),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: sampled,
+                           profiles.DRAFT_TEMPERATURE_FIELD: {"greedy": 0.5, "sampled": 1.0}})
+    hot = tree_options(build_parser().parse_args(["generate", "--prompt", "x", "--temperature", "0.7"]), target, draft)
+    assert (hot["tree"], hot["budget"]) == ("chain", measure.SAMPLED_CHAIN)
+    cold = tree_options(build_parser().parse_args(["generate", "--prompt", "x"]), target, draft)
+    assert (cold["tree"], cold["budget"]) == ("opt", 8)
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = opttree.generate(target, prompt, draft, **{**hot, "temperature": 0.7}, max_new_tokens=12, seed=0)
+    stats = out.stats
+    assert stats.steps and stats.drafted_tokens <= measure.SAMPLED_CHAIN * stats.steps < stats.drafted_tokens + stats.steps
 
 
 def test_each_method_learns_from_its_own_runs_only(pair, cases):

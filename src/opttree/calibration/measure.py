@@ -186,14 +186,20 @@ SMALLEST_SAMPLED = 2  # a sampled tree of 2 nodes (a chain of two draws, by draw
 # tree that paid (2026-11-27, emulated AVX2: 1.28x plain decoding against 1.08x at budget 4)
 
 
+SAMPLED_CHAIN = 3  # the chain step 6 measures: speculative sampling of 3 draws, verified as one block
+
+
 def sampled_runs(budget: int) -> list[tuple[str, int, str]]:
     """(drafter, budget, tree) runs step 6 measures around the greedy choice's budget (half of it, it, and
     half as much again: sampled children are accepted less often than top-ranked ones, so the tree that pays
-    can be wider), and the smallest tree; each once (at budgets 1 and 2 some of these coincide)."""
+    can be wider), the smallest tree, and a chain of SAMPLED_CHAIN draws (on chat prompts, where the draft agrees
+    with the target less, it beat the trees: docs/BENCHMARKS.md, "The draft's weights in int8"); each once (at
+    budgets 1 and 2 some of these coincide)."""
     half = max(2, budget // 2)
     small = [("model", SMALLEST_SAMPLED, "opt")] if half > SMALLEST_SAMPLED else []
     runs = small + [("model", half, "opt"), ("model", budget, "opt"), ("model", budget + budget // 2, "opt"),
-                    ("model+lookup", budget, "opt"), ("model", budget, "dyspec"), ("recycling+lookup", budget, "opt")]
+                    ("model", SAMPLED_CHAIN, "chain"), ("model+lookup", budget, "opt"), ("model", budget, "dyspec"),
+                    ("recycling+lookup", budget, "opt")]
     return list(dict.fromkeys(runs))
 
 
