@@ -747,7 +747,8 @@ def test_a_sampled_choice_of_a_chain_is_what_a_sampled_generation_runs(pair, tmp
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
     out = opttree.generate(target, prompt, draft, **{**hot, "temperature": 0.7}, max_new_tokens=12, seed=0)
     stats = out.stats
-    assert stats.steps and stats.drafted_tokens <= measure.SAMPLED_CHAIN * stats.steps < stats.drafted_tokens + stats.steps
+    chain = measure.SAMPLED_CHAIN
+    assert stats.steps and stats.drafted_tokens <= chain * stats.steps < stats.drafted_tokens + stats.steps
 
 
 def test_each_method_learns_from_its_own_runs_only(pair, cases):
