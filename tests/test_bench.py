@@ -744,6 +744,12 @@ def test_a_sampled_choice_of_a_chain_is_what_a_sampled_generation_runs(pair, tmp
     assert (hot["tree"], hot["budget"]) == ("chain", measure.SAMPLED_CHAIN)
     cold = tree_options(build_parser().parse_args(["generate", "--prompt", "x"]), target, draft)
     assert (cold["tree"], cold["budget"]) == ("opt", 8)
+    hot_bench = argparse.Namespace(budgets=None, delta=None, temperature=0.7)  # the bench's bare `opt` runs it too
+    names, chosen, budgets, delta = profile_defaults(hot_bench, target, draft, ["ar", "opt", "chain"])
+    assert names == ["ar", "chain"] and chosen == "model"
+    assert parse_budgets(budgets, delta, target, draft, chosen, 0.7) == [(measure.SAMPLED_CHAIN, 0.3)]
+    cold_bench = argparse.Namespace(budgets=None, delta=None, temperature=0.0)
+    assert profile_defaults(cold_bench, target, draft, ["ar", "opt"])[:2] == (["ar", "opt"], "model")
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
     out = opttree.generate(target, prompt, draft, **{**hot, "temperature": 0.7}, max_new_tokens=12, seed=0)
     stats = out.stats

@@ -114,15 +114,25 @@ def profile_defaults(args, target, draft, names: list[str]
     """(method names, drafter, --budgets, --delta): unset --budgets / --delta from the pair's calibration
     profile (as generate and demo do), else the fixed defaults. With the profile's budget, a bare `opt`
     also drafts with the sources the profile measured fastest (as generate and demo do): that drafter (whose
-    measured budget 'auto' brings), else None."""
+    measured budget 'auto' brings), else None; where the profile chose another tree policy for this temperature
+    (a chain of draws, DySpec, with the draft model), a bare `opt` runs that policy, as generate does."""
     from ..profiles import auto_settings, find_profile, profile_sources
 
     profiled = find_profile(target, draft) is not None
     chosen = None
     if args.budgets is None and profiled:  # the choice measured for this temperature (greedy or sampled)
         sources = profile_sources(target, draft, args.temperature)
-        chosen = sources.get("drafter") if sources.get("tree", "opt") == "opt" and "opt" in names else None
-        if chosen is not None and chosen != "model":  # the draft model alone is what `opt` runs: its budget applies
+        tree = sources.get("tree", "opt")
+        chosen = sources.get("drafter") if tree != "ar" and "opt" in names else None
+        if chosen is not None and tree != "opt" and chosen.uses_draft_model:  # generate runs that policy instead
+            name = tree if chosen == "model" else f"{tree}:{chosen}"
+            names = list(dict.fromkeys(name if n == "opt" else n for n in names))
+            print(f"bench: opt runs {name} at the budget measured with it, as generate and demo do with this pair's "
+                  f"calibration profile at temperature {args.temperature:g}; give --budgets to run OPT-Tree itself",
+                  file=sys.stderr)
+        elif chosen is not None and tree != "opt":
+            chosen = None
+        elif chosen is not None and chosen != "model":  # the draft model alone is what `opt` runs: its budget applies
             names = [f"opt:{chosen}" if n == "opt" else n for n in names]
             print(f"bench: opt drafts with {chosen} at the budget measured with it, as generate and demo do with "
                   "this pair's calibration profile; opt:model measures the draft model alone", file=sys.stderr)
