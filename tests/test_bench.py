@@ -489,6 +489,28 @@ def test_auto_brings_each_methods_own_calibrated_budget_and_sizes_its_batches(mo
     assert "6 (δ 0.1), sized to 1" in (tmp_path / "b" / "results.md").read_text()
 
 
+def test_a_bare_opt_runs_the_chain_the_profile_chose_for_sampling_at_its_budget(model_dirs, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """No --budgets, temperature 0.7, a profile whose sampling choice is the chain of 3 draws: the bench's `opt` is
+    that chain at 3 nodes (what generate runs), under its own name."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft, prompts = model_dirs
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (target, draft)]
+    recommended = dict(budget=6, delta=0.3, tree="opt", drafter="model", drafter_budget=6, why="test")
+    sampled = dict(budget=6, delta=0.3, tree="chain", drafter="model", drafter_budget=measure.SAMPLED_CHAIN, why="t")
+    profiles.save_profile({"version": profiles.PROFILE_VERSION, "key": profiles.profile_key(*models),
+                           "recommended": recommended, profiles.SAMPLED_FIELD: sampled,
+                           profiles.DRAFT_TEMPERATURE_FIELD: {"greedy": 1.0, "sampled": 1.0}})
+    pair = ["--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    rc = main(["bench", *pair, "--prompts", str(prompts), "--methods", "ar,opt", "--temperature", "0.7",
+               "--max-new-tokens", "6", "--out", str(tmp_path / "b"), "--no-progress", "--json"])
+    assert rc == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["category"] == "all"]
+    assert {r["method"]: r["budget"] for r in rows} == {"ar": None, "chain": measure.SAMPLED_CHAIN}
+
+
 def test_bench_batch_runs_each_method_alone_and_batched_and_checks_every_row(model_dirs, tmp_path, monkeypatch,
                                                                              capsys):
     monkeypatch.setenv("OPTTREE_CACHE_DIR", str(tmp_path / "cache"))

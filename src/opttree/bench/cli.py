@@ -195,6 +195,7 @@ def cmd_bench(args) -> int:
     from ..calibration import calibrate_on_first_use
     from ..flags import draft_temperature, load_pair
     from ..parallel import is_main, same_everywhere
+    from ..profiles import profile_sources
     from . import report
     from .methods import Settings, expand_methods, parse_tree_method
     from .prompts import encode, load_prompts
@@ -207,9 +208,11 @@ def cmd_bench(args) -> int:
     if args.budgets is None and "opt" in names and not args.tp:  # `opt` with the defaults, as generate and demo
         calibrate_on_first_use(target, draft, tokenizer, progress=sys.stderr.isatty())  # run it: calibrated first
     names, chosen, budgets, delta = profile_defaults(args, target, draft, names)
+    chosen_tree = profile_sources(target, draft, args.temperature).get("tree", "opt") if chosen is not None else None
 
     def budgets_of(name: str) -> list[tuple[int, float | None]]:  # 'auto': the budget calibrated for its sources
-        drafter = parse_tree_method(name)[1] or (chosen if name == "opt" else None)
+        tree, drafter = parse_tree_method(name)[:2]
+        drafter = drafter or (chosen if tree == chosen_tree else None)  # the profile's choice: its measured budget
         return parse_budgets(budgets, delta, target, draft, drafter, args.temperature)
 
     specs = same_everywhere(expand_methods(names, budgets_of("opt"), budgets_of),
