@@ -485,11 +485,10 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
         first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0]
                          for p in CODE_PROMPTS[:2])
     next(first.chunks())  # they run
-    alone = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0]
-    original = engine.check_batchable
+    original, held = engine.check_batchable, {}  # held["job"]: the refused request, once started
 
     def refuse_alone(generation, rows):
-        if alone.row in rows and len(rows) > 1:
+        if "job" in held and held["job"].row in rows and len(rows) > 1:
             raise NotImplementedError("a batch of 2 prompts does not combine with this request")
         original(generation, rows)
 
@@ -498,7 +497,10 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
     joined_after = []  # whether the first two had finished when the refused one joined
     join = batcher.Lane.join
     monkeypatch.setattr(batcher.Lane, "join", lambda lane, jobs, *a: (
-        joined_after.append(first.complete and second.complete) if alone in jobs else None, join(lane, jobs, *a))[1])
+        joined_after.append(first.complete and second.complete) if held.get("job") in jobs else None,
+        join(lane, jobs, *a))[1])
+    with server.batcher.changed:  # the batcher takes it only once it is known here (and the patches are in place)
+        alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0]
     answer = [t for chunk in alone.chunks() for t in chunk]
     assert joined_after == [True] and first.complete and second.complete
     ids = tok(long_prompt, return_tensors="pt", add_special_tokens=False).input_ids

@@ -146,7 +146,7 @@ class ModelDrafter(Declared):
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
             positions = torch.arange(self.committed_len, end, device=self.device)
-            return together.submit(self.model, self.cache, new, positions, None)[-1]
+            return together.submit(self.model, self.cache, new, positions, None, runner=self.forward)[-1]
         if self.forward is not None:
             positions = torch.arange(self.committed_len, end, device=self.device)[None]  # (1, R)
             out = self.forward(input_ids=new[None], position_ids=positions, cache=self.cache, logits_to_keep=1)
@@ -158,7 +158,7 @@ class ModelDrafter(Declared):
         """(K,) slots at (K,) positions under (K, base+S+K) `allowed`, after the cache -> logits (K, V)."""
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
-            return together.submit(self.model, self.cache, tokens, positions, allowed, keys)
+            return together.submit(self.model, self.cache, tokens, positions, allowed, keys, self.forward)
         return masked_forward(self.model, self.cache, tokens, positions, allowed, forward=self.forward, keys=keys)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ import torch
 
 from ...threads import single_threaded_ops
 from ..cache import cache_len, stack_rows
-from ..draft_forward import draft_forward
 from ..verify import masked_forward
 
 _here = threading.local()  # the round (and the row index) of a drafting thread
@@ -41,6 +40,7 @@ class _Forward:
     positions: torch.Tensor
     allowed: torch.Tensor | None
     keys: Callable[[], torch.Tensor] | None
+    runner: Callable | None = None  # what runs the model (the drafter's `draft_forward`), None: `masked_forward`'s
     logits: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -99,10 +99,11 @@ class Round:
                 self.lock.notify_all()
 
     def submit(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None,
-               keys: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+               keys: Callable[[], torch.Tensor] | None = None, runner: Callable | None = None) -> torch.Tensor:
         """The row's forward, batched with the other rows' waiting forwards: logits (Q, V); the row's cache gains
-        the Q new keys and values, as `masked_forward` would have appended them."""
-        forward = _Forward(_here.row, model, cache, tokens, positions, allowed, keys)
+        the Q new keys and values, as `masked_forward` would have appended them. `runner`: what runs `model` (the
+        drafter's own forward, `draft_forward`; looking it up again costs ~0.2 ms a call on a CPU)."""
+        forward = _Forward(_here.row, model, cache, tokens, positions, allowed, keys, runner)
         with self.lock:
             self.waiting.append(forward)
             self.lock.notify_all()
@@ -134,8 +135,8 @@ def forward_together(forwards: list[_Forward]) -> None:
         allowed[b, pad[size:], longest + pad[size:]] = True  # padding queries see themselves only
         row_keys = f.keys() if f.keys is not None else torch.cat([torch.arange(length, device=device), f.positions])
         keys[b, :length], keys[b, longest:longest + size] = row_keys[:length], row_keys[length:]
-    logits = masked_forward(model, stacked, tokens, positions, allowed, forward=draft_forward(model),
-                            keys=lambda: keys)  # (B, Q, V)
+    runner = next((f.runner for f in forwards if f.runner is not None), None)  # the model's: one for every row
+    logits = masked_forward(model, stacked, tokens, positions, allowed, forward=runner, keys=lambda: keys)  # (B, Q, V)
     for b, (f, size) in enumerate(zip(forwards, sizes)):
         for i, layer in enumerate(stacked.layers):
             if layer.keys is not None and layer.keys.numel():
