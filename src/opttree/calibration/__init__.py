@@ -21,8 +21,8 @@ first use of a pair measure on this machine, and what they choose from it.
    beats it: never slower by default.
 6. Sampling: the same choice at temperature SAMPLED_TEMPERATURE among `sampled_runs` (OPT-Tree with
    sampled children at half, once and one and a half times the greedy budget and at 2 nodes, with lookup,
-   a chain of 3 draws, DySpec, the train-free sources), with the draft at its sampled temperature, saved as SAMPLED_FIELD:
-   what a sampled generation with the default settings runs.
+   a chain of 3 draws, DySpec, the train-free sources), with the draft at its sampled temperature, saved as
+   SAMPLED_FIELD: what a sampled generation with the default settings runs.
 
 Modules, in the order of the data: `measure` (steps 0-2, 5, 6: alignment, latency curves, the runs,
 the noise probe), `estimate` (steps 3-4: the cost model and the choices), `run` (the whole calibration,

@@ -117,7 +117,7 @@ def lean_forward(model: torch.nn.Module, attention_mask) -> LeanForward | None:
     return runner if runner.applies() else None
 
 
-FLOAT32_ATTENTION_SHARE = 0.8  # a batch's cache is kept in float32 where that attention took at most this share
+FLOAT32_ATTENTION_SHARE = 0.8  # a cache is kept in float32 where that attention took at most this share of bf16's
 
 
 def float32_attention(model: torch.nn.Module, positions: int = 0, rows: int = 8) -> bool:
