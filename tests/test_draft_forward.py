@@ -213,3 +213,36 @@ def test_greedy_output_stays_exact_with_the_int8_copies_and_a_toggle_rebuilds_th
     first = draft_forward(draft)
     monkeypatch.setenv("OPTTREE_DRAFT_INT8", "0")
     assert draft_forward(draft) is not first and draft_forward(draft).int8_copies is False
+
+
+@pytest.mark.parametrize("runs_draft_forward", [True, False])
+def test_a_chains_next_node_by_extend_is_expand_of_it_under_the_last_slot(runs_draft_forward, monkeypatch):
+    """`ModelDrafter.extend` (plain next-token decoding, no tree mask) against `expand` of the same node under the last
+    slot, along a chain of 4 from the root: the same distributions (float32), the same slots and cache; and a chain
+    policy's step asks `extend` for its layers, never `expand`."""
+    from opttree.step.policies.chain import Chain
+    from opttree.settings.config import SpecConfig
+
+    monkeypatch.setattr(ModelDrafter, "runs_draft_forward", runs_draft_forward)
+    model = model_for("llama")
+    committed = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(6))
+    chain = torch.tensor([5, 17, 40, 2])
+    drafters = [ModelDrafter(model), ModelDrafter(model)]
+    with torch.inference_mode():
+        for drafter in drafters:
+            drafter.start(committed)
+            drafter.root(committed)
+        for depth, token in enumerate(chain):
+            got = drafters[0].extend(token.view(1))
+            want = drafters[1].expand(token.view(1), torch.tensor([depth - 1]))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert torch.equal(drafters[0].slots.depths, drafters[1].slots.depths)
+    for mine, theirs in zip(drafters[0].cache.layers, drafters[1].cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+    calls = []
+    monkeypatch.setattr(ModelDrafter, "expand", lambda self, *a: calls.append("expand"))
+    policy = Chain(SpecConfig(tree="chain", budget=3))
+    with torch.inference_mode():
+        drafters[0].start(committed)
+        tree = policy.build(drafters[0], committed, 3)
+    assert len(tree) == 3 and calls == [] and drafters[0].slots.size == 2  # two nodes ran, the leaf did not

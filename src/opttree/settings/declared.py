@@ -24,13 +24,17 @@ class Declared:
     # with top_children: every listed row holds its k' children, none padded with -inf, so a policy need not
     # drop padding from its candidates (a shape sync: their number would depend on values)
     full_top_rows: bool = False
+    # it also answers `extend(token)`: `expand` of one node whose parent is the last node it ran this step (the root
+    # when none), while every node so far is the next one's ancestor (a chain): run as plain next-token decoding,
+    # no tree mask (a chain policy's layers ask this instead)
+    extends_chains: bool = False
     # the networks (`nn.Module`s) it runs: their bf16 linear layers run packed during the steps where that
     # applies (`opttree.packed`); an instance sets its own
     networks: tuple = ()
 
 
 DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "full_top_rows",
-            "networks")
+            "extends_chains", "networks")
 
 
 def declared_by(obj: object) -> dict:

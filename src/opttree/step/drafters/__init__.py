@@ -3,7 +3,8 @@
 Optional hooks, each declared (`opttree.settings.declared.Declared`): `prompt_rows = R > 0` (it also gets
 `seed(tokens, logits)` from the prefill), `wants_hidden` (`seed_hidden` and the hidden states),
 `reads_target_cache` (`share_target_cache`), `forwards_together` (a batch's rows draft together),
-`top_children` (`root_top` / `expand_top`: the best children without the (K, V) rows; `TopChildren`).
+`top_children` (`root_top` / `expand_top`: the best children without the (K, V) rows; `TopChildren`),
+`extends_chains` (`extend(token)`: a chain's next node, as plain next-token decoding).
 Sources that are not drafters (candidate tries) and the ways to combine them: `drafters.sources`.
 """
 
@@ -59,7 +60,7 @@ class CheckedDrafter(Declared):
         self.inner, self.vocab = inner, vocab
         declared = pass_hooks(self, inner)
         self.forwards_together, self.top_children = declared["forwards_together"], declared["top_children"]
-        self.full_top_rows = declared["full_top_rows"]
+        self.full_top_rows, self.extends_chains = declared["full_top_rows"], declared["extends_chains"]
         # a drafter written for opttree < 0.2 has `accept(slots)` instead of `observe`
         self._observe = inner.observe if hasattr(inner, "observe") else lambda r: inner.accept(r.accepted_slots)
 
@@ -71,6 +72,9 @@ class CheckedDrafter(Declared):
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         return self._checked(self.inner.expand(tokens, parent_slots), "expand")
+
+    def extend(self, token: torch.Tensor) -> torch.Tensor:
+        return self._checked(self.inner.extend(token), "extend")
 
     def observe(self, result: Verification) -> None:
         self._observe(result)

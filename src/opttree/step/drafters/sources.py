@@ -246,6 +246,7 @@ class Sources(Declared):
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
         self.forwards_together = first.forwards_together  # candidates batch no forwards of their own
         self.top_children, self.full_top_rows = first.top_children, first.full_top_rows
+        self.extends_chains = first.extends_chains
         self.networks = tuple(net for source in [first, *candidates] for net in source.networks)
         self.root_logq: torch.Tensor | None = None
 
@@ -274,6 +275,9 @@ class Sources(Declared):
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         return self.first.expand(tokens, parent_slots)
+
+    def extend(self, token: torch.Tensor) -> torch.Tensor:
+        return self.first.extend(token)
 
     def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.root_logq = None  # no (V,) row: RASD's pruning reads a draft model's, which lists no top children

@@ -184,6 +184,7 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
     could not make (a peaked q) leaves its node undrawn (key -inf, never tried by rejection sampling) and so
     its subtree. Nothing is read back."""
     device, sampled = logq.device, picker.sampled
+    chain = plan.chain and drafter.extends_chains  # each layer's node the last one's child: plain next-token steps
     n = plan.parents.shape[0]
     tokens = torch.zeros(n, dtype=torch.long, device=device)
     valid = torch.ones(n + 1, dtype=torch.bool, device=device)  # [root] + nodes: drawn, with every ancestor
@@ -199,7 +200,9 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
             scores[layer.start + 1 : end + 1] = scores[layer.parents + 1] + child_scores[layer.rows, layer.ranks]
         tokens[layer.start:end] = drawn[layer.rows, layer.ranks]
         if layer.run.shape[0]:
-            log_dist = picker.log_dist(drafter.expand(tokens[layer.start:end][layer.run], layer.run_parent_slots))
+            nodes = tokens[layer.start:end][layer.run]  # (K,) the layer's nodes that get children
+            dist = drafter.extend(nodes) if chain else drafter.expand(nodes, layer.run_parent_slots)  # (K, V)
+            log_dist = picker.log_dist(dist)
             dists.append(log_dist.exp() if sampled else log_dist)  # (K, V)
     if not sampled:
         return DraftTree(tokens, plan.parents, plan.depths, scores[1:], plan.slots)
