@@ -120,3 +120,20 @@ def test_accept_block_samples_the_rule():
         counts[(int(length), int(bonus))] = counts.get((int(length), int(bonus)), 0) + 1
     assert path.tolist() == [0, 1, 2]
     assert chi_square_pvalue(counts, exact, draws) > 1e-3
+
+
+def test_a_chain_cut_to_its_best_nodes_stays_a_chain_of_draws():
+    """A batch's sizing cuts a row's tree to its best nodes (`top_nodes`): a chain's cut is a prefix of it, still
+    verified as one block; an empty cut is no chain."""
+    from opttree.step.tree import top_nodes
+
+    p, q = tables(3)
+    chain = (1, 0, 2)
+    q_rows = torch.stack([q[chain[:i]] for i in range(LENGTH)]).float()
+    keys = torch.tensor([-0.1, -0.5, -0.9])  # p-hat by draw rank: falling along the chain
+    tree = DraftTree(torch.tensor(chain), torch.arange(LENGTH) - 1, torch.arange(1, LENGTH + 1), keys,
+                     torch.full((LENGTH,), -1), torch.cat([q_rows, torch.zeros(1, VOCAB)]), keys, chain=True)
+    cut = top_nodes(tree, 2, by=tree.keys)
+    assert cut.chain and cut.tokens.tolist() == [1, 0] and cut.parents.tolist() == [-1, 0]
+    assert torch.equal(cut.draft_probs, tree.draft_probs[:3])
+    assert not top_nodes(tree, 0, by=tree.keys).chain

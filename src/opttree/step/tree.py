@@ -334,7 +334,8 @@ def merge_sampled(sampled: DraftTree, proposed: DraftTree) -> DraftTree:
 
 def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     """The nodes `keep` (K,) (in this order, parents before children, every kept node's parent kept),
-    re-indexed. Draft distributions are kept for the root and the kept nodes."""
+    re-indexed. Draft distributions are kept for the root and the kept nodes; a chain of draws stays one (the kept
+    nodes of a chain are a prefix of it)."""
     n = len(tree)
     new_index = torch.full((n + 1,), -1, dtype=torch.long, device=tree.tokens.device)  # [i + 1] = new index of i
     new_index[keep + 1] = torch.arange(keep.shape[0], device=keep.device)
@@ -345,7 +346,7 @@ def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
         probs = tree.draft_probs[torch.cat([torch.zeros(1, dtype=torch.long, device=keep.device), keep + 1])]
     pick = lambda t: None if t is None else t[keep]  # noqa: E731
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep], tree.draft_slots[keep], probs,
-                     pick(tree.keys), pick(tree.proposed))
+                     pick(tree.keys), pick(tree.proposed), chain=tree.chain and keep.shape[0] > 0)
 
 
 def top_nodes(tree: DraftTree, n: int, by: torch.Tensor | None = None) -> DraftTree:
