@@ -137,3 +137,27 @@ def test_a_chain_cut_to_its_best_nodes_stays_a_chain_of_draws():
     assert cut.chain and cut.tokens.tolist() == [1, 0] and cut.parents.tolist() == [-1, 0]
     assert torch.equal(cut.draft_probs, tree.draft_probs[:3])
     assert not top_nodes(tree, 0, by=tree.keys).chain
+
+
+def test_a_chain_verifies_under_the_causal_mask_its_tree_mask_is():
+    """A chain of draws skips the tree mask (`verify_trees`: the causal mask after the prefix, two ops): the same
+    logits and cache as the same nodes verified as a tree."""
+    from helpers import tiny_model
+
+    from opttree.step.cache import cache_argument, new_cache
+    from opttree.step.verify import verify_trees
+
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    tokens = torch.tensor([11, 5, 40])
+    out, caches = [], []
+    for chain in (True, False):
+        tree = DraftTree(tokens, torch.arange(3) - 1, torch.arange(1, 4), torch.zeros(3), torch.full((3,), -1),
+                         torch.full((4, 96), 1 / 96), chain=chain)
+        cache = new_cache(model)
+        with torch.inference_mode():
+            model(input_ids=prompt[:, :-1], **{cache_argument(model): cache})
+            out.append(verify_trees(model, cache, [prompt[0, -1]], [tree], [6])[0])
+        caches.append(cache)
+    assert torch.equal(out[0], out[1])
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(caches[0].layers, caches[1].layers, strict=True))
