@@ -148,15 +148,7 @@ class ModelDrafter(Declared):
         us for the shipped draft). Returns (1, V)."""
         token = token.to(self.device).clamp(max=self.rows - 1)
         depths, _ = self.slots.add(torch.full((1,), self.slots.size - 1, dtype=torch.long, device=self.device))
-        positions = self.base - 1 + depths  # (1,)
-        together = current_round() if self.forwards_together else None
-        if together is not None:  # one forward with the other rows' (`drafters.together`): causal
-            return self._log_probs(together.submit(self.model, self.cache, token, positions, None, runner=self.forward))
-        if self.forward is not None:
-            logits = self.forward(input_ids=token[None], position_ids=positions[None], cache=self.cache).logits[0]
-        else:
-            logits = masked_forward(self.model, self.cache, token, positions, None)
-        return self._log_probs(logits)  # (1, V)
+        return self._log_probs(self._tree_forward(token, self.base - 1 + depths, None, None))  # (1, V): causal
 
     def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
         """(R,) new committed tokens at positions committed_len .. end - 1 -> the last one's logits (V,)."""
@@ -171,8 +163,10 @@ class ModelDrafter(Declared):
         return forward_chains(self.model, self.cache, new[None], self.committed_len,
                               **last_logits_only(self.model))[0, -1]
 
-    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, keys) -> torch.Tensor:
-        """(K,) slots at (K,) positions under (K, base+S+K) `allowed`, after the cache -> logits (K, V)."""
+    def _tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None, keys
+                      ) -> torch.Tensor:
+        """(K,) slots at (K,) positions under (K, base+S+K) `allowed` (None: causal), after the cache -> logits
+        (K, V)."""
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
             return together.submit(self.model, self.cache, tokens, positions, allowed, keys, self.forward)
