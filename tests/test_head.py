@@ -7,6 +7,7 @@ import torch
 from helpers import chi_square_pvalue, exact_joint, hf_greedy, sample_counts, tiny_model
 
 import opttree
+from opttree.step.cache import truncate
 from opttree.step.drafters.head import FeatureHead, HeadDrafter, head_config, load_head
 
 
@@ -184,3 +185,79 @@ def test_the_head_drafts_at_its_calibrated_temperature_only_when_greedy(tmp_path
     features = torch.randn(2, target.config.hidden_size)
     expected = torch.log_softmax(target.get_output_embeddings()(features).float() / drafts_at, dim=-1)
     assert torch.allclose(drafter._log_probs(features), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [(-1,), (1, 2)])
+def test_head_forward_computes_the_heads_own_forward(setup, layers, monkeypatch):
+    """`HeadForward` (the head's forward in fewer ops) against the head's own forward in float32: a block of 5 nodes
+    under a tree mask after a cached prefix, then one node of its own outputs under causal attention (a chain's next
+    node): the same outputs and the same cached keys and values; off with OPTTREE_DRAFT_FORWARD=0 and in training;
+    a changed weight is copied again."""
+    from opttree.step.cache import new_cache
+    from opttree.step.draft_forward import HeadForward, head_forward
+
+    target = setup[0]
+    torch.manual_seed(3)
+    head = FeatureHead(head_config(target), layers).eval()
+    lean = head_forward(head)
+    assert isinstance(lean, HeadForward)
+    width, hidden = len(layers) * target.config.hidden_size, target.config.hidden_size
+    cached, block = 7, 5
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1, cached + block, width, generator=generator)
+    embeds = torch.randn(1, cached + block + 1, hidden, generator=generator)
+    positions = torch.arange(cached + block + 1)[None]
+    allowed = torch.ones(block, cached + block, dtype=torch.bool)
+    allowed[:, cached:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                        [1, 0, 1, 0, 1]], dtype=torch.bool)  # a tree: node 3 under 1, 4 under 2
+    results = []
+    with torch.inference_mode():
+        for forward in (head, lean):
+            cache = new_cache()
+            forward(features[:, :cached], embeds[:, :cached], positions[:, :cached], None, cache)
+            tree = forward(features[:, cached:], embeds[:, cached:-1], positions[:, cached:-1], allowed, cache)
+            truncate(cache, cached + 2)  # keep the root's first child and its child 3: a chain
+            own = forward(tree[:, 3:4].float(), embeds[:, -1:], positions[:, -1:], None, cache, own=True)
+            results.append((tree.float(), own.float(), cache.layers[0].keys.float(), cache.layers[0].values.float()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("OPTTREE_DRAFT_FORWARD", "0")
+    assert head_forward(head) is None
+    monkeypatch.delenv("OPTTREE_DRAFT_FORWARD")
+    assert head_forward(head.train()) is None and head_forward(head.eval()) is lean
+    with torch.no_grad():
+        head.fc.weight.mul_(2)
+    assert head_forward(head) is not lean
+
+
+def test_the_head_extends_a_chain_as_expand_under_the_last_slot(setup, monkeypatch):
+    """`HeadDrafter.extend` (causal attention, no tree mask) against `expand` of the same node under the last slot,
+    along a chain of 4 from the root: the same distributions and slot features; a chain policy's step asks `extend`
+    for its layers, never `expand`."""
+    from opttree.settings.config import SpecConfig
+    from opttree.step.policies.chain import Chain
+
+    target = setup[0]
+    torch.manual_seed(5)
+    head = FeatureHead(head_config(target), (1, 2)).eval()
+    committed = torch.tensor([3, 9, 4, 17, 5, 30, 8])
+    with torch.no_grad():
+        hidden = target(committed[None, :-1], output_hidden_states=True).hidden_states
+    drafters = [HeadDrafter(head, target, target.config.vocab_size) for _ in range(2)]
+    with torch.inference_mode():
+        for drafter in drafters:
+            drafter.start(committed)
+            drafter.seed_hidden(tuple(h[0] for h in hidden))
+            drafter.root(committed)
+        for depth, token in enumerate(torch.tensor([5, 17, 40, 2])):
+            got = drafters[0].extend(token.view(1))
+            want = drafters[1].expand(token.view(1), torch.tensor([depth - 1]))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(drafters[0].slot_features, drafters[1].slot_features, atol=1e-5, rtol=1e-5)
+    calls = []
+    monkeypatch.setattr(HeadDrafter, "expand", lambda self, *a: calls.append("expand"))
+    with torch.inference_mode():
+        drafters[0].start(committed)
+        drafters[0].seed_hidden(tuple(h[0] for h in hidden))
+        tree = Chain(SpecConfig(tree="chain", budget=3)).build(drafters[0], committed, 3)
+    assert len(tree) == 3 and calls == [] and drafters[0].slots.size == 2  # two nodes ran, the leaf did not

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..packed import PackedMatmul, packing_applies
 from .attention import mask_layout
-from .lean import apply_rotary, float32_attention, lean_forward, signed_sin
+from .lean import apply_rotary, float32_attention, float32_attention_pays, lean_forward, signed_sin
 
 FLOAT32_COPY_BYTES = 2 * 2**20  # a stacked weight this small in float32 runs from a float32 copy (`_Product`)
 INT8_ROWS = 4  # a product of at most this many rows runs from an int8 copy of the weight (`_Product`)
@@ -71,10 +71,14 @@ def _int8_copies() -> bool:
 
 
 def _applies(model: torch.nn.Module) -> bool:
-    config = model.config
+    return _layers_apply(model.config, model.model.layers, model.device)
+
+
+def _layers_apply(config, layers: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `decoder_layers` computes what these Llama-like layers of a model configured so compute."""
     rope = config.rope_parameters or {}
-    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    return (model.device.type == "cpu" and not mask_layout(config).windowed
+    linears = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    return (device.type == "cpu" and not mask_layout(config).windowed
             and not any(isinstance(value, dict) for value in rope.values())  # one per layer type: not here
             and rope.get("rope_type", "default") in STATIC_ROPE
             and all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in linears)
@@ -174,25 +178,60 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x * x.pow(2).sum(-1, keepdim=True).mul_(1 / x.shape[-1]).add_(eps).rsqrt_() * weight
 
 
-class DraftForward(torch.nn.Module):
-    """The draft's forward as the module docstring says, called like the model (`input_ids`, `position_ids`,
-    `attention_mask`, the cache by either keyword, `logits_to_keep`); returns an object with `.logits` in
-    float32. A module itself, so that what counts ops inside models' forwards counts these too."""
+class RopeTable:
+    """A rotary embedding's cos and sin by position, from the model's own rotary embedding module (its table grown
+    to cover the positions asked for, by doubling): looked up, not recomputed each forward."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, rotary_emb: torch.nn.Module, head_dim: int):
+        self.rotary_emb = rotary_emb
+        self.table = torch.empty(0, 2 * head_dim)  # (P, 2 Dh) float32: cos | sin with its first half negated
+
+    def __call__(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Q) positions, all below `needed` -> cos, sin with its first half negated (`lean.apply_rotary`'s
+        operands) (B, 1, Q, Dh) float32."""
+        if needed > self.table.shape[0]:
+            size = max(needed, 2 * self.table.shape[0], 256)
+            probe = torch.zeros(1, size, 1, dtype=torch.float32)
+            cos, sin = self.rotary_emb(probe, torch.arange(size)[None])  # (1, P, Dh)
+            self.table = torch.cat([cos[0], signed_sin(sin[0])], dim=-1).float()
+        rope = self.table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1).transpose(1, 2)
+        return rope.chunk(2, dim=-1)  # (B, 1, Q, Dh) each
+
+
+def decoder_layers(hidden: torch.Tensor, layers: list[_Layer], cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None, cache, attention_dtype: torch.dtype) -> torch.Tensor:
+    """(B, Q, H) float32 residual stream through Llama decoder layers (`_Layer`), their keys and values appended to
+    `cache` (None: none kept) and attended in `attention_dtype`; mask: bool, broadcast to (B, heads, Q, keys), or
+    None (one query, or causal over nothing cached). Returns (B, Q, H) float32, before the final norm."""
+    batch, rows = hidden.shape[:2]
+    for layer in layers:
+        (first, eps1), (second, eps2) = layer.norms
+        heads, kv = layer.heads, layer.kv_heads
+        qkv = layer.qkv(_rms_norm(hidden, first, eps1))  # (B, Q, (heads + 2 kv) Dh)
+        qkv = qkv.view(batch, rows, heads + 2 * kv, layer.head_dim).transpose(1, 2)  # (B, heads + 2 kv, Q, Dh)
+        rotated, value = qkv[:, : heads + kv], qkv[:, heads + kv :]
+        rotated = apply_rotary(rotated, cos, sin)
+        query = rotated[:, :heads].to(attention_dtype)
+        key, value = rotated[:, heads:].to(attention_dtype), value.to(attention_dtype)
+        if cache is not None:
+            key, value = cache.update(key, value, layer.index)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling,
+                                             enable_gqa=kv != heads)  # (B, heads, Q, Dh)
+        hidden = hidden + layer.out(out.transpose(1, 2).reshape(batch, rows, -1))
+        gate, up = layer.gate_up(_rms_norm(hidden, second, eps2)).chunk(2, dim=-1)
+        hidden = hidden + layer.down(layer.act(gate) * up)
+    return hidden
+
+
+class _Copies(torch.nn.Module):
+    """Copies of a network's weights that run its forward (a module itself, so that what counts ops inside models'
+    forwards counts these too); stale once a weight of the network changed."""
+
+    def __init__(self, network: torch.nn.Module):
         super().__init__()
-        object.__setattr__(self, "_model", weakref.ref(model))  # not a submodule: no second set of parameters
-        inner, packed = model.model, packing_applies(model)
-        self.dtype, self.int8_copies = model.dtype, _int8_copies()
-        self.attention_dtype = _attention_dtype(model)  # of the keys and values it caches, and of the queries
-        self._sources = [p for p in model.parameters()]
+        self.int8_copies = _int8_copies()
+        self._sources = [p for p in network.parameters()]
         self._versions = self._weights()
-        with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode
-            self.layers = [_Layer(layer, packed) for layer in inner.layers[: model.config.num_hidden_layers]]
-            self.final_norm = (inner.norm.weight.detach().float(), inner.norm.variance_epsilon)
-            self.head = _stacked([model.lm_head], packed)
-        self.embedding = inner.embed_tokens
-        self.rope = torch.empty(0, 2 * self.layers[0].head_dim)  # (P, 2 Dh) float32: cos | sin, grown on demand
 
     def stale(self) -> bool:
         """Whether a weight changed since it was copied: in place (trained, loaded) or replaced (`.to()`)."""
@@ -201,17 +240,23 @@ class DraftForward(torch.nn.Module):
     def _weights(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self._sources]
 
-    def _rotary(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Q) positions, all below `needed` -> cos, sin with its first half negated (`lean.apply_rotary`'s
-        operands) (B, 1, Q, Dh) float32, from the model's own rotary embedding (its table grown to cover `needed`
-        positions, by doubling)."""
-        if needed > self.rope.shape[0]:
-            size = max(needed, 2 * self.rope.shape[0], 256)
-            probe = torch.zeros(1, size, 1, dtype=torch.float32)
-            cos, sin = self._model().model.rotary_emb(probe, torch.arange(size)[None])  # (1, P, Dh)
-            self.rope = torch.cat([cos[0], signed_sin(sin[0])], dim=-1).float()
-        rope = self.rope.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1).transpose(1, 2)
-        return rope.chunk(2, dim=-1)  # (B, 1, Q, Dh) each
+
+class DraftForward(_Copies):
+    """The draft's forward as the module docstring says, called like the model (`input_ids`, `position_ids`,
+    `attention_mask`, the cache by either keyword, `logits_to_keep`); returns an object with `.logits` in
+    float32."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        inner, packed = model.model, packing_applies(model)
+        self.dtype = model.dtype
+        self.attention_dtype = _attention_dtype(model)  # of the keys and values it caches, and of the queries
+        with torch.no_grad():  # plain tensors (not inference ones): usable in and out of inference mode
+            self.layers = [_Layer(layer, packed) for layer in inner.layers[: model.config.num_hidden_layers]]
+            self.final_norm = (inner.norm.weight.detach().float(), inner.norm.variance_epsilon)
+            self.head = _stacked([model.lm_head], packed)
+        self.embedding = inner.embed_tokens
+        self.rope = RopeTable(inner.rotary_emb, self.layers[0].head_dim)
 
     @torch.no_grad()  # a draft's guesses take no gradient
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -221,28 +266,68 @@ class DraftForward(torch.nn.Module):
         cache = cache if cache is not None else past_key_values
         batch, rows = input_ids.shape  # (B, Q)
         cached = cache.get_seq_length() if cache is not None else 0
-        cos, sin = self._rotary(position_ids, cached + rows)  # every position is below the keys' count
+        cos, sin = self.rope(position_ids, cached + rows)  # every position is below the keys' count
         mask = attention_mask
         if mask is None and rows > 1:  # the model's own causal mask, after the cache
             mask = torch.ones(rows, cached + rows, dtype=torch.bool, device=input_ids.device).tril(cached)
-        hidden = self.embedding(input_ids).float()  # (B, Q, H)
-        for layer in self.layers:
-            (first, eps1), (second, eps2) = layer.norms
-            heads, kv = layer.heads, layer.kv_heads
-            qkv = layer.qkv(_rms_norm(hidden, first, eps1))  # (B, Q, (heads + 2 kv) Dh)
-            qkv = qkv.view(batch, rows, heads + 2 * kv, layer.head_dim).transpose(1, 2)  # (B, heads + 2 kv, Q, Dh)
-            rotated, value = qkv[:, : heads + kv], qkv[:, heads + kv :]
-            rotated = apply_rotary(rotated, cos, sin)
-            query = rotated[:, :heads].to(self.attention_dtype)
-            key, value = rotated[:, heads:].to(self.attention_dtype), value.to(self.attention_dtype)
-            if cache is not None:
-                key, value = cache.update(key, value, layer.index)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling,
-                                                 enable_gqa=kv != heads)  # (B, heads, Q, Dh)
-            hidden = hidden + layer.out(out.transpose(1, 2).reshape(batch, rows, -1))
-            gate, up = layer.gate_up(_rms_norm(hidden, second, eps2)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+        hidden = decoder_layers(self.embedding(input_ids).float(), self.layers, cos, sin, mask, cache,
+                                self.attention_dtype)  # (B, Q, H)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         weight, eps = self.final_norm
         return SimpleNamespace(logits=self.head(_rms_norm(hidden, weight, eps)), hidden_states=None)  # float32
+
+
+_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, HeadForward]" = weakref.WeakKeyDictionary()
+
+
+def head_forward(head: torch.nn.Module) -> "HeadForward | None":
+    """What runs a feature head (`opttree.step.drafters.head.FeatureHead`) when it drafts: a `HeadForward`, made once
+    and again when a weight changed, or None where it does not apply (then the head's own forward runs)."""
+    body = head.body
+    if os.environ.get("OPTTREE_DRAFT_FORWARD", "1") == "0" or head.training \
+            or body.config._attn_implementation not in ("sdpa", "eager") \
+            or not _layers_apply(body.config, head, head.fc.weight.device):
+        return None
+    runner = _HEADS.get(head)
+    if runner is None or runner.stale() or runner.int8_copies != _int8_copies():
+        runner = _HEADS[head] = HeadForward(head)
+    return runner
+
+
+class HeadForward(_Copies):
+    """A feature head's forward as `DraftForward` runs a draft's: the fused features (EAGLE-3) and the token's
+    embedding through the head's input products, then its decoder layer (`decoder_layers`) and final norm, in
+    float32, from stacked, packed, float32 or int8 copies of its weights (`_Product`), its keys and values cached in
+    float32 where bf16 attention over one row is slow. On a 2-core AMD EPYC with avx512_bf16 the shipped head took
+    ~1.3 ms a node through transformers' modules. Called as `FeatureHead.forward`; returns (B, Q, H) float32."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__(head)
+        body, packed = head.body, packing_applies(head)
+        dtype = head.fc.weight.dtype
+        self.attention_dtype = torch.float32 if float32_attention_pays(body.layers[0].self_attn, dtype) else dtype
+        with torch.no_grad():
+            self.fuse = None if head.fuse is None else _stacked([head.fuse], packed)
+            self.fc = _stacked([head.fc], packed)
+            self.layers = [_Layer(layer, packed) for layer in body.layers]
+            self.final_norm = (body.norm.weight.detach().float(), body.norm.variance_epsilon)
+        self.rope = RopeTable(body.rotary_emb, self.layers[0].head_dim)
+
+    @torch.no_grad()
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                allowed: torch.Tensor | None = None, cache=None, own: bool = False) -> torch.Tensor:
+        """features (B, Q, k H) (the target's layers), or with `own` (B, Q, H) (the head's outputs); embeds (B, Q, H);
+        positions (B, Q); allowed (Q, cached + Q) bool, None for causal attention after the cache."""
+        rows = embeds.shape[1]
+        if self.fuse is not None and not own:
+            features = self.fuse(features)
+        x = self.fc(torch.cat([features.float(), embeds.float()], dim=-1))  # (B, Q, H)
+        cached = cache.get_seq_length() if cache is not None else 0
+        cos, sin = self.rope(positions, cached + rows)
+        mask = allowed
+        if mask is None and rows > 1:
+            mask = torch.ones(rows, cached + rows, dtype=torch.bool, device=x.device).tril(cached)
+        hidden = decoder_layers(x, self.layers, cos, sin, mask, cache, self.attention_dtype)
+        weight, eps = self.final_norm
+        return _rms_norm(hidden, weight, eps)

@@ -133,13 +133,22 @@ def float32_attention(model: torch.nn.Module, positions: int = 0, rows: int = 8)
     one 4D mask), and only while such a cache of `positions` (rows x positions each) fits in MEMORY_SHARE of the
     memory available. `OPTTREE_FLOAT32_ATTENTION=0` / `=1` turns it off / on without measuring."""
     params = next(model.parameters(), None)
-    forced = os.environ.get("OPTTREE_FLOAT32_ATTENTION", "auto")
-    if forced == "0" or params is None or params.device.type != "cpu" \
-            or params.dtype not in (torch.bfloat16, torch.float16) or model.config._attn_implementation != "sdpa" \
+    if params is None or params.device.type != "cpu" or model.config._attn_implementation != "sdpa" \
             or lean_forward(model, None) is None or mask_layout(model.config.get_text_config()).per_type \
             or positions * _float32_bytes(model) > MEMORY_SHARE * available_bytes():
         return False
-    return forced == "1" or _float32_pays(model.model.layers[0].self_attn, params.dtype, rows)
+    return float32_attention_pays(model.model.layers[0].self_attn, params.dtype, rows)
+
+
+def float32_attention_pays(attention: torch.nn.Module, dtype: torch.dtype, rows: int = 1) -> bool:
+    """Whether `rows` rows of one query attend faster in float32 than in `dtype` with `attention`'s heads, on this
+    CPU (`_float32_pays`; never for a float32 model), for forwards of opttree's own that keep their keys and values
+    in float32 where it pays (a draft's, a feature head's: `opttree.step.draft_forward`).
+    `OPTTREE_FLOAT32_ATTENTION=0` / `=1` as for `float32_attention`."""
+    forced = os.environ.get("OPTTREE_FLOAT32_ATTENTION", "auto")
+    if forced == "0" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return forced == "1" or _float32_pays(attention, dtype, rows)
 
 
 _PAYS: dict[tuple, bool] = {}

@@ -30,6 +30,7 @@ from ...parallel import whole
 from ...parts import read_part, save_part
 from ...settings.declared import Declared
 from ..cache import cache_argument, new_cache, truncate
+from ..draft_forward import head_forward
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .model import SlotTree, on_target_vocab
 
@@ -121,6 +122,7 @@ class HeadDrafter(Declared):
     the target's true features; a tree's nodes are appended for the step and dropped after it."""
 
     wants_hidden = True  # the engine hands over the target's features: the prompt's, then each step's
+    extends_chains = True  # `extend`: a chain's next node, under causal attention
 
     def __init__(self, head: FeatureHead, target: PreTrainedModel, vocab: int, sampling: bool = False):
         self.head, self.vocab = head, vocab
@@ -129,6 +131,7 @@ class HeadDrafter(Declared):
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab, head.draft_vocab)
         self.networks = (head, *self.lm_head.networks)  # the target's own LM head is packed with the target
         self.device = model_device(target)
+        self.forward = head_forward(head) or head  # fewer ops than the head's own forward where it applies
         self.start(torch.empty(0, dtype=torch.long))
 
     def start(self, input_ids: torch.Tensor) -> None:
@@ -170,17 +173,26 @@ class HeadDrafter(Declared):
         self.slot_features = torch.cat([self.slot_features, predicted])
         return self._log_probs(predicted)
 
+    def extend(self, token: torch.Tensor) -> torch.Tensor:
+        """`expand` of one node (1,) whose parent is the last slot (the root when none), every slot so far being its
+        ancestor (a chain): the next token after the cache, no tree mask. Returns (1, V)."""
+        token = token.to(self.device)
+        depths, _ = self.slots.add(torch.full((1,), self.slots.size - 1, dtype=torch.long, device=self.device))
+        predicted = self._run(self.slot_features[-1:], token, self.fed - 1 + depths, None, own=True)  # (1, H)
+        self.slot_features = torch.cat([self.slot_features, predicted])
+        return self._log_probs(predicted)
+
     def observe(self, result: Verification) -> None:
         """The target's features of the tokens this step committed (the root and the accepted nodes)."""
         accepted = torch.cat([result.accepted_hidden(i) for i in self.head.layers], dim=-1)  # (A + 1, k H)
         self.pending = torch.cat([self.pending, accepted.to(self.device, self.pending.dtype)])
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             allowed: torch.Tensor, own: bool = False) -> torch.Tensor:
+             allowed: torch.Tensor | None, own: bool = False) -> torch.Tensor:
         """(Q, k H) the target's features (or with `own` (Q, H) the head's outputs), (Q,) tokens, (Q,)
-        positions -> (Q, H) the head's outputs, appended to its cache."""
-        out = self.head(features[None], self.embed(tokens)[None], positions[None], allowed, self.cache, own)
-        return out[0]
+        positions, (Q, cached + Q) `allowed` (None: causal) -> (Q, H) the head's outputs, appended to its cache.
+        Through `head_forward` where it applies (on a CPU), else the head's own forward."""
+        return self.forward(features[None], self.embed(tokens)[None], positions[None], allowed, self.cache, own)[0]
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(features, self.temperature)
