@@ -265,9 +265,10 @@ class TreeVerifier:
     def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
                prefix_lens: list[int]) -> None:
         """Per row, keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree.
-        A row that accepted nothing keeps its root, the first of its step's rows (known on the host)."""
-        keeps = [torch.cat([path.new_zeros(1), path + 1]) if path.shape[0] else 1
-                 for path in accepted]  # (A + 1,) offsets after the prefix, or 1: the root alone
+        A row that accepted nothing keeps its root, the first of its step's rows, and a chain of draws its first A
+        nodes after it (known on the host: those rows stay where they are)."""
+        keeps = [torch.cat([path.new_zeros(1), path + 1]) if path.shape[0] and not tree.chain else path.shape[0] + 1
+                 for tree, path in zip(trees, accepted)]  # (A + 1,) offsets after the prefix, or A + 1: the first
         compact_rows(cache, prefix_lens, max(prefix_lens), keeps)
 
 
