@@ -139,9 +139,9 @@ def test_a_chain_cut_to_its_best_nodes_stays_a_chain_of_draws():
     assert not top_nodes(tree, 0, by=tree.keys).chain
 
 
-def test_a_chain_verifies_under_the_causal_mask_its_tree_mask_is():
-    """A chain of draws skips the tree mask (`verify_trees`: the causal mask after the prefix, two ops): the same
-    logits and cache as the same nodes verified as a tree."""
+def verified_three_nodes(chain: bool):
+    """A tiny model's cache of a 7-token prompt's first 6 and 3 nodes under its last one, verified as a chain of draws
+    (`chain`) or as a tree of the same shape: (model, cache, root, tree, logits (4, V))."""
     from helpers import tiny_model
 
     from opttree.step.cache import cache_argument, new_cache
@@ -149,49 +149,40 @@ def test_a_chain_verifies_under_the_causal_mask_its_tree_mask_is():
 
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
-    tokens = torch.tensor([11, 5, 40])
-    out, caches = [], []
-    for chain in (True, False):
-        tree = DraftTree(tokens, torch.arange(3) - 1, torch.arange(1, 4), torch.zeros(3), torch.full((3,), -1),
-                         torch.full((4, 96), 1 / 96), chain=chain)
-        cache = new_cache(model)
-        with torch.inference_mode():
-            model(input_ids=prompt[:, :-1], **{cache_argument(model): cache})
-            out.append(verify_trees(model, cache, [prompt[0, -1]], [tree], [6])[0])
-        caches.append(cache)
-    assert torch.equal(out[0], out[1])
-    assert all(torch.equal(a.keys, b.keys) for a, b in zip(caches[0].layers, caches[1].layers, strict=True))
+    tree = DraftTree(torch.tensor([11, 5, 40]), torch.arange(3) - 1, torch.arange(1, 4), torch.zeros(3),
+                     torch.full((3,), -1), torch.full((4, 96), 1 / 96), chain=chain)
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=prompt[:, :-1], **{cache_argument(model): cache})
+        logits = verify_trees(model, cache, [prompt[0, -1]], [tree], [6])[0]
+    return model, cache, prompt[0, -1], tree, logits
+
+
+def test_a_chain_verifies_under_the_causal_mask_its_tree_mask_is():
+    """A chain of draws skips the tree mask (`verify_trees`: the causal mask after the prefix, two ops): the same
+    logits and cache as the same nodes verified as a tree."""
+    (_, chain_cache, _, _, chain_logits), (_, tree_cache, _, _, tree_logits) = map(verified_three_nodes, (True, False))
+    assert torch.equal(chain_logits, tree_logits)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(chain_cache.layers, tree_cache.layers, strict=True))
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 3])
-def test_a_chain_commits_its_accepted_nodes_where_they_are(accepted):
+def test_a_chain_commits_its_accepted_nodes_where_they_are(accepted, monkeypatch):
     """`TreeVerifier.commit` keeps a chain of draws' accepted nodes (its first A) by truncating the cache after them,
     no copy: the same keys and values as the same path committed from a tree, which gathers them."""
-    from helpers import tiny_model
+    from opttree.step.verify import TreeVerifier
 
-    from opttree.step.cache import cache_argument, new_cache
-    from opttree.step.verify import TreeVerifier, verify_trees
-
-    model = tiny_model("llama", seed=3)
-    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
-    tokens = torch.tensor([11, 5, 40])
     caches, copies = [], []
     for chain in (True, False):
-        tree = DraftTree(tokens, torch.arange(3) - 1, torch.arange(1, 4), torch.zeros(3), torch.full((3,), -1),
-                         torch.full((4, 96), 1 / 96), chain=chain)
-        cache = new_cache(model)
+        model, cache, root, tree, _ = verified_three_nodes(chain)
+        gathers, original = [], torch.Tensor.index_select
+        monkeypatch.setattr(torch.Tensor, "index_select",
+                            lambda self, *a, **k: gathers.append(1) or original(self, *a, **k))
         with torch.inference_mode():
-            model(input_ids=prompt[:, :-1], **{cache_argument(model): cache})
-            verify_trees(model, cache, [prompt[0, -1]], [tree], [6])
-            ops = []
-            original = torch.Tensor.index_select
-            torch.Tensor.index_select = lambda self, *a, **k: ops.append(1) or original(self, *a, **k)
-            try:
-                TreeVerifier(model).commit(cache, [prompt[0, -1]], [tree], [torch.arange(accepted)], [6])
-            finally:
-                torch.Tensor.index_select = original
+            TreeVerifier(model).commit(cache, [root], [tree], [torch.arange(accepted)], [6])
+        monkeypatch.setattr(torch.Tensor, "index_select", original)
         caches.append(cache)
-        copies.append(len(ops))
+        copies.append(len(gathers))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert a.keys.shape[2] == 7 + accepted and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert copies[0] == 0 and copies[1] == (2 * len(caches[1].layers) if accepted else 0)

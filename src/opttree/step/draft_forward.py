@@ -16,7 +16,8 @@ It is not the model's forward bit for bit (the roundings differ: log-probabiliti
 bf16, and more where the int8 copies run), and a draft does not need to be: it only proposes. Trees of
 top-ranked tokens are verified by the target alone, and sampled trees carry the distribution their children
 were drawn from, whatever computed it, so the output is exact either way (docs/METHODS.md). So it runs draft
-models only (`ModelDrafter`), never a target.
+models only (`ModelDrafter`) and, with the same layers, feature heads (`HeadForward`, for `HeadDrafter`), never a
+target.
 
 It applies where it computes what the model computes: a Llama, Qwen2 or Mistral model that `lean_forward`
 drives (no hooks, not training, sdpa or eager attention), on a CPU, full attention in every layer, a rotary
