@@ -122,17 +122,16 @@ def profile_defaults(args, target, draft, names: list[str]
     chosen = None
     if args.budgets is None and profiled:  # the choice measured for this temperature (greedy or sampled)
         sources = profile_sources(target, draft, args.temperature)
-        tree = sources.get("tree", "opt")
-        chosen = sources.get("drafter") if tree != "ar" and "opt" in names else None
-        if chosen is not None and tree != "opt" and chosen.uses_draft_model:  # generate runs that policy instead
+        tree, chosen = sources.get("tree", "opt"), sources.get("drafter")
+        if chosen is None or tree == "ar" or "opt" not in names or (tree != "opt" and not chosen.uses_draft_model):
+            chosen = None  # nothing for a bare `opt` to follow: it stays the draft model's
+        elif tree != "opt":  # generate runs that policy (with the draft model) instead of OPT-Tree
             name = tree if chosen == "model" else f"{tree}:{chosen}"
             names = list(dict.fromkeys(name if n == "opt" else n for n in names))
             print(f"bench: opt runs {name} at the budget measured with it, as generate and demo do with this pair's "
                   f"calibration profile at temperature {args.temperature:g}; give --budgets to run OPT-Tree itself",
                   file=sys.stderr)
-        elif chosen is not None and tree != "opt":
-            chosen = None
-        elif chosen is not None and chosen != "model":  # the draft model alone is what `opt` runs: its budget applies
+        elif chosen != "model":  # the draft model alone is what `opt` runs: its budget applies
             names = [f"opt:{chosen}" if n == "opt" else n for n in names]
             print(f"bench: opt drafts with {chosen} at the budget measured with it, as generate and demo do with "
                   "this pair's calibration profile; opt:model measures the draft model alone", file=sys.stderr)

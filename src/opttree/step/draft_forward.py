@@ -224,6 +224,14 @@ def decoder_layers(hidden: torch.Tensor, layers: list[_Layer], cos: torch.Tensor
     return hidden
 
 
+def _or_causal(mask: torch.Tensor | None, rows: int, cached: int, device: torch.device) -> torch.Tensor | None:
+    """The mask given, else the model's own causal mask for `rows` queries after `cached` keys ((Q, cached + Q)
+    bool; None for one query, which sees every key)."""
+    if mask is not None or rows == 1:
+        return mask
+    return torch.ones(rows, cached + rows, dtype=torch.bool, device=device).tril(cached)
+
+
 class _Copies(torch.nn.Module):
     """Copies of a network's weights that run its forward (a module itself, so that what counts ops inside models'
     forwards counts these too); stale once a weight of the network changed."""
@@ -268,9 +276,7 @@ class DraftForward(_Copies):
         batch, rows = input_ids.shape  # (B, Q)
         cached = cache.get_seq_length() if cache is not None else 0
         cos, sin = self.rope(position_ids, cached + rows)  # every position is below the keys' count
-        mask = attention_mask
-        if mask is None and rows > 1:  # the model's own causal mask, after the cache
-            mask = torch.ones(rows, cached + rows, dtype=torch.bool, device=input_ids.device).tril(cached)
+        mask = _or_causal(attention_mask, rows, cached, input_ids.device)
         hidden = decoder_layers(self.embedding(input_ids).float(), self.layers, cos, sin, mask, cache,
                                 self.attention_dtype)  # (B, Q, H)
         if logits_to_keep:
@@ -326,9 +332,7 @@ class HeadForward(_Copies):
         x = self.fc(torch.cat([features.float(), embeds.float()], dim=-1))  # (B, Q, H)
         cached = cache.get_seq_length() if cache is not None else 0
         cos, sin = self.rope(positions, cached + rows)
-        mask = allowed
-        if mask is None and rows > 1:
-            mask = torch.ones(rows, cached + rows, dtype=torch.bool, device=x.device).tril(cached)
-        hidden = decoder_layers(x, self.layers, cos, sin, mask, cache, self.attention_dtype)
+        hidden = decoder_layers(x, self.layers, cos, sin, _or_causal(allowed, rows, cached, x.device), cache,
+                                self.attention_dtype)
         weight, eps = self.final_norm
         return _rms_norm(hidden, weight, eps)

@@ -177,7 +177,7 @@ class HeadDrafter(Declared):
         """`expand` of one node (1,) whose parent is the last slot (the root when none), every slot so far being its
         ancestor (a chain): the next token after the cache, no tree mask. Returns (1, V)."""
         token = token.to(self.device)
-        depths, _ = self.slots.add(torch.full((1,), self.slots.size - 1, dtype=torch.long, device=self.device))
+        depths = self.slots.add_child_of_last()  # (1,)
         predicted = self._run(self.slot_features[-1:], token, self.fed - 1 + depths, None, own=True)  # (1, H)
         self.slot_features = torch.cat([self.slot_features, predicted])
         return self._log_probs(predicted)
