@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opttree.train.corpus import encode_documents, load_texts, split_files, top_level_name
+from opttree.step.drafters.model import declared_window
 from opttree.train.distill import evaluate_pair, load_draft, make_distill_loss, train_draft
 from opttree.train.lm import (ModelShape, TrainConfig, build_llama, eval_windows, evaluate_lm, load_checkpoint,
                               lm_loss, lr_at, make_optimizer, save_final, train_loop, WindowSampler)
@@ -163,6 +164,8 @@ def test_a_saved_draft_trains_further_from_its_own_weights(tmp_path, tokenizer, 
                                  log=lambda _: None, init=tmp_path / "saved")
     assert metrics["shape"] == {"hidden": 48, "layers": 1, "heads": 2, "intermediate": 96}  # its own, not TINY
     assert metrics["heldout_kl"] < first["heldout_kl"], (first, metrics)
+    saved_window = declared_window(load_draft(tmp_path / "d" / "final", target))
+    assert saved_window == _cfg(tmp_path / "d", steps=20).seq_len // 2  # the window it drafts over by default
     other = build_llama(TINY, tokenizer, max_positions=64)
     other.resize_token_embeddings(len(tokenizer) + 8)
     other.save_pretrained(tmp_path / "other")

@@ -142,6 +142,9 @@ def add_draft_temperature_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-temperature", type=float, help="divide the draft's logits by this before the "
                         "tree is built (p-hat calibration; lossless for any value > 0) (default: the pair's "
                         "calibration profile, else 1)")
+    parser.add_argument("--draft-window", type=int, help="the draft model attends to at most this many of the last "
+                        "positions (lossless; 0: all) (default: the window the draft's config.json declares, 256 for "
+                        "the shipped draft, else all)")
 
 
 def draft_temperature(args, target, draft) -> float:
@@ -313,7 +316,7 @@ def tree_options(args, target, draft) -> dict:
                    **{option: getattr(args, option) for option in TRAINED_SOURCES.values()},
                    depth_control=args.depth_control or ("predictor" if args.length_predictor else "delta"),
                    length_predictor=args.length_predictor, max_depth=args.max_depth, children=args.children,
-                   delta=defaults.DEFAULT_DELTA, static=getattr(args, "static", None))
+                   delta=defaults.DEFAULT_DELTA, static=getattr(args, "static", None), draft_window=args.draft_window)
     if budget == "auto":
         options["budget"], options["delta"] = auto_settings(target, draft, drafter, args.temperature)
     else:

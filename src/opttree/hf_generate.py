@@ -6,8 +6,8 @@ the generation config, the logits processors and the stopping criteria, then han
 transformers prepared, so the output is what `generate` itself would return (token for token at
 temperature 0; the same distribution when sampling). `assistant_model=` is the draft (none: the
 train-free sources draft); opttree's tree settings (`tree`, `budget`, `delta`, `max_depth`, `drafter`,
-`draft_temperature`, `datastore`, `head`, `depth_control`) may be passed to `generate` as keyword arguments. The logits
-processors transformers prepared (a repetition penalty, suppressed tokens, a minimum length, ...) are
+`draft_temperature`, `draft_window`, `datastore`, `head`, `depth_control`) may be passed to `generate` as keyword
+arguments. The logits processors transformers prepared (a repetition penalty, suppressed tokens, a minimum length, ...) are
 applied at every tree node with that node's own context; whatever opttree cannot apply exactly (a time
 limit, a logits processor of your own, output scores) is refused by name instead of being ignored. The last call's statistics
 are in `opttree.custom_generate.stats`.
@@ -53,8 +53,9 @@ class CustomGenerate:
     # argument that is neither the model's nor a named parameter of the custom_generate callable
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, assistant_model=None, streamer=None, tree=None,
-                 drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, datastore=None,
-                 head=None, early_exit=None, depth_control=None, length_predictor=None, seed=None, **model_kwargs):
+                 drafter=None, budget=None, delta=None, max_depth=None, draft_temperature=None, draft_window=None,
+                 datastore=None, head=None, early_exit=None, depth_control=None, length_predictor=None, seed=None,
+                 **model_kwargs):
         unknown = sorted(set(model_kwargs) - set(IGNORED_MODEL_KWARGS))
         if unknown:
             raise ValueError(f"opttree's custom_generate does not pass {unknown} to the model")
@@ -69,8 +70,8 @@ class CustomGenerate:
         if asked:
             raise ValueError(f"opttree's custom_generate returns the sequences only, not {asked}")
         options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
-                       draft_temperature=draft_temperature, datastore=datastore, head=head, early_exit=early_exit,
-                       depth_control=depth_control, length_predictor=length_predictor)
+                       draft_temperature=draft_temperature, draft_window=draft_window, datastore=datastore, head=head,
+                       early_exit=early_exit, depth_control=depth_control, length_predictor=length_predictor)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])

@@ -125,9 +125,14 @@ def _manifest(name: str) -> dict:
 
 
 def shipped_location(name: str) -> Path:
-    """Where shipped model `name` is (or will be) unpacked; reads only its manifest."""
-    digest = hashlib.sha256((MODELS_DIR / name / MANIFEST).read_bytes()).hexdigest()[:12]
-    return cache_root() / "models" / f"{name}-{digest}"
+    """Where shipped model `name` is (or will be) unpacked: a folder named by the digest of its manifest and of the
+    files stored as they are (config.json, ...), so that a changed file unpacks anew."""
+    source = MODELS_DIR / name
+    digest = hashlib.sha256((source / MANIFEST).read_bytes())
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name != MANIFEST and not path.name.endswith(PACKED_SUFFIX):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return cache_root() / "models" / f"{name}-{digest.hexdigest()[:12]}"
 
 
 def _complete(folder: Path, source: Path, manifest: dict) -> bool:

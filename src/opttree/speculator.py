@@ -386,7 +386,7 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
         # fixed shapes too, over a cache of the sequence and a step's slots (max_depth layers of `budget`)
         positions = max_len + config.max_depth * config.budget + 1 if config.static and has_static_step(draft) else 0
         draft = model_drafter(draft, config.draft_temperature, vocab=vocab, static_positions=positions,
-                              max_depth=config.max_depth)
+                              max_depth=config.max_depth, window=config.draft_window)
     elif draft is not None:
         if config.draft_temperature != 1:
             raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "

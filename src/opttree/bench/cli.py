@@ -226,7 +226,7 @@ def cmd_bench(args) -> int:
                         top_k=args.top_k, seed=args.seed, delta=delta, delta_given=args.delta is not None,
                         max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
-                        trained=trained, static=args.static)
+                        draft_window=args.draft_window, trained=trained, static=args.static)
     from ..packed import packed_linears
     from .methods import PEERS
 

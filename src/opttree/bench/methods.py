@@ -46,6 +46,7 @@ class Settings:
     max_depth: int | None = None  # None: 8 with a draft model, else the budget (engine default)
     eos_token_id: int | None = None
     draft_temperature: float = 1.0  # tree policies (the CLI passes the pair's calibrated one)
+    draft_window: int | None = None  # tree policies with the draft model (None: its declared window)
     trained: dict = field(default_factory=dict)  # TRAINED_SOURCES' options: the folders of trained parts (head=...)
     static: bool | None = None  # opttree's static path (None: on for a target compiled with compile_model)
 
@@ -129,6 +130,8 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         options["budget"] = spec.budget
     options.update(profile_options(target, draft, policy, settings.temperature))
     options["draft_temperature"] = settings.draft_temperature if draft is not None else 1.0
+    if draft is not None:
+        options["draft_window"] = settings.draft_window
 
     # a budget from 'auto' (it brings its delta) is the one-sequence choice: a batch sizes its rows' trees,
     # as generate does without a budget (`opttree.batch_sizing`); a budget given is each row's

@@ -12,7 +12,7 @@ import torch
 
 from .config import SpecConfig
 
-INT_FIELDS = ("budget", "max_depth", "max_new_tokens", "top_k", "seed")
+INT_FIELDS = ("budget", "max_depth", "max_new_tokens", "top_k", "seed", "draft_window")
 FLOAT_FIELDS = ("delta", "temperature", "top_p", "draft_temperature")
 
 

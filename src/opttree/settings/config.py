@@ -73,6 +73,9 @@ class SpecConfig:
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # by draw rank: sequoia, sampled children's p-hat (None: default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
+    # committed positions the draft model attends to at most (its oldest dropped as it goes; lossless): None = the
+    # window its config.json declares (`opttree.step.drafters.model.declared_window`), else all; 0 = all
+    draft_window: int | None = None
     children: str = "auto"  # at temperature > 0: "top" | "sampled" | "auto" (CHILDREN)
     depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.step.depth)
     length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
@@ -100,6 +103,9 @@ class SpecConfig:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
+        window = self.draft_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"draft_window must be an integer >= 0 (0: the whole context), got {self.draft_window!r}")
         if self.drafter is not None:  # parsed here, once: a DrafterSpec from here on
             object.__setattr__(self, "drafter", DrafterSpec.parse(self.drafter))
         if self.children not in CHILDREN:

@@ -333,6 +333,18 @@ def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
             setattr(layer, name, getattr(layer, name).index_select(0, index).narrow(axis, 0, end))
 
 
+def drop_front(cache: Cache, count: int) -> None:
+    """Drop the first `count` positions of a dynamic cache (its rows then start at position `count`): views, no
+    copy (a `GrowingLayer` keeps writing in place after them, into what is left of its buffers)."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer) and layer.holds_views():
+            length = layer.get_seq_length()
+            layer.hold(*(buffer.narrow(2, count, buffer.shape[2] - count) for buffer in layer._store), length - count)
+            continue
+        for name, axis in sequence_tensors(layer):
+            setattr(layer, name, getattr(layer, name).narrow(axis, count, getattr(layer, name).shape[axis] - count))
+
+
 def truncate(cache: Cache, length: int) -> None:
     """Drop everything at and after `length`."""
     if is_static(cache):

@@ -187,14 +187,18 @@ class RopeTable:
         self.rotary_emb = rotary_emb
         self.table = torch.empty(0, 2 * head_dim)  # (P, 2 Dh) float32: cos | sin with its first half negated
 
-    def __call__(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Q) positions, all below `needed` -> cos, sin with its first half negated (`lean.apply_rotary`'s
-        operands) (B, 1, Q, Dh) float32."""
+    def reserve(self, needed: int) -> None:
+        """The table covers positions 0 .. needed - 1."""
         if needed > self.table.shape[0]:
             size = max(needed, 2 * self.table.shape[0], 256)
             probe = torch.zeros(1, size, 1, dtype=torch.float32)
             cos, sin = self.rotary_emb(probe, torch.arange(size)[None])  # (1, P, Dh)
             self.table = torch.cat([cos[0], signed_sin(sin[0])], dim=-1).float()
+
+    def __call__(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Q) positions, all below `needed` (or a larger `reserve`) -> cos, sin with its first half negated
+        (`lean.apply_rotary`'s operands) (B, 1, Q, Dh) float32."""
+        self.reserve(needed)
         rope = self.table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1).transpose(1, 2)
         return rope.chunk(2, dim=-1)  # (B, 1, Q, Dh) each
 

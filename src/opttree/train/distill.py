@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..step.drafters.model import WINDOW_KEY
 from .lm import (ModelShape, TrainConfig, autocast, build_llama, eval_windows, n_params, save_final,
                  train_loop)
 
@@ -104,6 +105,9 @@ def train_draft(target, tokenizer, train_tokens: np.ndarray, heldout_tokens: np.
     metrics = train_loop(draft, make_distill_loss(target, ce_weight), train_tokens,
                          lambda m: evaluate_pair(target, m, windows, cfg.bf16), cfg, log)
     metrics = {**metrics, "params": n_params(draft), "shape": asdict(shape), "ce_weight": ce_weight}
+    # it drafts best over about half its training windows (docs/BENCHMARKS.md, "The draft over the context it was
+    # trained on"): the default `draft_window` (`opttree.step.drafters.model.declared_window`)
+    draft.config.update({WINDOW_KEY: max(1, cfg.seq_len // 2)})
     save_final(draft, tokenizer, cfg.run_dir / "final")
     (cfg.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=2))
     return draft, metrics

@@ -24,6 +24,7 @@ from ..cache import (
     capacity,
     compact,
     context_window,
+    drop_front,
     grow,
     last_logits_only,
     new_cache,
@@ -96,9 +97,11 @@ class ModelDrafter(Declared):
     runs_draft_forward = True  # runs the model by `draft_forward` where that applies (over a dynamic cache, as trees)
     extends_chains = True  # `extend`: a chain's next node, under the model's own causal mask
 
-    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None):
+    def __init__(self, model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None,
+                 window: int | None = None):
         """`vocab`: the target's vocabulary size, when the draft's embedding is padded (or shorter) over the
-        same tokenizer; log-probabilities cover exactly these ids (default: the draft's own)."""
+        same tokenizer; log-probabilities cover exactly these ids (default: the draft's own). `window`: the
+        committed positions the draft attends to at most (`_slide`; None: all)."""
         if not (0 < temperature < float("inf")):
             raise ValueError(f"the draft temperature must be a finite number > 0, got {temperature!r}")
         self.model = model
@@ -112,6 +115,8 @@ class ModelDrafter(Declared):
         self.base = 0  # committed length when the current tree was opened
         # fewer ops than the model's forward where it applies (None: the model's own)
         self.forward = draft_forward(model) if self.runs_draft_forward else None
+        self.draft_window = window
+        self.dropped = 0  # committed positions dropped from the cache's front (`_slide`): its row i = position dropped + i
         self._open_tree()
 
     def _open_tree(self) -> None:
@@ -119,30 +124,56 @@ class ModelDrafter(Declared):
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = new_cache(self.model)
-        self.committed_len = 0
+        self.committed_len = self.dropped = 0
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
-        truncate(self.cache, self.committed_len)  # drop the slots of the previous tree
+        truncate(self.cache, self.committed_len - self.dropped)  # drop the slots of the previous tree
         return self._take(committed)
 
     def _take(self, committed: torch.Tensor) -> torch.Tensor:
         """The committed tokens the cache lacks through the draft; the root's log-probabilities (V,)."""
+        end = committed.shape[0]
+        self._slide(end)
         # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
         # goes in as the last row: only the draft's guesses depend on it, never the output
         new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
-        logits = self._root_forward(new, committed.shape[0])  # (V,)
-        self.committed_len = self.base = committed.shape[0]
+        self._positions_below(end)
+        logits = self._root_forward(new, end)  # (V,)
+        self.committed_len = self.base = end
         self._open_tree()
         return self._log_probs(logits)
+
+    def _slide(self, end: int) -> None:
+        """Before the committed tokens up to `end` go in: where the cache would then hold more than `draft_window`
+        positions, drop its oldest so that it holds 7/8 of the window after them (a drop every window / 8 positions;
+        the rows left are views, no copy), the tokens before that left out. A draft trained on short windows drafts
+        better over the context it was trained on; its rotary embedding sees only distances, so positions stay
+        absolute (the shipped draft, trained on 512-token windows: docs/BENCHMARKS.md, "The draft over the context it
+        was trained on")."""
+        if self.draft_window is None or end - self.dropped <= self.draft_window:
+            return
+        first = end - self.draft_window * 7 // 8  # the first position the cache keeps
+        drop_front(self.cache, min(first, self.committed_len) - self.dropped)
+        self.dropped, self.committed_len = first, max(first, self.committed_len)
+
+    def _positions_below(self, end: int) -> None:
+        """The next forward's positions are below `end`: a sliding cache holds fewer keys than that, so the draft's
+        rotary table must cover them (`RopeTable.reserve`; without a drop the keys' count does)."""
+        if self.dropped and self.forward is not None:
+            self.forward.rope.reserve(end)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
-        allowed = torch.cat([torch.ones(tokens.shape[0], self.base, dtype=torch.bool, device=self.device), ancestors],
-                            dim=1)  # (K, base+S+K)
-        keys = partial(key_positions, self.base, self.base - 1 + self.slots.depths, allowed.shape[1])
+        held = self.base - self.dropped  # committed positions in the cache
+        allowed = torch.cat([torch.ones(tokens.shape[0], held, dtype=torch.bool, device=self.device), ancestors],
+                            dim=1)  # (K, held+S+K)
+        # the keys' positions, for layers with a window (a sliding draft has none: `draft_forward`)
+        keys = None if self.dropped else partial(key_positions, self.base, self.base - 1 + self.slots.depths,
+                                                 allowed.shape[1])
         positions = self.base - 1 + depths  # (K,)
+        self._positions_below(self.base + self.slots.size)
         logits = self._tree_forward(tokens, positions, allowed, keys)  # (K, V)
         return self._log_probs(logits)
 
@@ -152,6 +183,7 @@ class ModelDrafter(Declared):
         us for the shipped draft). Returns (1, V)."""
         token = token.to(self.device).clamp(max=self.rows - 1)
         depths = self.slots.add_child_of_last()  # (1,)
+        self._positions_below(self.base + self.slots.size)
         return self._log_probs(self._tree_forward(token, self.base - 1 + depths, None, None))  # (1, V): causal
 
     def _root_forward(self, new: torch.Tensor, end: int) -> torch.Tensor:
@@ -189,7 +221,7 @@ class ModelDrafter(Declared):
         # they are the first slots (nothing accepted, or the first slot alone), they stay where they are
         in_place = result.readout.slots[:drafted] == list(range(drafted))
         kept = drafted if in_place else result.accepted_slots[:drafted].to(self.device)
-        compact(self.cache, self.base, kept)
+        compact(self.cache, self.base - self.dropped, kept)
         self.committed_len = self.base + drafted
 
 
@@ -343,15 +375,36 @@ class ChainDrafter(ModelDrafter):
         pass  # the accepted tokens enter the cache with the next root
 
 
+WINDOW_KEY = "opttree_draft_window"  # a draft's config.json may declare the window it drafts best over
+
+
+def declared_window(model: PreTrainedModel) -> int | None:
+    """The committed positions a draft declares it drafts best over (`WINDOW_KEY` in its config.json; the shipped draft,
+    trained on 512-token windows, declares 256), or None."""
+    window = model.config.to_dict().get(WINDOW_KEY)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"the draft's config.json declares {WINDOW_KEY}={window!r}: it must be an integer >= 1")
+    return window
+
+
 def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int | None = None,
-                  static_positions: int = 0, max_depth: int = 1) -> ModelDrafter:
+                  static_positions: int = 0, max_depth: int = 1, window: int | None = None) -> ModelDrafter:
     """A draft model's drafter: its trees under a tree mask, or as chains where a mask cannot drive it.
     `static_positions` > 0: a static-path generation's, over a preallocated cache of that many positions,
     its roots padded for accepted paths up to `max_depth` (`StaticModelDrafter`; chains keep
-    transformers' own cache)."""
-    if verified_as_chains(model):
+    transformers' own cache). `window`: the `draft_window` setting: None for the draft's declared window
+    (`declared_window`) where it drafts over a dynamic cache, 0 for the whole context, else at most that many
+    committed positions (`ModelDrafter`; a fixed-shape or chain drafter keeps every position, so a window asked for
+    there is refused)."""
+    chains = verified_as_chains(model)
+    if window and (chains or static_positions):
+        kind = "a draft driven as chains (state layers or attention on key indices)" if chains else "the static path"
+        raise ValueError(f"draft_window={window} applies to a draft model over a dynamic cache, not to {kind}: "
+                         "drop draft_window (or pass 0)")
+    if chains:
         return ChainDrafter(model, temperature, vocab=vocab)
     if static_positions:
         root_rows = 1 << max_depth.bit_length()  # the next power of two > max_depth: a path and its root
         return StaticModelDrafter(model, temperature, vocab=vocab, positions=static_positions, root_rows=root_rows)
-    return ModelDrafter(model, temperature, vocab=vocab)
+    window = declared_window(model) if window is None else window or None
+    return ModelDrafter(model, temperature, vocab=vocab, window=window)
