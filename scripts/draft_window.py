@@ -3,8 +3,10 @@
 For each prompt the target writes 128 tokens (sampled at --temperature, greedy at 0); then, at every written
 position, the draft's next-token distribution from the whole context and from its last W positions (its own
 forward, float32, positions kept absolute) is compared with the target's: at temperature T > 0 the probability that
-a token drawn from the draft is accepted by rejection sampling, sum over x of min(p_target(x) at T, q_draft(x)); at
-0, whether the draft's top token is the target's. Prompts 6-7 of each category (a benchmark's `--per-category 2`
+a token drawn from the draft is accepted by rejection sampling, sum over x of min(p(x), q(x)), p the target's and q
+the draft's distribution at T (as a sampled tree draws its children: the draft's logits divided by T and by
+--draft-temperature, 1 as the calibration chose for sampling here); at 0, whether the draft's top token is the
+target's. Prompts 6-7 of each category (a benchmark's `--per-category 2`
 takes the first two).
 
     python scripts/draft_window.py --temperature 0.7
@@ -22,16 +24,15 @@ import opttree
 from opttree.bench.prompts import encode, load_prompts
 
 
-def draft_probs(draft, sequence: torch.Tensor, start: int, window: int) -> torch.Tensor:
-    """(N, V) the draft's next-token probabilities after each of sequence[:, start-1 : -1], over the whole context
+def draft_logits(draft, sequence: torch.Tensor, start: int, window: int) -> torch.Tensor:
+    """(N, V) the draft's next-token logits after each of sequence[:, start-1 : -1], over the whole context
     (window 0) or over the last `window` positions."""
     if not window:
-        return torch.softmax(draft(sequence).logits[0, start - 1 : -1].float(), dim=-1)
+        return draft(sequence).logits[0, start - 1 : -1].float()
     rows = []
     for end in range(start, sequence.shape[1]):
         first = max(0, end - window)
-        logits = draft(sequence[:, first:end], position_ids=torch.arange(first, end)[None]).logits[0, -1]
-        rows.append(torch.softmax(logits.float(), dim=-1))
+        rows.append(draft(sequence[:, first:end], position_ids=torch.arange(first, end)[None]).logits[0, -1].float())
     return torch.stack(rows)
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--windows", default="0,384,256,192,128,96", help="0: the whole context")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-temperature", type=float, default=1.0)
     args = parser.parse_args()
     windows = [int(w) for w in args.windows.split(",")]
     torch.manual_seed(0)
@@ -59,11 +61,13 @@ def main() -> None:
                                            top_k=None, max_new_tokens=args.max_new_tokens)
                 logits = target(sequence).logits[0, start - 1 : -1].float()  # (N, V)
                 for window in windows:
-                    q = draft_probs(draft, sequence, start, window)
+                    guess = draft_logits(draft, sequence, start, window)  # (N, V)
                     if sampled:
-                        score = torch.minimum(torch.softmax(logits / args.temperature, dim=-1), q).sum(-1).mean()
+                        p = torch.softmax(logits / args.temperature, dim=-1)
+                        q = torch.softmax(guess / (args.temperature * args.draft_temperature), dim=-1)
+                        score = torch.minimum(p, q).sum(-1).mean()
                     else:
-                        score = (q.argmax(-1) == logits.argmax(-1)).float().mean()
+                        score = (guess.argmax(-1) == logits.argmax(-1)).float().mean()
                     scores[category][window].append(float(score))
     label = "acceptance of a draft draw" if sampled else "top-1 agreement"
     print(f"{label}, temperature {args.temperature:g}, window 0 = the whole context\n")

@@ -122,6 +122,11 @@ def test_the_window_is_declared_checked_and_refused_where_it_cannot_apply():
             opttree.generate(target, prompt, draft, max_new_tokens=4, draft_window=bad)
     with pytest.raises(ValueError, match="static path"):
         model_drafter(draft, static_positions=64, window=32)
+    sliding = tiny_model("mistral", seed=1, layers=1, sliding_window=16)
+    sliding.config.update({WINDOW_KEY: 64})
+    assert model_drafter(sliding).draft_window is None  # its layers keep their own windows
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        model_drafter(sliding, window=32)
     draft.config.update({WINDOW_KEY: 0})
     with pytest.raises(ValueError, match=WINDOW_KEY):
         declared_window(draft)

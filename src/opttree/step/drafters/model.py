@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ...device import model_device, static_step
 from ...settings.declared import Declared
-from ..attention import key_positions
+from ..attention import key_positions, mask_layout
 from ..cache import (
     capacity,
     compact,
@@ -169,7 +169,7 @@ class ModelDrafter(Declared):
         held = self.base - self.dropped  # committed positions in the cache
         allowed = torch.cat([torch.ones(tokens.shape[0], held, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, held+S+K)
-        # the keys' positions, for layers with a window (a sliding draft has none: `draft_forward`)
+        # the keys' positions, for layers with a window (a sliding draft has none: `model_drafter`)
         keys = None if self.dropped else partial(key_positions, self.base, self.base - 1 + self.slots.depths,
                                                  allowed.shape[1])
         positions = self.base - 1 + depths  # (K,)
@@ -397,8 +397,10 @@ def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int |
     committed positions (`ModelDrafter`; a fixed-shape or chain drafter keeps every position, so a window asked for
     there is refused)."""
     chains = verified_as_chains(model)
-    if window and (chains or static_positions):
-        kind = "a draft driven as chains (state layers or attention on key indices)" if chains else "the static path"
+    windowed = mask_layout(model.config).windowed
+    if window and (chains or static_positions or windowed):
+        kind = "a draft driven as chains (state layers or attention on key indices)" if chains else \
+            "the static path" if static_positions else "a draft with sliding-window layers (they keep their own)"
         raise ValueError(f"draft_window={window} applies to a draft model over a dynamic cache, not to {kind}: "
                          "drop draft_window (or pass 0)")
     if chains:
@@ -406,5 +408,5 @@ def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int |
     if static_positions:
         root_rows = 1 << max_depth.bit_length()  # the next power of two > max_depth: a path and its root
         return StaticModelDrafter(model, temperature, vocab=vocab, positions=static_positions, root_rows=root_rows)
-    window = declared_window(model) if window is None else window or None
+    window = (None if windowed else declared_window(model)) if window is None else window or None
     return ModelDrafter(model, temperature, vocab=vocab, window=window)
