@@ -397,7 +397,7 @@ def model_drafter(model: PreTrainedModel, temperature: float = 1.0, vocab: int |
     committed positions (`ModelDrafter`; a fixed-shape or chain drafter keeps every position, so a window asked for
     there is refused)."""
     chains = verified_as_chains(model)
-    windowed = mask_layout(model.config).windowed
+    windowed = not chains and mask_layout(model.config).windowed  # a chain drafter's layers take no tree mask
     if window and (chains or static_positions or windowed):
         kind = "a draft driven as chains (state layers or attention on key indices)" if chains else \
             "the static path" if static_positions else "a draft with sliding-window layers (they keep their own)"
