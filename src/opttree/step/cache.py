@@ -87,6 +87,12 @@ class GrowingLayer(DynamicLayer):
             and view.dim() == 4 and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
             and view.dtype == buffer.dtype for view, buffer in zip((self.keys, self.values), self._store))
 
+    def drop_front(self, count: int) -> None:
+        """Drop the first `count` cached positions, keeping the rest where they are: the buffers become what is left
+        of them (views, no copy), new states still written in place after the cached ones."""
+        keys, values = (buffer.narrow(2, count, buffer.shape[2] - count) for buffer in self._store)
+        self.hold(keys, values, self.get_seq_length() - count)
+
     def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Take these (B, H, capacity, Dh) tensors as the buffers, the first `length` positions cached."""
         self._store = (keys, values)
@@ -334,12 +340,11 @@ def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
 
 
 def drop_front(cache: Cache, count: int) -> None:
-    """Drop the first `count` positions of a dynamic cache (its rows then start at position `count`): views, no
-    copy (a `GrowingLayer` keeps writing in place after them, into what is left of its buffers)."""
+    """Drop the first `count` cached positions of a dynamic cache (its row 0 then holds what was row `count`): views,
+    no copy."""
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer) and layer.holds_views():
-            length = layer.get_seq_length()
-            layer.hold(*(buffer.narrow(2, count, buffer.shape[2] - count) for buffer in layer._store), length - count)
+            layer.drop_front(count)
             continue
         for name, axis in sequence_tensors(layer):
             setattr(layer, name, getattr(layer, name).narrow(axis, count, getattr(layer, name).shape[axis] - count))
