@@ -98,3 +98,29 @@ def test_tree_forward_equals_causal_forward_per_branch(arch, attn):
             seq = torch.cat([prompt, tree.tokens[branch(parents, i)]])
             causal = model(input_ids=seq[None]).logits[0, -1]
             torch.testing.assert_close(logits[i + 1], causal, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_tree_chain_kept_on_the_host_matches_written_slots(seed):
+    """A drafter's slots: a chain added by `add_child_of_last` (kept on the host until a tree's slots follow) gives the
+    same depths and ancestor sets as the same slots added as a tree, whatever follows, past the buffers' capacity."""
+    from opttree.step.drafters.model import SlotTree
+
+    gen = torch.Generator().manual_seed(seed)
+    chain = int(torch.randint(0, 6, (1,), generator=gen))
+    fast, slow = SlotTree(torch.device("cpu"), capacity=4), SlotTree(torch.device("cpu"), capacity=4)
+    for _ in range(chain):
+        got = fast.add_child_of_last()
+        want = slow.add(torch.full((1,), slow.size - 1, dtype=torch.long))[0]
+        assert got.tolist() == want.tolist()
+    for _ in range(3):  # then tree layers, and a chain node under their last slot
+        parents = torch.randint(-1, fast.size, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
+        (d1, r1), (d2, r2) = fast.add(parents), slow.add(parents)
+        assert d1.tolist() == d2.tolist() and r1.tolist() == r2.tolist()
+        assert fast.add_child_of_last().tolist() == slow.add(torch.full((1,), slow.size - 1, dtype=torch.long))[0].tolist()
+    assert fast.depths.tolist() == slow.depths.tolist()
+    assert fast._reach[: fast.size, : fast.size].tolist() == slow._reach[: slow.size, : slow.size].tolist()
+    # the ancestors are those of a tree: each slot reaches itself and its parent's set
+    depths = fast.depths.tolist()
+    reach = fast._reach[: fast.size, : fast.size]
+    assert [int(row.sum()) for row in reach] == depths

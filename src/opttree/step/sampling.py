@@ -11,7 +11,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     logits: (..., V) -> (..., V) log-space scores, -inf where a token is filtered out (float32 logits at
     temperature 1 without top-k / top-p: the logits themselves, not a copy).
     """
-    scores = logits.float() / temperature if temperature != 1 else logits.float()
+    scores = as_float32(logits) / temperature if temperature != 1 else as_float32(logits)
     if 0 < top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -23,6 +23,11 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores
+
+
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32: itself when it is (no op dispatched), else a copy."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

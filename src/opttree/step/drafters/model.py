@@ -34,6 +34,7 @@ from ..cache import (
 )
 from ..chains import forward_chains, restore_layers, save_layers, state_cache, verified_as_chains
 from ..draft_forward import draft_forward
+from ..sampling import as_float32
 from ..verify import Verification, masked_forward
 from .together import current_round
 
@@ -42,6 +43,8 @@ def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """(..., Vd) draft logits -> (..., vocab) over the target's ids: a padded draft's extra columns are
     dropped, the ids a shorter draft lacks get -inf."""
     missing = vocab - logits.shape[-1]
+    if missing == 0:
+        return logits
     return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
 
 
@@ -53,29 +56,51 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
 
 class SlotTree:
     """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors, kept in buffers that
-    double when full (a layer's slots: a dozen ops, none sized by the tree)."""
+    double when full (a layer's slots: a dozen ops, none sized by the tree). A chain from the root (`add_child_of_last`
+    only) is kept on the host and written into the buffers only if a tree's slots follow: a slice a node."""
 
     def __init__(self, device: torch.device, capacity: int = 32):
         self.device = device
         self.size = 0  # slots so far
-        self._grow(capacity)
-        self.depths = self._depths[:0]  # (S,) the slots' depths
+        self.chained = 0  # the first slots, one chain from the root, not yet in the buffers (None: written)
+        self._capacity = capacity
+        self._depths = self._reach = None  # (C,), (C, C): made when a tree's slots come (`_write_chain`)
 
     def _grow(self, capacity: int) -> None:
-        """Buffers for `capacity` slots, holding the slots so far."""
+        """Buffers for `capacity` slots, holding the slots written so far."""
         depths = torch.zeros(capacity, dtype=torch.long, device=self.device)  # (C,)
         reach = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)  # [i, j]: j is i or an ancestor
-        if self.size:
+        if self._depths is not None and self.size:
             depths[: self.size] = self._depths[: self.size]
             reach[: self.size, : self.size] = self._reach[: self.size, : self.size]
         self._depths, self._reach, self._eye = depths, reach, _identity(capacity, self.device)
+        self._capacity = capacity
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """(S,) the slots' depths."""
+        self._write_chain()
+        return self._depths[: self.size]
+
+    def _write_chain(self) -> None:
+        """The chain kept on the host, into the buffers (made now): slot i at depth i + 1, every slot before it an
+        ancestor."""
+        if self.chained is None:
+            return
+        self._grow(self._capacity)
+        if self.chained:
+            k = self.chained
+            self._depths[:k] = _counting(self._capacity, self.device)[:k]
+            self._reach[:k, :k] = _lower(k, self.device)
+        self.chained = None
 
     def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K new slots with these parents (-1 = the root) -> (their depths (K,), the slots each one may
         attend to among the S + K (K, S+K): its ancestors and itself)."""
+        self._write_chain()
         k, s = parent_slots.shape[0], self.size
-        if s + k > self._depths.shape[0]:
-            self._grow(max(2 * self._depths.shape[0], s + k))
+        if s + k > self._capacity:
+            self._grow(max(2 * self._capacity, s + k))
         if s == 0:  # the first slots: every parent is the root
             depths, reach = self._depths[:k].fill_(1), self._reach[:k].copy_(self._eye[:k])
         else:
@@ -84,12 +109,28 @@ class SlotTree:
             reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): parent's, own
             self._depths[s : s + k], self._reach[s : s + k] = depths, reach
         self.size = s + k
-        self.depths = self._depths[: s + k]
         return depths, reach[:, : s + k]
 
     def add_child_of_last(self) -> torch.Tensor:
-        """One new slot under the last one (the root when none): a chain's next node. Its depth (1,)."""
-        return self.add(torch.full((1,), self.size - 1, dtype=torch.long, device=self.device))[0]
+        """One new slot under the last one (the root when none): a chain's next node. Its depth (1,) (read only)."""
+        if self.chained is None:  # after a tree's slots: written like theirs
+            return self.add(torch.full((1,), self.size - 1, dtype=torch.long, device=self.device))[0]
+        self.size = self.chained = self.size + 1
+        if self.size > self._capacity:
+            self._capacity *= 2
+        return _counting(self._capacity, self.device)[self.size - 1 : self.size]
+
+
+@lru_cache(maxsize=8)
+def _counting(size: int, device: torch.device) -> torch.Tensor:
+    """(size,) long 1, 2, ..., size, made once (read only)."""
+    return torch.arange(1, size + 1, device=device)
+
+
+@lru_cache(maxsize=64)
+def _lower(size: int, device: torch.device) -> torch.Tensor:
+    """(size, size) bool, True on and below the diagonal, made once (read only)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril()
 
 
 class ModelDrafter(Declared):
@@ -212,7 +253,7 @@ class ModelDrafter(Declared):
         """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
         over the target's V ids: a padded draft's extra columns are dropped (the rest renormalised), the
         ids a shorter draft lacks get -inf."""
-        logits = logits.float() if self.vocab is None else on_target_vocab(logits.float(), self.vocab)
+        logits = as_float32(logits) if self.vocab is None else on_target_vocab(as_float32(logits), self.vocab)
         return torch.log_softmax(logits / self.temperature if self.temperature != 1 else logits, dim=-1)
 
     def observe(self, result: Verification) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from ...settings.config import SpecConfig
 from ..drafters import Drafter
-from ..sampling import draw_distinct, policy_generator, sample_without_replacement, warp_logits
+from ..sampling import draw_distinct, inverse_cdf, policy_generator, sample_without_replacement, warp_logits
 from ..tree import DraftTree
 
 Path = tuple[int, ...]
@@ -93,6 +93,13 @@ class ChildPicker:
         if self.warp == (1.0, 0, 1.0):
             return logq.float()
         return warp_logits(logq, *self.warp).log_softmax(dim=-1)
+
+    def probs(self, logq: torch.Tensor) -> torch.Tensor:
+        """(R, V) draft log-probabilities -> (R, V) the distribution sampled children are drawn from (`log_dist`,
+        exponentiated: the softmax of the warped scores, one op fewer)."""
+        if self.warp == (1.0, 0, 1.0):
+            return logq.float().exp()
+        return warp_logits(logq, *self.warp).softmax(dim=-1)
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
@@ -184,7 +191,6 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
     could not make (a peaked q) leaves its node undrawn (key -inf, never tried by rejection sampling) and so
     its subtree. Nothing is read back."""
     device, sampled = logq.device, picker.sampled
-    chain = plan.chain and drafter.extends_chains  # each layer's node the last one's child: plain next-token steps
     n = plan.parents.shape[0]
     tokens = torch.zeros(n, dtype=torch.long, device=device)
     valid = torch.ones(n + 1, dtype=torch.bool, device=device)  # [root] + nodes: drawn, with every ancestor
@@ -201,8 +207,7 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
         tokens[layer.start:end] = drawn[layer.rows, layer.ranks]
         if layer.run.shape[0]:
             nodes = tokens[layer.start:end][layer.run]  # (K,) the layer's nodes that get children
-            dist = drafter.extend(nodes) if chain else drafter.expand(nodes, layer.run_parent_slots)  # (K, V)
-            log_dist = picker.log_dist(dist)
+            log_dist = picker.log_dist(drafter.expand(nodes, layer.run_parent_slots))  # (K, V)
             dists.append(log_dist.exp() if sampled else log_dist)  # (K, V)
     if not sampled:
         return DraftTree(tokens, plan.parents, plan.depths, scores[1:], plan.slots)
@@ -210,6 +215,38 @@ def grow(drafter: Drafter, logq: torch.Tensor, plan: TreePlan, picker: ChildPick
     keys = plan.keys.masked_fill(~valid[1:], float("-inf"))
     return DraftTree(tokens, plan.parents, plan.depths, keys, plan.slots, torch.cat(dists)[plan.prob_rows], keys,
                      chain=plan.chain)
+
+
+def grow_chain(drafter: Drafter, root: torch.Tensor, plan: TreePlan, picker: ChildPicker) -> DraftTree:
+    """`grow` for a chain plan (`plan.chain`) and a drafter that `extends_chains`: node i + 1 is node i's first child,
+    drafted as plain next-token decoding, a handful of ops a node. root: (1, V) the root's draft log-probabilities.
+    Sampled: x_(i+1) drawn from q_i = `picker.probs` of the draft after x_1 .. x_i (one draw, the inverse of the
+    cumulative sum), the rows kept for verification; a draw a row could not make (no mass) leaves its node and the
+    rest undrawn (key -inf). Top-ranked: the draft's most likely token, scored by the path's log-probability. Nothing
+    is read back."""
+    n = plan.parents.shape[0]
+    if not picker.sampled:
+        best, tokens = [], []
+        logq = root
+        for i in range(n):
+            value, token = logq.max(dim=-1)  # (1,), (1,)
+            best.append(value)
+            tokens.append(token)
+            if i + 1 < n:
+                logq = drafter.extend(token)  # (1, V)
+        return DraftTree(torch.cat(tokens), plan.parents, plan.depths, torch.cat(best).cumsum(0), plan.slots)
+    generator = picker.generator_on(root.device)
+    rows, drawn = [picker.probs(root)], []  # (1, V) each: [root] + the nodes with a child
+    for i in range(n):
+        drawn.append(inverse_cdf(rows[-1], 1, generator)[0])  # (1,): V for a row without mass
+        if i + 1 < n:
+            rows.append(picker.probs(drafter.extend(drawn[-1].clamp(max=rows[-1].shape[1] - 1))))
+    tokens = torch.cat(drawn)  # (N,)
+    vocab = rows[0].shape[1]
+    keys = plan.keys.masked_fill((tokens == vocab).cumsum(0) > 0, float("-inf"))  # (N,)
+    rows.append(rows[0].new_zeros(1, vocab))  # the leaf's row: nothing drawn from it
+    return DraftTree(tokens.clamp(max=vocab - 1), plan.parents, plan.depths, keys, plan.slots, torch.cat(rows), keys,
+                     chain=True)
 
 
 class TreePlans:
@@ -229,8 +266,11 @@ class TreePlans:
 
     def grow(self, drafter: Drafter, committed: torch.Tensor, max_depth: int, picker: ChildPicker) -> DraftTree:
         """A policy's step: the root through the drafter, then its plan for `max_depth` filled (`grow`)."""
-        logq = picker.log_dist(drafter.root(committed)[None])  # (1, V)
-        return grow(drafter, logq, self(max_depth, logq), picker)
+        root = drafter.root(committed)[None]  # (1, V)
+        plan = self(max_depth, root)
+        if plan.chain and drafter.extends_chains:  # each node the last one's child: plain next-token steps
+            return grow_chain(drafter, root, plan, picker)
+        return grow(drafter, picker.log_dist(root), plan, picker)
 
 
 def ranked_paths(weights: Sequence[float], n: int, max_depth: int) -> list[Path]:
