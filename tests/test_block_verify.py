@@ -1,8 +1,10 @@
 """Block verification of sampled chains (`verify.block_rule`, `verify.accept_block`): enumerated on a small
 vocabulary, the emitted tokens follow the target exactly and the expected accepted length is never below
-token-level verification's; two plausible slips in the rule are caught by the same check."""
+token-level verification's, also when the chain's length depends on its own draws; two plausible slips in the rule
+are caught by the same check."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -30,16 +32,36 @@ def joint(p, tokens, start=()):
     return prob
 
 
-def emitted_distribution(p, q, rule=block_rule):
-    """The exact distribution of the first LENGTH + 1 tokens when each step drafts a chain of LENGTH draws from q,
-    verifies it by `rule` and the target samples on past what a step emitted; also the expected accepted length."""
+def cut_chains(q, go_on):
+    """Chains of at least one draw from q, drafted on while `go_on(chain so far)` says so (at most LENGTH), with their
+    probabilities under q: a length that is a stopping time of the draws."""
+    out = []
+
+    def grow(chain, prob):
+        if len(chain) == LENGTH or (chain and not go_on(chain)):
+            out.append((chain, prob))
+            return
+        for t in range(VOCAB):
+            grow(chain + (t,), prob * float(q[chain][t]))
+
+    grow((), 1.0)
+    return out
+
+
+def emitted_distribution(p, q, rule=block_rule, chains=None):
+    """The exact distribution of the first LENGTH + 1 tokens when each step drafts a chain from q (every chain of
+    LENGTH draws, or `chains`: (chain, probability) pairs), verifies it by `rule` and the target samples on past
+    what a step emitted; also the expected accepted length."""
     out, accepted = {}, 0.0
-    for chain in itertools.product(range(VOCAB), repeat=LENGTH):
-        prefixes = [chain[:i] for i in range(LENGTH + 1)]
+    if chains is None:
+        chains = [(chain, joint(q, chain)) for chain in itertools.product(range(VOCAB), repeat=LENGTH)]
+    for chain, weight in chains:
+        n = len(chain)
+        prefixes = [chain[:i] for i in range(n + 1)]
         ends, rows = rule(torch.stack([p[c] for c in prefixes]), torch.stack([q[c] for c in prefixes[:-1]]),
                           torch.tensor(chain))
-        weight, deeper = joint(q, chain), 1.0  # deeper: the chance the block did not end below
-        for length in range(LENGTH, -1, -1):
+        deeper = 1.0  # the chance the block did not end below
+        for length in range(n, -1, -1):
             here = deeper * (float(ends[length - 1]) if length else 1.0)
             deeper -= here
             if here == 0:
@@ -78,6 +100,22 @@ def test_block_verification_emits_the_target_distribution_and_accepts_more(seed)
     assert error(p, distribution) < 1e-9
     assert accepted >= token_level_accepted(p, q) - 1e-12
     assert accepted > token_level_accepted(p, q) + 0.01  # and on these tables strictly more
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_verification_stays_exact_when_the_length_depends_on_the_draws(seed):
+    """A chain drafted on while the draft is confident in its last draw, or cut by any rule of the draws so far:
+    block verification still emits the target's distribution exactly."""
+    p, q = tables(seed)
+    rng = random.Random(seed)
+    confident = cut_chains(q, lambda chain: float(q[chain[:-1]][chain[-1]]) >= 0.4)
+    assert {len(chain) for chain, _ in confident} == set(range(1, LENGTH + 1))  # the rule does cut chains here
+    assert error(p, emitted_distribution(p, q, chains=confident)[0]) < 1e-9
+    for _ in range(10):  # arbitrary rules: go on after a prefix of draws or not, at random
+        go_on = {c: rng.random() < 0.5 for n in range(1, LENGTH) for c in itertools.product(range(VOCAB), repeat=n)}
+        chains = cut_chains(q, lambda c: go_on[c])
+        assert abs(sum(weight for _, weight in chains) - 1) < 1e-12
+        assert error(p, emitted_distribution(p, q, chains=chains)[0]) < 1e-9
 
 
 def test_the_check_catches_slips_in_the_rule():
