@@ -202,6 +202,36 @@ def test_train_draft_command_trains_a_saved_draft_further_and_installs_it(tmp_pa
     assert (tmp_path / "unpacked").read_bytes() == (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
 
 
+def test_train_draft_command_self_distils_on_text_the_target_writes(tmp_path, tokenizer):
+    """`opttree train draft --texts N --corpus-share S`: the target writes N texts from corpus prompts (cached in
+    RUN_DIR/data), the draft trains on them plus that share of corpus text and is scored on text the target wrote
+    from held-out prompts; installed, metrics.json says it was trained on written texts."""
+    import json
+
+    from opttree.train.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("alpha", "beta", "gamma"):
+        (corpus / f"{name}.py").write_text(CODE.replace("add", name) * 12)
+    torch.manual_seed(0)
+    save_final(build_llama(ModelShape(32, 2, 2, 64), tokenizer, max_positions=512), tokenizer, tmp_path / "target")
+    save_final(build_llama(ModelShape(32, 1, 2, 64), tokenizer, max_positions=512), tokenizer, tmp_path / "draft")
+    out = tmp_path / "models"
+    out.mkdir()
+    main(["train", "draft", "--target", str(tmp_path / "target"), "--init", str(tmp_path / "draft"), "--run-dir",
+          str(tmp_path / "run"), "--texts", "4", "--corpus-share", "0.5", "--steps", "2", "--seq-len", "32",
+          "--eval-windows", "2", "--corpus", str(corpus), "--heldout-modules", "gamma", "--no-bf16",
+          "--install-dir", str(out)])
+    written = np.load(tmp_path / "run" / "data" / "written_train.npy")
+    eos = tokenizer.eos_token_id
+    assert (written == eos).sum() >= 4 and written[-1] == eos  # four texts (and their prompts), each ended
+    assert (tmp_path / "run" / "data" / "written_heldout.npy").exists()
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["draft_trained_further_on_written_texts"] == 4 and metrics["draft_trained_further_steps"] == 2
+
+
 def test_distill_loss_is_zero_for_identical_models(tokenizer, tokens):
     torch.manual_seed(0)
     model = build_llama(TINY, tokenizer, max_positions=64).eval()

@@ -127,11 +127,14 @@ def cmd_draft(args) -> None:
     tok = load_tokenizer(args.target)
     target = load_target(args.target)
     train, heldout = _tokens(tok, args, args.cache_dir or args.run_dir / "data")
+    written = _written(target, tok, args) if args.texts else None  # self-distilled: on the target's own text
+    if written is not None:
+        train = written["train"]
     shape = ModelShape.parse(args.shape) if args.shape else DRAFT_SHAPE
     if args.init is not None and args.shape:
         raise SystemExit("--init trains a saved draft further: its shape is its own, drop --shape")
-    _, metrics = train_draft(target, tok, train, heldout, shape, _train_config(args), args.ce_weight, _log,
-                             init=args.init)
+    _, metrics = train_draft(target, tok, train, heldout if written is None else written["heldout"], shape,
+                             _train_config(args), args.ce_weight, _log, init=args.init)
     _log(f"saved {args.run_dir / 'final'}: {json.dumps(metrics)}")
     if args.install_dir is not None:
         _install_draft(args, metrics, heldout)
@@ -153,6 +156,7 @@ def _install_draft(args, run: dict, heldout) -> None:
     metrics[f"{key}_minutes"] = round(run.get("elapsed_min", 0.0), 2)
     metrics[f"{key}_steps"] = run.get("step")
     metrics[f"{key}_tokens_seen"] = run.get("tokens_seen") or run.get("step", 0) * args.batch_size * args.seq_len
+    metrics[f"{key}_on_written_texts"] = args.texts  # 0: on the corpus
     pack_folder(args.run_dir / "final", out / "draft")  # weights lzma-packed, unpacked on first use
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     _log(f"installed the draft into {out / 'draft'} (packed); {out / 'metrics.json'} updated")
@@ -426,6 +430,10 @@ def register(subparsers) -> None:
                    "a fresh one, e.g. \"$(opttree models --path draft)\"")
     p.add_argument("--install-dir", type=Path, default=None, help="then replace DIR/draft with it (packed) and "
                    "update DIR/metrics.json's draft entries, e.g. src/opttree/models (default: install nothing)")
+    p.add_argument("--texts", type=int, default=0, help="self-distil: train on N texts the target writes from corpus "
+                   "prompts (sampled at 0.8), instead of the corpus itself (default: 0, the corpus)")
+    p.add_argument("--corpus-share", type=float, default=0.0, help="with --texts: share of corpus text in the "
+                   "training text, in [0, 1) (default: 0)")
     _add_train_args(p, lr=2e-3, batch_size=8)
     p.set_defaults(func=cmd_draft)
 
