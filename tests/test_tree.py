@@ -117,7 +117,8 @@ def test_slot_tree_chain_kept_on_the_host_matches_written_slots(seed):
         parents = torch.randint(-1, fast.size, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
         (d1, r1), (d2, r2) = fast.add(parents), slow.add(parents)
         assert d1.tolist() == d2.tolist() and r1.tolist() == r2.tolist()
-        assert fast.add_child_of_last().tolist() == slow.add(torch.full((1,), slow.size - 1, dtype=torch.long))[0].tolist()
+        under_last = torch.full((1,), slow.size - 1, dtype=torch.long)
+        assert fast.add_child_of_last().tolist() == slow.add(under_last)[0].tolist()
     assert fast.depths.tolist() == slow.depths.tolist()
     assert fast._reach[: fast.size, : fast.size].tolist() == slow._reach[: slow.size, : slow.size].tolist()
     # the ancestors are those of a tree: each slot reaches itself and its parent's set
