@@ -3,8 +3,8 @@ the shipped draft (or --old DIR) against a draft folder, both with the settings 
 shipped draft (`opttree.profile_options`) and the --settings given; the shipped target, bf16, seed 0.
 
     python scripts/draft_ab.py runs/draft-sd/final --per-category 2 --temperature 0.7          # Spec-Bench, chain of 3
-    python scripts/draft_ab.py runs/draft-sd/final --prompts ../shared/data/humaneval.jsonl --limit 40 --temperature 1 \\
-        --settings "tree='opt'"
+    python scripts/draft_ab.py runs/draft-sd/final --prompts ../shared/data/humaneval.jsonl --limit 40 \\
+        --temperature 1 --settings "tree='opt'"
 """
 
 from __future__ import annotations
