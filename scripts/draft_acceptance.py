@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from draft_window import draft_logits  # this folder's: the draft's next-token logits over its last positions
 from transformers import AutoModelForCausalLM
 
 import opttree
@@ -21,16 +22,6 @@ from opttree.bench.prompts import encode, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 256
-
-
-def draft_probs(draft, sequence: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
-    """(N, V) the draft's next-token distributions at T after each of sequence[:, start-1 : -1], over its last
-    WINDOW positions (positions kept absolute)."""
-    rows = []
-    for end in range(start, sequence.shape[1]):
-        first = max(0, end - WINDOW)
-        rows.append(draft(sequence[:, first:end], position_ids=torch.arange(first, end)[None]).logits[0, -1].float())
-    return (torch.stack(rows) / temperature).softmax(-1)
 
 
 def main() -> None:
@@ -56,7 +47,7 @@ def main() -> None:
                                        max_new_tokens=96, attention_mask=torch.ones_like(ids))
             p = (target(sequence).logits[0, start - 1 : -1].float() / args.temperature).softmax(-1)  # (N, V)
             for name, draft in drafts.items():
-                q = draft_probs(draft, sequence, start, args.temperature)
+                q = (draft_logits(draft, sequence, start, WINDOW) / args.temperature).softmax(-1)  # (N, V)
                 scores[name][category].append(torch.minimum(p, q).sum(-1).mean().item())
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     print("| category | " + " | ".join(args.drafts) + " |\n|---|" + "---:|" * len(drafts))

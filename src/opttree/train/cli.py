@@ -127,7 +127,8 @@ def cmd_draft(args) -> None:
     tok = load_tokenizer(args.target)
     target = load_target(args.target)
     train, heldout = _tokens(tok, args, args.cache_dir or args.run_dir / "data")
-    written = _written(target, tok, args) if args.texts else None  # self-distilled: on the target's own text
+    # self-distilled: on the target's own text
+    written = _written(target, tok, args, (train, heldout)) if args.texts else None
     if written is not None:
         train = written["train"]
     shape = ModelShape.parse(args.shape) if args.shape else DRAFT_SHAPE
@@ -162,16 +163,16 @@ def _install_draft(args, run: dict, heldout) -> None:
     _log(f"installed the draft into {out / 'draft'} (packed); {out / 'metrics.json'} updated")
 
 
-def _written(target, tok, args) -> dict:
+def _written(target, tok, args, corpus: tuple | None = None) -> dict:
     """{"train", "heldout"}: text the target wrote from corpus prompts (cached in RUN_DIR/data); with
     --corpus-share S, the training text is that share corpus text after the written text (the held-out
-    text stays the target's)."""
+    text stays the target's). `corpus`: the (train, heldout) corpus tokens, when the caller has them."""
     import numpy as np
 
     from .head import written_text
 
     data = args.run_dir / "data"
-    train, heldout = _tokens(tok, args, data)
+    train, heldout = corpus if corpus is not None else _tokens(tok, args, data)
     written = {}
     for split, corpus, texts in (("train", train, args.texts), ("heldout", heldout, max(args.texts // 12, min(args.texts, 16)))):
         cache = data / f"written_{split}.npy"
