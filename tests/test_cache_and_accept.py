@@ -287,3 +287,38 @@ def test_a_compiled_forward_over_growing_layers_has_no_graph_break():
                 assert torch.allclose(got, want, atol=1e-5)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layers", [1, 8])
+def test_compaction_moves_every_layer_in_one_shared_buffer(layers, monkeypatch):
+    """After the first compaction a cache's layers keep their keys and values in one buffer (`shared_buffer`), so a
+    compaction dispatches the same few ops (7) whatever the layer count; the layers outgrow it together, and what they
+    hold equals what per-layer compaction leaves (the arena turned off)."""
+    from opttree.counters import StepCounter
+    from opttree.step import cache as module
+    from opttree.step.cache import GrowingLayer, compact, shared_buffer
+
+    monkeypatch.setattr(GrowingLayer, "HEADROOM", 4)
+    g = torch.Generator().manual_seed(layers)
+    mine, theirs = new_cache(), new_cache()
+    states = [torch.randn(2, 1, 2, 6, 4, generator=g) for _ in range(layers)]  # (K/V, B, H, S, Dh) a layer
+    steps = [[torch.randn(2, 1, 2, 5, 4, generator=g) for _ in range(layers)] for _ in range(12)]
+    ops = []
+    for cache, shared in ((mine, True), (theirs, False)):
+        if not shared:
+            monkeypatch.setattr(module, "shared_buffer", lambda cache: None)
+        for i, kv in enumerate(states):
+            cache.update(kv[0], kv[1], i)
+        for step in steps:
+            start = cache.get_seq_length()
+            for i, kv in enumerate(step):
+                cache.update(kv[0], kv[1], i)
+            with StepCounter() as counter:
+                compact(cache, start, torch.tensor([0, 2, 3]))
+            if shared:
+                ops.append(counter.ops)
+                buffer = shared_buffer(cache)
+                assert all(layer._store[0].data_ptr() == buffer[2 * i].data_ptr() for i, layer in enumerate(cache.layers))
+    assert mine.layers[0]._store[0].shape[2] > 6 + 4 + 5  # grown past the first buffer, all layers together
+    assert max(ops[1:]) <= 8, ops  # after the first, which makes the buffer
+    _same_cache(mine, theirs)

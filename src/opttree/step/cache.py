@@ -50,13 +50,14 @@ class GrowingLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, H, capacity, Dh) keys, values
+        self._arena: Arena | None = None  # the buffer its cache's layers share, where they do (`shared_buffer`)
 
     def __copy__(self):
         """A copy shares no buffer with this layer (it would write into this layer's): it gets its own at
         its next update."""
         twin = type(self).__new__(type(self))
         vars(twin).update(vars(self))
-        twin._store = None
+        twin._store = twin._arena = None
         return twin
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -67,7 +68,10 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
         if not self._writes_in_place(key_states, length + new):
-            self._rebuffer(key_states, value_states, length + new)
+            if self._arena is not None and self._arena.holds(self) and self._store[0].shape[:2] == key_states.shape[:2]:
+                self._arena.grow(length + new)  # every layer's buffers at once, in one larger shared buffer
+            else:
+                self._rebuffer(key_states, value_states, length + new)
         for buffer, states in zip(self._store, (key_states, value_states)):
             buffer.narrow(2, length, new).copy_(states)
         self.keys, self.values = (buffer.narrow(2, 0, length + new) for buffer in self._store)
@@ -114,6 +118,67 @@ class GrowingLayer(DynamicLayer):
                 buffer.narrow(2, 0, length).copy_(cached)
             buffers.append(buffer)
         self._store = tuple(buffers)
+
+
+class Arena:
+    """One buffer holding every layer's keys and values, (2L, B, H, capacity, Dh): layer i's keys at 2i, its values at
+    2i + 1, each layer's `_store` views of them. Compaction then moves all layers' rows in one gather and one copy,
+    and the layers outgrow it together (one copy into a larger one, as many bytes as a buffer a layer)."""
+
+    def __init__(self, layers: list[GrowingLayer]):
+        like, length = layers[0]._store[0], layers[0].keys.shape[2]  # (B, H, capacity, Dh)
+        self.buffer = like.new_empty((2 * len(layers), *like.shape))
+        for i, layer in enumerate(layers):
+            self.buffer[2 * i].narrow(2, 0, length).copy_(layer.keys)
+            self.buffer[2 * i + 1].narrow(2, 0, length).copy_(layer.values)
+        self.layers = layers
+        for i, layer in enumerate(layers):
+            layer.hold(self.buffer[2 * i], self.buffer[2 * i + 1], length)
+            layer._arena = self
+        self.stores = [layer._store for layer in layers]
+
+    def holds(self, layer: GrowingLayer) -> bool:
+        """Whether `layer` still keeps its keys and values here (host metadata only)."""
+        i = next((i for i, mine in enumerate(self.layers) if mine is layer), None)
+        return i is not None and layer._store is self.stores[i] and layer.holds_views()
+
+    def holds_all(self, layers: list) -> bool:
+        """Whether these are this buffer's layers, all still in it, cached to one length (host metadata only)."""
+        return len(layers) == len(self.layers) and all(
+            layer is mine and layer._store is store and layer.keys.data_ptr() == store[0].data_ptr()
+            and layer.values.data_ptr() == store[1].data_ptr() and layer.keys.shape == layers[0].keys.shape
+            for layer, mine, store in zip(layers, self.layers, self.stores))
+
+    def grow(self, needed: int) -> None:
+        """A larger buffer with room for `needed` positions and more; the layers still here moved into it with
+        their cached states (in the middle of a forward some are a step longer than others)."""
+        held = [self.holds(layer) for layer in self.layers]
+        wider = self.buffer.new_empty((*self.buffer.shape[:3], GrowingLayer.room(needed), self.buffer.shape[4]))
+        wider.narrow(3, 0, self.buffer.shape[3]).copy_(self.buffer)  # (2L, B, H, capacity, Dh)
+        self.buffer = wider
+        for i, (layer, stays) in enumerate(zip(self.layers, held)):
+            if stays:
+                layer.hold(wider[2 * i], wider[2 * i + 1], layer.get_seq_length())
+                self.stores[i] = layer._store
+
+
+def shared_buffer(cache: Cache) -> torch.Tensor | None:
+    """A dynamic cache's keys and values, every layer's, as views of one (2L, B, H, capacity, Dh) buffer (`Arena`),
+    so that compaction moves them all in one gather and one copy. Made at the first call (one copy of the cached
+    states) and again where a layer has left it (`drop_front`, `select_rows`, a batch stacked anew replace
+    buffers); None where the layers cannot share one: not all `GrowingLayer`s holding views of buffers of one
+    shape and dtype, cached to one length (an empty or indexed layer)."""
+    layers = cache.layers
+    arena = layers[0]._arena if layers and isinstance(layers[0], GrowingLayer) else None
+    if arena is not None and arena.holds_all(layers):
+        return arena.buffer
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer.holds_views() for layer in layers):
+        return None
+    like, length = layers[0]._store[0], layers[0].keys.shape[2]
+    if any(store.shape != like.shape or store.dtype != like.dtype or layer.keys.shape[2] != length
+           for layer in layers for store in layer._store):
+        return None
+    return Arena(layers).buffer
 
 
 def new_cache(model: PreTrainedModel | None = None, layer_types: list[str] | None = None) -> DynamicCache:
@@ -264,6 +329,16 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
         return
     moves = [(row, start, source + _offsets(keep, cache)) for row, (start, keep, stays)
              in enumerate(zip(starts, keeps, in_place)) if not stays]  # made once, for every layer
+    arena = shared_buffer(cache)
+    if arena is not None:  # every layer's keys and values at once: a handful of ops, whatever the layer count
+        for row, start, rows in moves:
+            part = arena if len(keeps) == 1 else arena.narrow(1, row, 1)  # (2L, B or 1, H, capacity, Dh)
+            part.narrow(3, start, rows.shape[0]).copy_(part.index_select(3, rows))  # the gather copies first
+        if cache.layers[0].keys.shape[2] != end:
+            views = arena.narrow(3, 0, end).unbind(0)  # 2L views (B, H, end, Dh)
+            for i, layer in enumerate(cache.layers):
+                layer.keys, layer.values = views[2 * i], views[2 * i + 1]
+        return
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
