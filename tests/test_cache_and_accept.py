@@ -322,3 +322,43 @@ def test_compaction_moves_every_layer_in_one_shared_buffer(layers, monkeypatch):
     assert mine.layers[0]._store[0].shape[2] > 6 + 4 + 5  # grown past the first buffer, all layers together
     assert max(ops[1:]) <= 8, ops  # after the first, which makes the buffer
     _same_cache(mine, theirs)
+
+
+@pytest.mark.parametrize("cap", [None, 8000])
+def test_a_shared_buffer_keeps_rows_leaving_and_a_cap_returns_layers_to_their_own(cap, monkeypatch):
+    """A batch stacked into one shared buffer (`stack_rows`), rows leaving it (`select_rows`: moved down in place),
+    compaction and growth: the same keys and values as layers with buffers of their own. With a cap on a CPU
+    buffer's size (`CPU_SHARED_BYTES`) the layers leave the shared buffer when it would outgrow the cap, and
+    compaction goes on layer by layer."""
+    from opttree.step import cache as module
+    from opttree.step.cache import GrowingLayer, compact_rows, select_rows, shared_buffer, stack_rows
+
+    monkeypatch.setattr(GrowingLayer, "HEADROOM", 4)
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for length in (5, 7, 6):
+        cache = new_cache()
+        for i in range(3):
+            cache.update(torch.randn(1, 2, length, 4, generator=g), torch.randn(1, 2, length, 4, generator=g), i)
+        parts.append((cache, [length]))
+    steps = [[torch.randn(2, 3, 2, 4, 4, generator=g) for _ in range(3)] for _ in range(8)]  # (K/V, B, H, S, Dh)
+    results = []
+    for shared in (True, False):
+        if cap is not None or not shared:
+            monkeypatch.setattr(module, "CPU_SHARED_BYTES", cap if shared else 0)  # 0: no shared buffer at all
+        cache = stack_rows(parts)
+        assert (cache.layers[0]._arena is not None) == shared
+        rows = [0, 1, 2]
+        for step, kv in enumerate(steps):
+            start = cache.get_seq_length()
+            for i, (keys, values) in enumerate(kv):
+                cache.update(keys[rows], values[rows], i)
+            compact_rows(cache, [start] * len(rows), start, [torch.tensor([0, 2])] * len(rows))
+            if step == 3:
+                select_rows(cache, [0, 2], [start + 2] * 2)
+                rows = [0, 2]
+        results.append(cache)
+        if shared:  # without a cap all layers grew together, in one buffer; with one, they left it
+            assert cache.layers[0]._store[0].shape[2] > 7 + 4
+            assert (shared_buffer(cache) is None) == (cap is not None)
+    _same_cache(*results)
