@@ -127,11 +127,17 @@ def test_keeping_a_count_equals_keeping_those_offsets(starts, static):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_compacting_a_batch_moves_each_rows_kept_positions_as_one_row_at_a_time_does(seed):
+def test_compacting_a_batch_moves_each_rows_kept_positions_as_one_row_at_a_time_does(seed, shared, monkeypatch):
     """A batch of rows with different starts, each keeping a count (in place or moved) or chosen offsets, compacted at
-    once (`compact_rows`) against each row's keys and values moved on their own."""
+    once (`compact_rows`: every row's moves in one gather and one scatter, in the layers' shared buffer or layer by
+    layer) against each row's keys and values moved on their own."""
+    from opttree.step import cache as module
     from opttree.step.cache import compact_rows
+
+    if not shared:
+        monkeypatch.setattr(module, "CPU_SHARED_BYTES", 0)
 
     g = torch.Generator().manual_seed(seed)
     rows, source, width = 4, 9, 6

@@ -215,12 +215,15 @@ def shared_buffer(cache: Cache) -> torch.Tensor | None:
     arena = layers[0]._arena if layers and isinstance(layers[0], GrowingLayer) else None
     if arena is not None and arena.holds_all(layers):
         return arena.buffer
-    if not layers or not all(isinstance(layer, GrowingLayer) and layer.holds_views() for layer in layers):
+    first = layers[0] if layers else None
+    if not isinstance(first, GrowingLayer) or first._store is None \
+            or not can_share((2 * len(layers), *first._store[0].shape), first._store[0].dtype, first._store[0].device):
+        return None  # the size first: a large batch's cache, every step
+    if not all(isinstance(layer, GrowingLayer) and layer.holds_views() for layer in layers):
         return None
-    like, length = layers[0]._store[0], layers[0].keys.shape[2]
+    like, length = first._store[0], first.keys.shape[2]
     if any(store.shape != like.shape or store.dtype != like.dtype or layer.keys.shape[2] != length
-           for layer in layers for store in layer._store) \
-            or not can_share((2 * len(layers), *like.shape), like.dtype, like.device):
+           for layer in layers for store in layer._store):
         return None
     return Arena.gather(layers).buffer
 
@@ -371,13 +374,11 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
             for layer in cache.layers:
                 layer.keep(rows, dest, end)
         return
-    moves = [(row, start, source + _offsets(keep, cache)) for row, (start, keep, stays)
-             in enumerate(zip(starts, keeps, in_place)) if not stays]  # made once, for every layer
+    moves = [(row, start, keep) for row, (start, keep, stays) in enumerate(zip(starts, keeps, in_place)) if not stays]
+    move = _mover(moves, source, len(keeps) > 1, _device(cache))  # made once, for every layer
     arena = shared_buffer(cache)
     if arena is not None:  # every layer's keys and values at once: a handful of ops, whatever the layer count
-        for row, start, rows in moves:
-            part = arena if len(keeps) == 1 else arena.narrow(1, row, 1)  # (2L, B or 1, H, capacity, Dh)
-            part.narrow(3, start, rows.shape[0]).copy_(part.index_select(3, rows))  # the gather copies first
+        move(arena, 1, 3)  # (2L, B, H, capacity, Dh)
         if cache.layers[0].keys.shape[2] != end:
             views = arena.narrow(3, 0, end).unbind(0)  # 2L views (B, H, end, Dh)
             for i, layer in enumerate(cache.layers):
@@ -388,19 +389,46 @@ def compact_rows(cache: Cache, starts: list[int], source: int, keeps: list[torch
             continue
         for name, axis in sequence_tensors(layer):
             data = getattr(layer, name)  # (B, H, S, Dh) keys / values, (B, S, Di) indexer keys
-            for row, start, rows in moves:
-                part = data if len(keeps) == 1 else data[row:row + 1]  # one row
-                part.narrow(axis, start, rows.shape[0]).copy_(part.index_select(axis, rows))  # the gather copies first
+            move(data, 0, axis)
             if data.shape[axis] != end:
                 setattr(layer, name, data.narrow(axis, 0, end))
 
 
-def _offsets(keep: torch.Tensor | int, cache: Cache) -> torch.Tensor:
-    """A row's kept offsets as a (K,) tensor on the cache's device (a count K: 0..K - 1)."""
-    if not isinstance(keep, int):
-        return keep
-    device = next((layer.keys.device for layer in cache.layers if layer.keys is not None), None)
-    return torch.arange(keep, device=device)
+def _mover(moves: list[tuple[int, int, torch.Tensor | int]], source: int, batch: bool, device: torch.device):
+    """moves: per moving row (row, start, its kept offsets after `source`: (K,) or the count K for 0..K - 1) -> a
+    function that moves those positions of a tensor (batch axis, sequence axis) to start, start + 1, ... of their
+    row, in place. One sequence: a gather and a copy. A batch: every row's at once, a gather and a scatter of the
+    (M,) positions of all, whatever the row count (the indices made once, on the host where the counts say)."""
+    if not moves:
+        return lambda data, batch_axis, axis: None
+    if not batch:
+        (_, start, keep), = moves
+        rows = source + (keep if isinstance(keep, torch.Tensor) else torch.arange(keep, device=device))  # (K,)
+
+        def one(data: torch.Tensor, batch_axis: int, axis: int) -> None:
+            data.narrow(axis, start, rows.shape[0]).copy_(data.index_select(axis, rows))  # the gather copies first
+        return one
+    counts = [keep.shape[0] if isinstance(keep, torch.Tensor) else keep for _, _, keep in moves]
+    which = torch.tensor([row for (row, _, _), k in zip(moves, counts) for _ in range(k)], device=device)  # (M,)
+    dest = torch.tensor([start + i for (_, start, _), k in zip(moves, counts) for i in range(k)], device=device)
+    if all(isinstance(keep, int) for _, _, keep in moves):
+        read = torch.tensor([source + i for k in counts for i in range(k)], device=device)  # (M,)
+    else:
+        read = source + torch.cat([keep if isinstance(keep, torch.Tensor) else torch.arange(keep, device=device)
+                                   for _, _, keep in moves])  # (M,)
+
+    def every(data: torch.Tensor, batch_axis: int, axis: int) -> None:
+        to = [slice(None)] * data.dim()
+        to[batch_axis] = which
+        frm = list(to)
+        to[axis], frm[axis] = dest, read
+        data[tuple(to)] = data[tuple(frm)]  # the gather copies first
+    return every
+
+
+def _device(cache: Cache) -> torch.device | None:
+    """Where a cache's keys are (None: nothing cached)."""
+    return next((layer.keys.device for layer in cache.layers if layer.keys is not None), None)
 
 
 def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None = None) -> Cache:
