@@ -254,20 +254,23 @@ def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTr
         order = [i for i in order if cut[i] > float("-inf") and not dead[i]]
     kept = sorted(sorted(order), key=lambda i: depths[i])  # by depth, then union order
     new_index = {old: new for new, old in enumerate(kept)}
-    device = first.tokens.device
-    def column(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:  # (K,) the kept nodes' values
-        return torch.tensor([values[i] for i in kept], dtype=dtype, device=device)
-
-    return DraftTree(column(tokens), column([new_index.get(parent, -1) for parent in parents]), column(depths),
-                     column(scores, first.scores.dtype), column(slots))
+    new_parents = [new_index.get(parent, -1) for parent in parents]
+    columns = torch.tensor([[values[i] for i in kept] for values in (tokens, new_parents, depths, slots)],
+                           dtype=torch.long, device=first.tokens.device)  # (4, K) the kept nodes' values
+    kept_tokens, kept_parents, kept_depths, kept_slots = columns.unbind(0)
+    return DraftTree(kept_tokens, kept_parents, kept_depths,
+                     torch.tensor([scores[i] for i in kept], dtype=first.scores.dtype, device=first.tokens.device),
+                     kept_slots)
 
 
 def _read(trie: DraftTree) -> list[tuple[int, int, int, float, int]]:
     """(token, parent, depth, score, drafter slot) of each node, in one read (float64 holds the ids and the float32
     scores exactly)."""
-    columns = torch.stack([trie.tokens.double(), trie.parents.double(), trie.depths.double(), trie.scores.double(),
-                           trie.draft_slots.double()])  # (5, N)
-    return [(int(t), int(p), int(d), s, int(slot)) for t, p, d, s, slot in zip(*columns.tolist())]
+    n = len(trie)
+    columns = torch.cat([torch.cat([trie.tokens, trie.parents, trie.depths, trie.draft_slots]).double(),
+                         trie.scores.double()]).tolist()  # (5N,): four long columns, then the scores
+    return [(int(t), int(p), int(d), s, int(slot)) for t, p, d, slot, s in
+            zip(*(columns[i * n:(i + 1) * n] for i in range(5)))]
 
 
 def _union_on_device(base: DraftTree, dead: torch.Tensor, extra: DraftTree

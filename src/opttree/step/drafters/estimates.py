@@ -49,6 +49,11 @@ def kept_apart(model, states: dict):
             _STORE[model] = shared
 
 
+def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself where it is there already (no op dispatched)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
 class HitRates:
     """Beta posteriors of hit probabilities on a grid of `shape`: each cell starts at `prior` (a tensor
     broadcastable to `shape`) worth `strength` observations, and counts hits among trials."""
@@ -63,10 +68,10 @@ class HitRates:
         """One trial per row of `index` (cell coordinates, each (B,)); `hit` (B,) bool says which hit;
         `counted` (B,) bool, if given, leaves the other rows out (a fixed shape: nothing is read back)."""
         device = self.trials.device
-        index = tuple(i.to(device) for i in index)
-        weight = torch.ones(hit.shape[0], device=device) if counted is None else counted.to(device).float()
+        index = tuple(on(i, device) for i in index)
+        weight = torch.ones(hit.shape[0], device=device) if counted is None else on(counted, device).float()
         self.trials.index_put_(index, weight, accumulate=True)
-        self.hits.index_put_(index, hit.to(device).float() * weight, accumulate=True)
+        self.hits.index_put_(index, on(hit, device).float() * weight, accumulate=True)
         self.version += 1
 
     @property

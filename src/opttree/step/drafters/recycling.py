@@ -16,7 +16,7 @@ import math
 import torch
 
 from ...settings.declared import Declared
-from .estimates import HitRates, per_model
+from .estimates import HitRates, on, per_model
 
 WIDTH = 8  # k: successors kept per token, as in the paper
 DEPTHS = 8  # hit rates are kept per depth up to this one (deeper nodes share the last)
@@ -27,8 +27,9 @@ PROMPT_ROWS = 256  # the prompt's last positions whose logits seed the matrix (c
 class RecyclingMatrix:
     def __init__(self, vocab: int, device: torch.device | str = "cpu", width: int = WIDTH):
         self.vocab, self.width = vocab, min(width, vocab)
-        self.next = torch.zeros(vocab, self.width, dtype=torch.int32, device=device)  # (V, k) M
+        self.next = torch.zeros(vocab, self.width, dtype=torch.long, device=device)  # (V, k) M (long: read as indices)
         self.filled = torch.zeros(vocab, dtype=torch.bool, device=device)  # (V,) rows written at least once
+        self.ranks = torch.arange(self.width, device=device)  # (k,) 0, 1, ... (read only)
         prior = 0.5 * 0.5 ** torch.arange(self.width, dtype=torch.float32)  # rank r: 0.5, 0.25, ...
         self.rates = HitRates((DEPTHS, self.width), prior, device=device)  # P(the target's choice = M[t, r]) by depth
         self._tables: tuple[torch.Tensor, ...] = ()
@@ -36,16 +37,16 @@ class RecyclingMatrix:
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
-        self.next[tokens] = logits.topk(self.width, dim=-1).indices.int()
+        self.next[tokens] = logits.topk(self.width, dim=-1).indices
         self.filled[tokens] = True
 
     def observe_hits(self, tokens: torch.Tensor, depths: torch.Tensor, choice: torch.Tensor) -> None:
         """Score M before it is rewritten: at positions reading `tokens` (P,) at `depths` (P,), which rank
         of M[token] (if any) was the target's `choice` (P,)."""
         seen = self.filled[tokens][:, None].expand(-1, self.width)  # (P, k) rows written before: scored
-        hit = self.next[tokens].long() == choice[:, None]  # (P, k)
+        hit = self.next[tokens] == choice[:, None]  # (P, k)
         depth = depths.clamp(max=DEPTHS - 1)[:, None].expand_as(hit)
-        rank = torch.arange(self.width, device=hit.device).expand_as(hit)
+        rank = self.ranks.expand_as(hit)
         self.rates.update((depth.flatten(), rank.flatten()), hit.flatten(), seen.flatten())
 
     def log_dist(self, tokens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -53,16 +54,16 @@ class RecyclingMatrix:
         their hit rates (at most MAX_LISTED_MASS together), the rest is uniform; uniform if M[t] is unset."""
         rates, spread = self._rates(tokens, depths)
         log_probs = spread.log().expand(-1, self.vocab).clone()  # (R, V)
-        return log_probs.scatter_(1, self.next[tokens].long(), (rates + spread).log())  # a row's k tokens differ
+        return log_probs.scatter_(1, self.next[tokens], (rates + spread).log())  # a row's k tokens differ
 
     def top(self, tokens: torch.Tensor, depths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k' = min(k, width) most likely next tokens of `log_dist`'s rows, without building them:
         (tokens (R, k'), log-probabilities (R, k')), best first. An unset row lists tokens 0.. (uniform)."""
         _, _, order, log_listed = self.tables()
         k, filled = min(k, self.width), self.filled[tokens, None]  # (R, 1)
-        depths = depths.to(self.next.device).clamp(max=DEPTHS - 1)
+        depths = on(depths, self.next.device).clamp(max=DEPTHS - 1)
         ranks = order[depths, :k]  # (R, k') a row's ranks by hit rate: the same for every row at one depth
-        listed = torch.where(filled, self.next[tokens].long().gather(1, ranks), torch.arange(k, device=self.next.device))
+        listed = torch.where(filled, self.next[tokens].gather(1, ranks), torch.arange(k, device=self.next.device))
         return listed, torch.where(filled, log_listed[depths, :k], -math.log(self.vocab))
 
     def tables(self) -> tuple[torch.Tensor, ...]:
@@ -80,7 +81,7 @@ class RecyclingMatrix:
     def _rates(self, tokens: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, k) the probability of each listed token of M[tokens] at `depths`, (R, 1) each other token's."""
         rates, spread, _, _ = self.tables()
-        depths, filled = depths.to(self.next.device).clamp(max=DEPTHS - 1), self.filled[tokens, None]  # (R,), (R, 1)
+        depths, filled = on(depths, self.next.device).clamp(max=DEPTHS - 1), self.filled[tokens, None]  # (R,), (R, 1)
         return rates[depths] * filled, torch.where(filled, spread[depths], 1 / self.vocab)  # an unset row lists nothing
 
     def nbytes(self) -> int:
@@ -97,10 +98,12 @@ class RecyclingDrafter(Declared):
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
         self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))
         self.device = self.matrix.next.device
-        self.slot_depths = torch.empty(0, dtype=torch.long, device=self.device)  # (S,) depth of each slot
+        self.no_slots = torch.empty(0, dtype=torch.long, device=self.device)  # (0,) (read only)
+        self.root_depth = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,) the root's depth, 0 (read only)
+        self.slot_depths = self.no_slots  # (S,) depth of each slot
 
     def start(self, input_ids: torch.Tensor) -> None:
-        self.slot_depths = self.slot_depths[:0]
+        self.slot_depths = self.no_slots
 
     def seed(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """The target's logits (P, V) at the prompt's positions reading `tokens` (P,) (cold start)."""
@@ -121,22 +124,22 @@ class RecyclingDrafter(Declared):
 
     def _root(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A new tree: (1,) the root token, (1,) its depth 0."""
-        self.slot_depths = self.slot_depths[:0]
-        return committed[-1:].to(self.device), torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slot_depths = self.no_slots
+        return on(committed[-1:], self.device), self.root_depth
 
     def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Nodes (K,) take the next slots: (K,) their tokens, (K,) their depths."""
-        parent_slots = parent_slots.to(self.device)
+        parent_slots = on(parent_slots, self.device)
         if self.slot_depths.numel():
             depths = torch.where(parent_slots >= 0, self.slot_depths[parent_slots.clamp(min=0)] + 1, 1)  # (K,)
         else:
             depths = torch.ones_like(parent_slots)
         self.slot_depths = torch.cat([self.slot_depths, depths])
-        return tokens.to(self.device), depths
+        return on(tokens, self.device), depths
 
     def observe(self, result) -> None:
         tokens = result.tokens  # (N + 1,) [root] + nodes
-        depths = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), result.tree.depths])
+        depths = torch.nn.functional.pad(result.tree.depths, (1, 0))  # (N + 1,) the root at depth 0
         self.matrix.observe_hits(tokens, depths, result.choice)
         self.matrix.record(tokens, result.logits)
 
