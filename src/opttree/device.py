@@ -16,6 +16,12 @@ def model_device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself where it is there already (no op dispatched: on the hot path, the step's
+    machinery counts its ops)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
 def dtype_name(model: PreTrainedModel) -> str:
     """The model's dtype as the --dtype flags spell it: "bfloat16", "float32", ..."""
     return str(model.dtype).removeprefix("torch.")

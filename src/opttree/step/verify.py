@@ -134,15 +134,16 @@ def masked_forward(
     batched = input_ids.dim() == 2
     ids, where = (input_ids, positions) if batched else (input_ids[None], positions[None])  # (B, Q)
     bias = None
-    if allowed is not None:
-        rows = allowed if batched else allowed[None]  # (B, Q, K)
-        count = rows.shape[0]
-        if batched and keys is not None:
+    if allowed is not None and not batched:  # one sequence: (Q, K) -> (1, 1, Q, K)
+        bias = attention_bias(model, allowed, positions, keys)
+    elif allowed is not None:  # a batch: (B, Q, K), a mask a row
+        count = allowed.shape[0]
+        if keys is not None:
             every = functools.cache(keys)  # (B, K), built at most once, where a layer type has a window
             row_keys = [lambda b=b: every()[b] for b in range(count)]
         else:
             row_keys = [keys] * count
-        bias = _stack([attention_bias(model, rows[b], where[b], row_keys[b]) for b in range(count)])
+        bias = _stack([attention_bias(model, allowed[b], where[b], row_keys[b]) for b in range(count)])
     with masked_attention_kernels(ids.device):
         out = (forward or lean_forward(model, bias) or model)(
             input_ids=ids,
@@ -171,18 +172,19 @@ def attention_bias(model, allowed: torch.Tensor, positions: torch.Tensor,
     """(Q, K) bool, True = attend -> the 4D mask `model` takes, or one per layer type: each layer type's
     window applied on positions (`opttree.step.attention`; positions: (Q,) of the queries, `keys` as
     `masked_forward`'s); sdpa takes the bool mask as is, eager an additive float mask in the model's dtype."""
-    def default_keys() -> torch.Tensor:
-        return key_positions(allowed.shape[1] - positions.shape[-1], positions.reshape(-1), allowed.shape[1])
+    queries = positions if positions.dim() == 1 else positions.reshape(-1)  # (Q,)
 
-    masks = layer_masks(mask_layout(model.config.get_text_config()), allowed, positions.reshape(-1),
-                        keys or default_keys)
+    def default_keys() -> torch.Tensor:
+        return key_positions(allowed.shape[1] - queries.shape[0], queries, allowed.shape[1])
+
+    masks = layer_masks(mask_layout(model.config.get_text_config()), allowed, queries, keys or default_keys)
     if isinstance(masks, dict):
         return {kind: _bias(model, mask) for kind, mask in masks.items()}
     return _bias(model, masks)
 
 
 def _bias(model, allowed: torch.Tensor) -> torch.Tensor:
-    mask = allowed[None, None]  # (1, 1, Q, K)
+    mask = allowed.view(1, 1, *allowed.shape)  # (1, 1, Q, K)
     if model.config._attn_implementation == "eager":
         dtype = model.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

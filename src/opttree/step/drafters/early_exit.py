@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ...device import model_device
+from ...device import model_device, on
 from ...parts import read_part, save_part
 from ...settings.declared import Declared
 from ..attention import key_positions
@@ -165,7 +165,7 @@ class EarlyExitDrafter(Declared):
         return self._log_probs(features[0, -1])
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
+        tokens, parent_slots = on(tokens, self.device), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         allowed = torch.cat([torch.ones(tokens.shape[0], self.fed, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, fed+S+K): both caches hold the committed tokens, then the slots

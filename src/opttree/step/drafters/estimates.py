@@ -16,6 +16,8 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
+from ...device import on
+
 T = TypeVar("T")
 _STORE: "weakref.WeakKeyDictionary[object, dict[str, object]]" = weakref.WeakKeyDictionary()
 
@@ -47,11 +49,6 @@ def kept_apart(model, states: dict):
         _STORE.pop(model, None)
         if shared is not None:
             _STORE[model] = shared
-
-
-def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`: itself where it is there already (no op dispatched)."""
-    return tensor if tensor.device == device else tensor.to(device)
 
 
 class HitRates:

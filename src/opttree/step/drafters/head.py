@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 
-from ...device import model_device
+from ...device import model_device, on
 from ...parallel import whole
 from ...parts import read_part, save_part
 from ...settings.declared import Declared
@@ -147,7 +147,7 @@ class HeadDrafter(Declared):
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
         truncate(self.cache, self.fed)  # drop the last tree's nodes (they were fed predicted features)
-        committed = committed.to(self.device)
+        committed = on(committed, self.device)
         root = committed.shape[0] - 1
         first = self.fed  # positions first..root get the target's true features; the last predicts f[root]
         features = self.pending  # f[first-1..root-1]
@@ -164,7 +164,7 @@ class HeadDrafter(Declared):
         return self._log_probs(predicted[-1])
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device), parent_slots.to(self.device)
+        tokens, parent_slots = on(tokens, self.device), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         allowed = torch.cat([torch.ones(tokens.shape[0], self.fed, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, fed+S+K)
@@ -176,7 +176,7 @@ class HeadDrafter(Declared):
     def extend(self, token: torch.Tensor) -> torch.Tensor:
         """`expand` of one node (1,) whose parent is the last slot (the root when none), every slot so far being its
         ancestor (a chain): the next token after the cache, no tree mask. Returns (1, V)."""
-        token = token.to(self.device)
+        token = on(token, self.device)
         depths = self.slots.add_child_of_last()  # (1,)
         predicted = self._run(self.slot_features[-1:], token, self.fed - 1 + depths, None, own=True)  # (1, H)
         self.slot_features = torch.cat([self.slot_features, predicted])

@@ -17,7 +17,7 @@ from functools import lru_cache, partial
 import torch
 from transformers import PreTrainedModel
 
-from ...device import model_device, static_step
+from ...device import model_device, on, static_step
 from ...settings.declared import Declared
 from ..attention import key_positions, mask_layout
 from ..cache import (
@@ -177,7 +177,7 @@ class ModelDrafter(Declared):
         self._slide(end)
         # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
         # goes in as the last row: only the draft's guesses depend on it, never the output
-        new = committed[self.committed_len :].to(self.device).clamp(max=self.rows - 1)
+        new = on(committed[self.committed_len :], self.device).clamp(max=self.rows - 1)
         assert new.numel() > 0, "the root must be new to the drafter"
         self._positions_below(end)
         logits = self._root_forward(new, end)  # (V,)
@@ -205,7 +205,7 @@ class ModelDrafter(Declared):
             self.forward.rope.reserve(end)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         held = self.base - self.dropped  # committed positions in the cache
         allowed = torch.cat([torch.ones(tokens.shape[0], held, dtype=torch.bool, device=self.device), ancestors],
@@ -222,7 +222,7 @@ class ModelDrafter(Declared):
         """`expand` of one node (1,) whose parent is the last slot (the root when none), every slot so far being its
         ancestor (a chain): it runs as the next token over the cache, no tree mask (on a 2-core CPU 219 against 268
         us for the shipped draft). Returns (1, V)."""
-        token = token.to(self.device).clamp(max=self.rows - 1)
+        token = on(token, self.device).clamp(max=self.rows - 1)
         depths = self.slots.add_child_of_last()  # (1,)
         self._positions_below(self.base + self.slots.size)
         return self._log_probs(self._tree_forward(token, self.base - 1 + depths, None, None))  # (1, V): causal
@@ -325,7 +325,7 @@ class StaticModelDrafter(ModelDrafter):
         return logits[count - 1]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
         count, first = tokens.shape[0], self.filled  # K new slots: first .. first + K - 1
         width = 1 << (count - 1).bit_length()  # W
         self._make_room(self.base + first + width)
@@ -399,7 +399,7 @@ class ChainDrafter(ModelDrafter):
         return self._take(committed)  # the cache holds exactly the committed tokens it has seen
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = tokens.to(self.device).clamp(max=self.rows - 1), parent_slots.to(self.device)
+        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         self.slot_tokens = torch.cat([self.slot_tokens, tokens])  # (S+K,)
         width = int(depths.max())  # one host read: the longest chain

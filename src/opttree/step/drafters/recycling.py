@@ -16,7 +16,8 @@ import math
 import torch
 
 from ...settings.declared import Declared
-from .estimates import HitRates, on, per_model
+from ...device import on
+from .estimates import HitRates, per_model
 
 WIDTH = 8  # k: successors kept per token, as in the paper
 DEPTHS = 8  # hit rates are kept per depth up to this one (deeper nodes share the last)

@@ -71,20 +71,20 @@ class Eagle2:
         dist = drafter.root(committed)[None]  # (1, V)
         tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, k))  # layer 1, (k,)
         layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
-        slots = [torch.full_like(tokens, -1)]
+        depth = min(self.depth, depth_limit)
+        # [0]: the root's slot (-1: none); [1 + c]: candidate c's drafter slot, -1 until it is expanded
+        slots = torch.full((1 + k + (depth - 1) * k * k,), -1, dtype=torch.long, device=tokens.device)
         offset, next_slot = 0, 0  # offset = candidate index of the last layer's first node
-        for _ in range(1, min(self.depth, depth_limit)):
+        for _ in range(1, depth):
             tokens, parents, scores = layers[-1]
             expand = scores.topk(min(k, scores.shape[0])).indices  # (k,) positions in the layer
-            parent_slots = torch.cat(slots)[parents[expand].clamp(min=0)].masked_fill(parents[expand] < 0, -1)
-            dist = drafter.expand(tokens[expand], parent_slots)  # (k, V)
-            slots[-1][expand] = torch.arange(next_slot, next_slot + expand.shape[0], device=dist.device)
+            dist = drafter.expand(tokens[expand], slots[parents[expand] + 1])  # (k, V), from the parents' slots
+            slots[expand + (1 + offset)] = torch.arange(next_slot, next_slot + expand.shape[0], device=dist.device)
             next_slot += expand.shape[0]
             child_tokens, child_scores = picker.ranked(scores[expand], dist, k)  # (k, k)
             child_parents = (offset + expand)[:, None].expand_as(child_tokens)
             offset += tokens.shape[0]
             layers.append(tuple(x.flatten() for x in (child_tokens, child_parents, child_scores)))
-            slots.append(torch.full_like(child_tokens.flatten(), -1))
         depths = torch.cat([torch.full_like(layer[0], d + 1) for d, layer in enumerate(layers)])
         tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in range(3))
-        return select_best(tokens, parents, depths, scores, torch.cat(slots), self.n)
+        return select_best(tokens, parents, depths, scores, slots[1:1 + tokens.shape[0]], self.n)
