@@ -141,6 +141,7 @@ class Arena:
         """Take `buffer` (2L, B, H, capacity, Dh) as these layers' keys and values, the first `length` positions
         cached (already written there)."""
         self.buffer, self.layers = buffer, layers
+        self.stores: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)  # layer i's, while it holds
         self._hold([length] * len(layers))
 
     @classmethod
@@ -155,7 +156,6 @@ class Arena:
 
     def _hold(self, lengths: list[int | None]) -> None:
         """Layer i's buffers made views of this buffer, `lengths[i]` positions cached (None: it left, untouched)."""
-        self.stores = getattr(self, "stores", [None] * len(self.layers))
         for i, (layer, length) in enumerate(zip(self.layers, lengths)):
             if length is not None:
                 layer.hold(self.buffer[2 * i], self.buffer[2 * i + 1], length)

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from ...settings.declared import Declared
 from ...device import on
+from ...settings.declared import Declared
 from .estimates import HitRates, per_model
 
 WIDTH = 8  # k: successors kept per token, as in the paper
