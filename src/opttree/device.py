@@ -22,6 +22,15 @@ def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
+def host_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A list the host holds, as a tensor on `device`, without waiting for the device: on a GPU through pinned
+    memory and an asynchronous copy (a plain `torch.tensor(values, device=...)` copies from pageable memory, which
+    synchronises the stream: a host sync the step's counters do not see on a CPU)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def dtype_name(model: PreTrainedModel) -> str:
     """The model's dtype as the --dtype flags spell it: "bfloat16", "float32", ..."""
     return str(model.dtype).removeprefix("torch.")

@@ -17,6 +17,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, StaticLayer
 
+from ..device import host_tensor
 from .attention import DRIVEN_LAYER_TYPES, INDEXED, POSITIONWISE_LAYER_TYPES, STATE_LAYER_TYPES
 from .own_state import STATE_ARGUMENTS
 
@@ -409,10 +410,10 @@ def _mover(moves: list[tuple[int, int, torch.Tensor | int]], source: int, batch:
             data.narrow(axis, start, rows.shape[0]).copy_(data.index_select(axis, rows))  # the gather copies first
         return one
     counts = [keep.shape[0] if isinstance(keep, torch.Tensor) else keep for _, _, keep in moves]
-    which = torch.tensor([row for (row, _, _), k in zip(moves, counts) for _ in range(k)], device=device)  # (M,)
-    dest = torch.tensor([start + i for (_, start, _), k in zip(moves, counts) for i in range(k)], device=device)
+    which = host_tensor([row for (row, _, _), k in zip(moves, counts) for _ in range(k)], device)  # (M,)
+    dest = host_tensor([start + i for (_, start, _), k in zip(moves, counts) for i in range(k)], device)  # (M,)
     if all(isinstance(keep, int) for _, _, keep in moves):
-        read = torch.tensor([source + i for k in counts for i in range(k)], device=device)  # (M,)
+        read = host_tensor([source + i for k in counts for i in range(k)], device)  # (M,)
     else:
         read = source + torch.cat([keep if isinstance(keep, torch.Tensor) else torch.arange(keep, device=device)
                                    for _, _, keep in moves])  # (M,)
