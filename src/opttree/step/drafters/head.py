@@ -31,6 +31,7 @@ from ...parts import read_part, save_part
 from ...settings.declared import Declared
 from ..cache import cache_argument, new_cache, truncate
 from ..draft_forward import head_forward
+from ..sampling import as_float32
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .model import SlotTree, on_target_vocab
 
@@ -228,10 +229,11 @@ class DraftLMHead:
             self.networks = (self.kept,)
 
     def __call__(self, features: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        features = features.to(self.lm_head.weight.dtype)
+        dtype = self.lm_head.weight.dtype
+        features = features if features.dtype == dtype else features.to(dtype)
         if self.rows is None:
-            logits = on_target_vocab(self.lm_head(features).float(), self.vocab)
+            logits = on_target_vocab(as_float32(self.lm_head(features)), self.vocab)
         else:
             logits = torch.full((*features.shape[:-1], self.vocab), float("-inf"), device=features.device)
-            logits[..., self.rows] = self.kept(features).float()
+            logits[..., self.rows] = as_float32(self.kept(features))
         return torch.log_softmax(logits / temperature if temperature != 1 else logits, dim=-1)
