@@ -163,16 +163,16 @@ def _install_draft(args, run: dict, heldout) -> None:
     _log(f"installed the draft into {out / 'draft'} (packed); {out / 'metrics.json'} updated")
 
 
-def _written(target, tok, args, corpus: tuple | None = None) -> dict:
+def _written(target, tok, args, tokens: tuple | None = None) -> dict:
     """{"train", "heldout"}: text the target wrote from corpus prompts (cached in RUN_DIR/data); with
     --corpus-share S, the training text is that share corpus text after the written text (the held-out
-    text stays the target's). `corpus`: the (train, heldout) corpus tokens, when the caller has them."""
+    text stays the target's). `tokens`: the corpus's (train, heldout) tokens, when the caller has them."""
     import numpy as np
 
     from .head import written_text
 
     data = args.run_dir / "data"
-    train, heldout = corpus if corpus is not None else _tokens(tok, args, data)
+    train, heldout = tokens if tokens is not None else _tokens(tok, args, data)
     written = {}
     for split, corpus, texts in (("train", train, args.texts), ("heldout", heldout, max(args.texts // 12, min(args.texts, 16)))):
         cache = data / f"written_{split}.npy"

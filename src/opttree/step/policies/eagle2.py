@@ -73,7 +73,7 @@ class Eagle2:
         layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
         depth = min(self.depth, depth_limit)
         # [0]: the root's slot (-1: none); [1 + c]: candidate c's drafter slot, -1 until it is expanded
-        slots = torch.full((1 + k + (depth - 1) * k * k,), -1, dtype=torch.long, device=tokens.device)
+        slots = torch.full((1 + k + max(depth - 1, 0) * k * k,), -1, dtype=torch.long, device=tokens.device)
         offset, next_slot = 0, 0  # offset = candidate index of the last layer's first node
         for _ in range(1, depth):
             tokens, parents, scores = layers[-1]
