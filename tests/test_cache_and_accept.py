@@ -324,7 +324,8 @@ def test_compaction_moves_every_layer_in_one_shared_buffer(layers, monkeypatch):
             if shared:
                 ops.append(counter.ops)
                 buffer = shared_buffer(cache)
-                assert all(layer._store[0].data_ptr() == buffer[2 * i].data_ptr() for i, layer in enumerate(cache.layers))
+                assert all(layer._store[0].data_ptr() == buffer[2 * i].data_ptr()
+                           for i, layer in enumerate(cache.layers))
     assert mine.layers[0]._store[0].shape[2] > 6 + 4 + 5  # grown past the first buffer, all layers together
     assert max(ops[1:]) <= 8, ops  # after the first, which makes the buffer
     _same_cache(mine, theirs)

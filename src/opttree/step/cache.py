@@ -449,7 +449,7 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
                      and layer.keys.shape[1:] == layer.values.shape[1:] == first[0].keys.shape[1:]
                      and layer.keys.dtype == layer.values.dtype == first[0].keys.dtype for layer in first):
         like = first[0].keys  # (b, H, T, Dh)
-        shape = (2 * len(first), count, like.shape[1], GrowingLayer.room(longest), like.shape[3])  # (2L, B, H, room, Dh)
+        shape = (2 * len(first), count, like.shape[1], GrowingLayer.room(longest), like.shape[3])  # (2L, B, H, R, Dh)
         if can_share(shape, dtype or like.dtype, like.device):
             shared = like.new_zeros(shape, dtype=dtype or like.dtype)
     layers = []
