@@ -6,6 +6,7 @@ Every tensor of a generation is created on its model's device; the engine never 
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 
 import torch
 from transformers import PreTrainedModel
@@ -29,6 +30,13 @@ def host_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.l
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=256)
+def constant(values: tuple, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of host-known values that steps use again and again (a tree's depths by layer sizes, a row index),
+    made once per (values, device, dtype) and shared: read only. No op on the hot path after the first step."""
+    return host_tensor(list(values), device, dtype)
 
 
 def dtype_name(model: PreTrainedModel) -> str:

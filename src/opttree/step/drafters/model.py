@@ -56,42 +56,41 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
 
 class SlotTree:
     """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors, kept in buffers that
-    double when full (a layer's slots: a dozen ops, none sized by the tree). A chain from the root (`add_child_of_last`
-    only) is kept on the host and written into the buffers only if a tree's slots follow: a slice a node."""
+    double when full (a layer's slots: nine ops, none sized by the tree). Row 0 of the buffer is the root (reaching
+    nothing), slot i is row i + 1, so a parent slot of -1 (the root) needs no case of its own. A chain from the root
+    (`add_child_of_last` only) is kept on the host and written into the buffers only if a tree's slots follow: a
+    slice a node."""
 
     def __init__(self, device: torch.device, capacity: int = 32):
         self.device = device
         self.size = 0  # slots so far
         self.chained = 0  # the first slots, one chain from the root, not yet in the buffers (None: written)
         self._capacity = capacity
-        self._depths = self._reach = None  # (C,), (C, C): made when a tree's slots come (`_write_chain`)
+        self._reach = None  # (1 + C, 1 + C): [1 + i, 1 + j] slot j is slot i or its ancestor; made when a tree comes
 
     def _grow(self, capacity: int) -> None:
         """Buffers for `capacity` slots, holding the slots written so far."""
-        depths = torch.zeros(capacity, dtype=torch.long, device=self.device)  # (C,)
-        reach = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)  # [i, j]: j is i or an ancestor
-        if self._depths is not None and self.size:
-            depths[: self.size] = self._depths[: self.size]
-            reach[: self.size, : self.size] = self._reach[: self.size, : self.size]
-        self._depths, self._reach, self._eye = depths, reach, _identity(capacity, self.device)
+        reach = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool, device=self.device)
+        if self._reach is not None and self.size:
+            reach[: self.size + 1, : self.size + 1] = self._reach[: self.size + 1, : self.size + 1]
+        self._reach, self._eye = reach, _identity(capacity + 1, self.device)
         self._capacity = capacity
 
     @property
     def depths(self) -> torch.Tensor:
-        """(S,) the slots' depths."""
-        self._write_chain()
-        return self._depths[: self.size]
+        """(S,) the slots' depths: how many slots each reaches."""
+        if self.chained is not None:  # a chain kept on the host: slot i at depth i + 1
+            return _counting(max(self._capacity, self.size), self.device)[: self.size]
+        return self._reach[1 : self.size + 1].sum(dim=1)
 
     def _write_chain(self) -> None:
-        """The chain kept on the host, into the buffers (made now): slot i at depth i + 1, every slot before it an
-        ancestor."""
+        """The chain kept on the host, into the buffers (made now): every slot before slot i is its ancestor."""
         if self.chained is None:
             return
         self._grow(self._capacity)
         if self.chained:
             k = self.chained
-            self._depths[:k] = _counting(self._capacity, self.device)[:k]
-            self._reach[:k, :k] = _lower(k, self.device)
+            self._reach[1 : k + 1, 1 : k + 1] = _lower(k, self.device)
         self.chained = None
 
     def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,14 +101,13 @@ class SlotTree:
         if s + k > self._capacity:
             self._grow(max(2 * self._capacity, s + k))
         if s == 0:  # the first slots: every parent is the root
-            depths, reach = self._depths[:k].fill_(1), self._reach[:k].copy_(self._eye[:k])
-        else:
-            parents, has_parent = parent_slots.clamp(min=0), parent_slots >= 0  # (K,) each
-            depths = self._depths[parents] * has_parent + 1  # (K,) a root's child: depth 1
-            reach = self._reach[parents] & has_parent[:, None] | self._eye[s : s + k]  # (K, C): parent's, own
-            self._depths[s : s + k], self._reach[s : s + k] = depths, reach
+            reach = self._reach[1 : k + 1].copy_(self._eye[1 : k + 1])
+            self.size = k
+            return _ones(k, self.device), reach[:, 1 : k + 1]
+        reach = self._reach[parent_slots + 1] | self._eye[s + 1 : s + k + 1]  # (K, 1 + C): the parent's, and its own
+        self._reach[s + 1 : s + k + 1] = reach
         self.size = s + k
-        return depths, reach[:, : s + k]
+        return reach.sum(dim=1), reach[:, 1 : s + k + 1]
 
     def add_child_of_last(self) -> torch.Tensor:
         """One new slot under the last one (the root when none): a chain's next node. Its depth (1,) (read only)."""
@@ -119,6 +117,12 @@ class SlotTree:
         if self.size > self._capacity:
             self._capacity *= 2
         return _counting(self._capacity, self.device)[self.size - 1 : self.size]
+
+
+@lru_cache(maxsize=8)
+def _ones(size: int, device: torch.device) -> torch.Tensor:
+    """(size,) long ones, made once (read only)."""
+    return torch.ones(size, dtype=torch.long, device=device)
 
 
 @lru_cache(maxsize=8)

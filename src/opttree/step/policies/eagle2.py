@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ...settings.config import SpecConfig
+from ...device import constant
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
@@ -69,22 +70,38 @@ class Eagle2:
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             return self.plans.grow(drafter, committed, min(self.depth, depth_limit), picker)
         dist = drafter.root(committed)[None]  # (1, V)
-        tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, k))  # layer 1, (k,)
-        layers = [(tokens, torch.full_like(tokens, -1), scores)]  # (tokens, parent candidate, log p-hat)
+        device = dist.device
+        tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=device), dist, k))  # layer 1, (k,)
         depth = min(self.depth, depth_limit)
-        # [0]: the root's slot (-1: none); [1 + c]: candidate c's drafter slot, -1 until it is expanded
-        slots = torch.full((1 + k + max(depth - 1, 0) * k * k,), -1, dtype=torch.long, device=tokens.device)
-        offset, next_slot = 0, 0  # offset = candidate index of the last layer's first node
-        for _ in range(1, depth):
-            tokens, parents, scores = layers[-1]
-            expand = scores.topk(min(k, scores.shape[0])).indices  # (k,) positions in the layer
-            dist = drafter.expand(tokens[expand], slots[parents[expand] + 1])  # (k, V), from the parents' slots
-            slots[expand + (1 + offset)] = torch.arange(next_slot, next_slot + expand.shape[0], device=dist.device)
-            next_slot += expand.shape[0]
-            child_tokens, child_scores = picker.ranked(scores[expand], dist, k)  # (k, k)
-            child_parents = (offset + expand)[:, None].expand_as(child_tokens)
+        # Candidates are numbered layer by layer; a layer past the first is its expanded parents' children, row by
+        # row, `width` a row, so candidate c of it is the child of the previous layer's expanded node c // width.
+        layers = [(tokens, scores)]  # (tokens, log p-hat) of each layer's candidates
+        expanded: list[torch.Tensor] = []  # per layer but the last, (e,) the candidates expanded, in slot order
+        sizes, offset, width, base = [tokens.shape[0]], 0, 1, 0  # base: the previous layer's first slot
+        for d in range(1, depth):
+            e = min(k, scores.shape[0])
+            expand = scores.topk(e).indices  # (e,) positions in the layer
+            # the parents' slots: the root's (-1), or the previous layer's expanded rows, in slot order after
+            # the slots of the layers before
+            parent_slots = constant((-1,) * e, device) if d == 1 else expand // width + base
+            dist = drafter.expand(tokens[expand], parent_slots)  # (e, V)
+            child_tokens, child_scores = picker.ranked(scores[expand], dist, k)  # (e, w)
+            width = child_tokens.shape[1]
+            if d > 1:
+                base += expanded[-1].shape[0]
+            expanded.append(expand + offset)  # (e,) candidate indices
             offset += tokens.shape[0]
-            layers.append(tuple(x.flatten() for x in (child_tokens, child_parents, child_scores)))
-        depths = torch.cat([torch.full_like(layer[0], d + 1) for d, layer in enumerate(layers)])
-        tokens, parents, scores = (torch.cat([layer[i] for layer in layers]) for i in range(3))
-        return select_best(tokens, parents, depths, scores, slots[1:1 + tokens.shape[0]], self.n)
+            tokens, scores = child_tokens.view(-1), child_scores.view(-1)  # (e * w,)
+            layers.append((tokens, scores))
+            sizes.append(tokens.shape[0])
+        tokens, scores = (torch.cat([layer[i] for layer in layers]) for i in range(2))  # (C,)
+        depths = constant(tuple(d + 1 for d, size in enumerate(sizes) for _ in range(size)), device)  # (C,)
+        if not expanded:
+            parents, slots = constant((-1,) * sizes[0], device), constant((-1,) * sizes[0], device)
+            return select_best(tokens, parents, depths, scores, slots, self.n)
+        rows = [constant(tuple(c // (size // e.shape[0]) for c in range(size)), device)  # the parent's row, a layer
+                for e, size in zip(expanded, sizes[1:])]
+        parents = torch.cat([constant((-1,) * sizes[0], device)] + [e[r] for e, r in zip(expanded, rows)])  # (C,)
+        slots = torch.full_like(tokens, -1).index_put_((torch.cat(expanded),), constant(
+            tuple(range(sum(e.shape[0] for e in expanded))), device))  # (C,) expanded candidates in order
+        return select_best(tokens, parents, depths, scores, slots, self.n)
