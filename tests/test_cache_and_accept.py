@@ -8,7 +8,15 @@ from test_tree import depths_of, random_parents
 from opttree.step.cache import cache_argument, compact, new_cache
 from opttree.step.drafters import ModelDrafter
 from opttree.step.tree import DraftTree, leaf_paths
-from opttree.step.verify import Verification, greedy_choice, matching_path, verify_tree
+from opttree.step.verify import (
+    HostMatch,
+    StepReadout,
+    Verification,
+    greedy_choice,
+    match_on_host,
+    matching_path,
+    verify_tree,
+)
 
 
 def brute_force_accept(tree, choice):
@@ -43,6 +51,28 @@ def test_accept_matching_equals_walking_the_tree(seed):
     expected, expected_bonus = brute_force_accept(tree, choice)
     assert path[: int(length)].tolist() == expected and int(bonus) == expected_bonus
     assert path.shape == (15,)
+    assert match_on_host(tree.tokens.tolist(), tree.parents.tolist(), choice.tolist()) == (expected, expected_bonus)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_batch_readout_matches_on_the_host_what_the_device_matches(seed):
+    """`StepReadout.read_rows` over a batch mixing rows matched on the device (a path) and on the host (`HostMatch`),
+    empty trees included: each row's readout the same either way, and the host rows' path the one the device finds."""
+    g = torch.Generator().manual_seed(seed)
+    trees = [random_tree(n, 6, seed + n) if n else DraftTree.empty() for n in (15, 0, 4, 9)]
+    choices = [torch.where(torch.rand(len(t) + 1, generator=g) < 0.7, torch.cat([t.tokens[:1], t.tokens])
+                           if len(t) else torch.zeros(1, dtype=torch.long), torch.randint(0, 6, (len(t) + 1,), generator=g))
+               for t in trees]
+    on_device = StepReadout.read_rows([(t, matching_path(t, c)) for t, c in zip(trees, choices)])
+    mixed = StepReadout.read_rows([(t, HostMatch(c) if i % 2 else matching_path(t, c))
+                                   for i, (t, c) in enumerate(zip(trees, choices))])
+    on_host = StepReadout.read_rows([(t, HostMatch(c)) for t, c in zip(trees, choices)])
+    for device, other, host, tree, choice in zip(on_device, mixed, on_host, trees, choices):
+        for got in (other, host):
+            assert (got.accepted, got.emitted, got.slots, got.depth) == (device.accepted, device.emitted, device.slots,
+                                                                          device.depth)
+        path, length, _ = matching_path(tree, choice)
+        assert host.path == path[: int(length)].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])

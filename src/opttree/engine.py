@@ -12,7 +12,7 @@ from transformers import Cache, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .batch_sizing import by_length
-from .device import PhaseClock, model_device, seeded_generator, synchronize
+from .device import PhaseClock, host_tensor, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
 from .packed import PackedLinears, entered, packed_linears
 from .parallel import lockstep_for
@@ -38,7 +38,7 @@ from .step.policies import TreePolicy
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
 from .step.tree import DraftTree
-from .step.verify import StepReadout, TreeVerifier, Verification, accept_path
+from .step.verify import HostMatch, StepReadout, TreeVerifier, Verification, accept_path, target_choice
 
 _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
 
@@ -171,10 +171,14 @@ class Row:
             return DraftTree.empty(self.committed.device)
         return self.policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostMatch:
         """3. The longest branch the target agrees with, plus its bonus token: (path (N,), length (), bonus ())
-        on the device. logits: (N + 1, V) at [root] + nodes."""
+        on the device, or where it is a match of the tree against the target's choices, those choices, matched on
+        the host after the step's read (`HostMatch`). logits: (N + 1, V) at [root] + nodes."""
         logits = shape_logits(self.processors, self.committed, tree, logits)  # as target.generate at each node
+        choice = target_choice(tree, logits, self.config, self.generator, self.noise, self.prefix_len)
+        if choice is not None:
+            return HostMatch(choice)
         return accept_path(tree, logits, self.config, self.generator, self.noise, self.prefix_len, self.siblings)
 
     def learn(self, result: Verification, phases: PhaseClock) -> None:
@@ -521,9 +525,10 @@ class Generation:
         # 3. accept: per row, the longest branch the target agrees with plus its bonus; the step's one host
         #    sync reads what the host needs of every row (how many were accepted, the emitted tokens, the depth)
         logits, hidden = zip(*outputs) if self.wants_hidden else (outputs, [None] * len(rows))
-        paths = [row.accept(tree, lg) for row, tree, lg in zip(rows, trees, logits)]  # ((N,), (), ()) per row
-        readouts = StepReadout.read_rows([(tree, *path) for tree, path in zip(trees, paths)])
-        accepted = [path[: readout.accepted] for (path, _, _), readout in zip(paths, readouts)]  # (A,) per row
+        outcomes = [row.accept(tree, lg) for row, tree, lg in zip(rows, trees, logits)]  # a path or a HostMatch each
+        readouts = StepReadout.read_rows(list(zip(trees, outcomes)))
+        accepted, emitted, bonuses = zip(*(_accepted(tree, outcome, readout, self.device)
+                                           for tree, outcome, readout in zip(trees, outcomes, readouts)))
         # 4. compact the target's cache to each row's root + accepted path
         self.verifier.commit(cache, roots, trees, accepted, prefix_lens)
         # the readout waited for the marks so far, and for the last step's observing: reading them stalls nothing
@@ -533,11 +538,22 @@ class Generation:
         for i, (row, tree) in enumerate(zip(rows, trees)):
             start, end, share = spans[i]
             draft_s = phases.seconds(start, end) * share + allocate_s + row.settle_observing(phases)
-            bonus = paths[i][2]
-            emitted = torch.cat([tree.tokens[accepted[i]], bonus.view(1)])  # (A + 1,) on the device
-            row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonus, hidden[i], readouts[i]), phases)
-            results.append(row.emit(emitted, readouts[i], len(tree), draft_s, verify_s))
+            row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonuses[i], hidden[i], readouts[i]), phases)
+            results.append(row.emit(emitted[i], readouts[i], len(tree), draft_s, verify_s))
         return results
+
+
+def _accepted(tree: DraftTree, outcome, readout: StepReadout, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row's accepted nodes (A,), emitted tokens (A + 1,) and bonus () on the device, from its acceptance (a path on
+    the device, or a match made on the host) and the step's readout."""
+    a = readout.accepted
+    if readout.path is not None:  # matched on the host: one copy to the device
+        both = host_tensor(readout.path + readout.emitted, device)  # (2A + 1,)
+        return both[:a], both[a:], both[-1]
+    path, _, bonus = outcome
+    accepted = path[:a]
+    return accepted, torch.cat([tree.tokens[accepted], bonus.view(1)]), bonus
 
 
 def packs(models: list, rows: list[Row]) -> list[PackedLinears]:

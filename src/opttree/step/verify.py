@@ -23,6 +23,15 @@ from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 
 
 @dataclass(frozen=True)
+class HostMatch:
+    """A step's acceptance by matching left to the host (`match_on_host`): the step's one read takes the tree with the
+    target's choices, which costs a handful of ops against some thirty for matching on the device (`matching_path`)
+    and reading its path."""
+
+    choice: torch.Tensor  # (N + 1,) the target's token at [root] + nodes (`target_choice`)
+
+
+@dataclass(frozen=True)
 class StepReadout:
     """What the host learns of a step, in the step's one read from the device (`read`)."""
 
@@ -31,28 +40,52 @@ class StepReadout:
     slots: list[int]  # the drafter's slots of the accepted nodes (-1 = never run by the drafter)
     depth: int  # the tree's depth (0 for an empty tree)
     siblings: int = 0  # the most sampled children of one node (0: none sampled): rejection sampling's next bound
+    path: list[int] | None = None  # the accepted nodes, root to leaf, where the host matched them (`HostMatch`)
 
     @staticmethod
     def read(tree: DraftTree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> "StepReadout":
         """One `.tolist()` of (length, depth, bonus, most sampled siblings, tokens and slots along the path).
         path: (N,) from `accept_path`, its first `length` entries the accepted nodes."""
-        return StepReadout.read_rows([(tree, path, length, bonus)])[0]
+        return StepReadout.read_rows([(tree, (path, length, bonus))])[0]
 
     @staticmethod
-    def read_rows(rows: list[tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list["StepReadout"]:
-        """`read` for every row of a batch, in one `.tolist()`: (tree, path, length, bonus) per row."""
+    def read_rows(rows: list[tuple[DraftTree, tuple | HostMatch]]) -> list["StepReadout"]:
+        """`read` for every row of a batch, in one `.tolist()`: per row its tree and its acceptance, a path on the
+        device (path, length, bonus) or a `HostMatch` (then the tree's tokens, parents and slots are read with the
+        target's choices, and matched here)."""
         parts = []
-        for tree, path, length, bonus in rows:
+        for tree, outcome in rows:
+            if isinstance(outcome, HostMatch):
+                parts += [outcome.choice, tree.tokens, tree.parents, tree.draft_slots]
+                continue
+            path, length, bonus = outcome
             depth = tree.depths.max().view(1) if len(tree) else tree.depths.new_zeros(1)
             parts += [length.view(1), depth, bonus.view(1), _most_siblings(tree), tree.tokens[path],
                       tree.draft_slots[path]]
         values, out, at = torch.cat(parts).tolist(), [], 0
-        for tree, *_ in rows:
-            n, (a, depth, bonus, siblings) = len(tree), values[at : at + 4]
+        for tree, outcome in rows:
+            n = len(tree)
+            if isinstance(outcome, HostMatch):
+                choice = values[at : at + n + 1]
+                tokens, parents, slots = (values[at + n + 1 + i * n : at + n + 1 + (i + 1) * n] for i in range(3))
+                path, bonus = match_on_host(tokens, parents, choice)
+                out.append(StepReadout(len(path), [tokens[i] for i in path] + [bonus], [slots[i] for i in path],
+                                       _host_depth(parents), path=path))
+                at += 4 * n + 1
+                continue
+            a, depth, bonus, siblings = values[at : at + 4]
             row = values[at + 4 : at + 4 + 2 * n]
             out.append(StepReadout(a, row[:a] + [bonus], row[n : n + a], depth, siblings))
             at += 4 + 2 * n
         return out
+
+
+def _host_depth(parents: list[int]) -> int:
+    """The depth of a tree given by its parents (parents before children, -1 = the root): 0 for an empty tree."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 1)
+    return max(depths, default=0)
 
 
 def _most_siblings(tree: DraftTree) -> torch.Tensor:
@@ -325,11 +358,16 @@ def accept_sampled(
     noise: (N + 1, V) log Exp(1) noise of the position each row's sample would take (`PositionNoise`).
     Returns (path (N,), length (), bonus ()) as `matching_path`, on the device.
     """
+    return matching_path(tree, sampled_choice(logits, temperature, top_k, top_p, noise))
+
+
+def sampled_choice(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: torch.Tensor
+                   ) -> torch.Tensor:
+    """(N + 1,) one sample of the target's warped distribution at each of [root] + nodes (`accept_sampled`)."""
     if top_k or top_p < 1:
-        choice = race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
-    else:  # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
-        choice = torch.sub(logits, noise, alpha=temperature).max(dim=-1).indices  # (N+1,) as `race` does
-    return matching_path(tree, choice)
+        return race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
+    # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
+    return torch.sub(logits, noise, alpha=temperature).max(dim=-1).indices  # (N+1,) as `race` does
 
 
 def accept_path(
@@ -342,15 +380,40 @@ def accept_path(
     sampled children of a node rejection sampling tries (`accept_rejection_sampling`). Returns (path (N,):
     the accepted node indices root->leaf in its first `length` entries; length () long; bonus ()).
     Nothing is read back, but where rejection sampling walks the path on the host (on a CPU)."""
-    if tree.draft_probs is not None:  # children sampled from the draft: recursive rejection sampling
-        warp = (config.temperature, config.top_k, config.top_p)
-        return accept_rejection_sampling(tree, logits, generator, siblings, warp)
+    choice = target_choice(tree, logits, config, generator, noise, root_position)
+    if choice is not None:
+        return matching_path(tree, choice)
+    warp = (config.temperature, config.top_k, config.top_p)
+    return accept_rejection_sampling(tree, logits, generator, siblings, warp)
+
+
+def target_choice(
+    tree: DraftTree, logits: torch.Tensor, config: SpecConfig, generator: torch.Generator | None,
+    noise: PositionNoise | None = None, root_position: int = 0,
+) -> torch.Tensor | None:
+    """(N + 1,) the target's token at [root] + nodes where acceptance matches the tree against them (deterministic
+    candidates: the greedy argmax, or one sample a node by the exponential race, `accept_sampled`); None where the
+    tree's children were sampled from the draft (recursive rejection sampling, `accept_rejection_sampling`)."""
+    if tree.draft_probs is not None:
+        return None
     if config.greedy:
-        return matching_path(tree, greedy_choice(logits))
+        return greedy_choice(logits)
     noise = noise or PositionNoise(generator, logits.device)
     depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
     rows = noise.rows(root_position + 1, depths, len(tree) + 1, logits.shape[-1])  # (N+1, V)
-    return accept_sampled(tree, logits, config.temperature, config.top_k, config.top_p, rows)
+    return sampled_choice(logits, config.temperature, config.top_k, config.top_p, rows)
+
+
+def match_on_host(tokens: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:
+    """`matching_path` on the host, for a tree read back whole: (the accepted node indices root -> leaf, the bonus).
+    tokens, parents: the N nodes (parents before children, -1 = the root); choice: the target's N + 1 tokens at
+    [root] + nodes. A node is reached when its parent is (the root always is) and its token is the parent's choice."""
+    reached, path = [False] * len(tokens), []
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        if (parent < 0 or reached[parent]) and token == choice[parent + 1]:
+            reached[i] = True
+            path.append(i)
+    return path, choice[path[-1] + 1 if path else 0]
 
 
 def _as_path(n: int, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
