@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -39,9 +39,14 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @cached_property
+    def block(self) -> torch.Tensor:
+        """(N + 1, N + 1) bool `tree_block` of this tree, computed once (the verify mask and acceptance share it)."""
+        return tree_block(self.parents)
+
+    @property
     def ancestors(self) -> torch.Tensor:
-        """(N, N) bool `ancestor_mask` of this tree, computed once (the verify mask and acceptance share it)."""
-        return ancestor_mask(self.parents)
+        """(N, N) bool `ancestor_mask` of this tree (a view of `block`)."""
+        return self.block[1:, 1:]
 
     @property
     def drawn(self) -> torch.Tensor:
@@ -79,15 +84,10 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     N^2 a round.
     """
     n = parents.shape[0]
-    if n == 0:
-        return torch.zeros(0, 0, dtype=torch.bool, device=parents.device)
+    if n <= SQUARING_MAX_NODES:
+        return tree_block(parents)[1:, 1:]
     rounds = max(n - 1, 1).bit_length()
     cols = torch.arange(n, device=parents.device)
-    if n <= SQUARING_MAX_NODES:
-        reach = (parents[:, None] == cols).float() + torch.eye(n, device=parents.device)  # (N, N) I + A
-        for _ in range(rounds):
-            reach = (reach @ reach).clamp_(max=1)
-        return reach > 0
     mask = torch.zeros(n, n + 1, dtype=torch.bool, device=parents.device)  # (N, N+1), column N = "past the root"
     mask[cols, cols] = True
     jump = torch.where(parents >= 0, parents, n)  # (N,) the ancestor 2^k levels up, n once past the root
@@ -98,23 +98,45 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask[:, :n]
 
 
-def tree_attention_mask(parents: torch.Tensor, prefix_len: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+def tree_block(parents: torch.Tensor) -> torch.Tensor:
+    """(N,) parents -> (N + 1, N + 1) bool over [root] + nodes, [i, j] True iff j is i or one of its ancestors (the
+    root is every node's): the tree's part of the verify mask, and `ancestor_mask` without its first row and column.
+    Up to SQUARING_MAX_NODES nodes by squaring the reach matrix of [root] + nodes, the root its own parent (`ancestor_mask`
+    describes the method): 10 ops and two a round."""
+    n = parents.shape[0]
+    if n > SQUARING_MAX_NODES:
+        block = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=parents.device)
+        block[:, 0] = True
+        block[1:, 1:] = ancestor_mask(parents)
+        return block
+    up = torch.cat([parents.new_zeros(1), parents + 1])  # (N+1,) each row's parent row, the root's itself
+    reach = (up[:, None] == torch.arange(n + 1, device=parents.device)).float() + _eye(n + 1, parents.device)
+    for _ in range(max(n - 1, 1).bit_length() if n else 0):
+        reach = (reach @ reach).clamp_(max=1)
+    return reach > 0
+
+
+@lru_cache(maxsize=16)
+def _eye(size: int, device: torch.device) -> torch.Tensor:
+    """(size, size) float identity, made once (read only)."""
+    return torch.eye(size, device=device)
+
+
+def tree_attention_mask(parents: torch.Tensor, prefix_len: int, block: torch.Tensor | None = None) -> torch.Tensor:
     """Mask for one forward over [root] + nodes: (N + 1, prefix_len + N + 1) bool, True = attend.
 
     Every query sees the committed prefix (already cached) and the root; a node also sees its
-    ancestors and itself. Row 0 is the root. `ancestors`: `ancestor_mask(parents)` if already known.
+    ancestors and itself. Row 0 is the root. `block`: `tree_block(parents)` if already known.
     """
-    n = parents.shape[0]
-    device = parents.device
-    tree = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)  # (N+1, N+1) over [root] + nodes
-    tree[:, 0] = True
-    tree[1:, 1:] = ancestor_mask(parents) if ancestors is None else ancestors
-    prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=device)  # (N+1, P)
-    return torch.cat([prefix, tree], dim=1)  # (N+1, P+N+1)
+    block = tree_block(parents) if block is None else block  # (N+1, N+1) over [root] + nodes
+    if prefix_len == 0:
+        return block
+    prefix = torch.ones(block.shape[0], prefix_len, dtype=torch.bool, device=block.device)  # (N+1, P)
+    return torch.cat([prefix, block], dim=1)  # (N+1, P+N+1)
 
 
 def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacity: int,
-                     ancestors: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+                     block: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
     """The fixed-shape version of `tree_attention_mask`: [root] + N nodes padded to `width` nodes, over
     `capacity` keys where the W + 1 rows land at `start` (default prefix_len). (W + 1, capacity) bool:
     the real rows see the prefix [0, prefix_len) and their tree, nothing else (keys in [prefix_len,
@@ -123,10 +145,12 @@ def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacit
     n = parents.shape[0]
     start = prefix_len if start is None else start
     assert n <= width and prefix_len <= start and start + width + 1 <= capacity, (n, width, prefix_len, start, capacity)
+    block = tree_block(parents) if block is None else block  # (N+1, N+1) over [root] + nodes
+    if n == width and start == prefix_len and capacity == start + n + 1:  # nothing to pad
+        return tree_attention_mask(parents, prefix_len, block)
     allowed = torch.zeros(width + 1, capacity, dtype=torch.bool, device=parents.device)  # (W+1, C)
     allowed[: n + 1, :prefix_len] = True
-    tree = tree_attention_mask(parents, 0, ancestors)  # (N+1, N+1) over [root] + nodes
-    allowed[: n + 1, start : start + n + 1] = tree
+    allowed[: n + 1, start : start + n + 1] = block
     pad = torch.arange(n + 1, width + 1, device=parents.device)  # (W-N,)
     allowed[pad, start + pad] = True
     return allowed
@@ -134,6 +158,8 @@ def padded_tree_mask(parents: torch.Tensor, prefix_len: int, width: int, capacit
 
 def pad_nodes(values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
     """(N + 1,) values at [root] + nodes -> (W + 1,), padded with `fill`."""
+    if values.shape[0] == width + 1:
+        return values
     return torch.cat([values, values.new_full((width + 1 - values.shape[0],), fill)])
 
 

@@ -272,7 +272,7 @@ def verify_trees(
     elif not static and len(trees) == 1 and trees[0].chain:  # a chain of draws: causal after the prefix (2 ops)
         allowed = torch.ones(1, width + 1, keys, dtype=torch.bool, device=tokens.device).tril(start)  # (1, W+1, K)
     else:
-        allowed = torch.stack([padded_tree_mask(tree.parents, p, width, keys, tree.ancestors, start)
+        allowed = torch.stack([padded_tree_mask(tree.parents, p, width, keys, tree.block, start)
                                for tree, p in zip(trees, prefix_lens)])  # (B, W+1, K)
     forward = static_step(target) if static and compiled and cache.is_initialized else None  # a first forward allocates
     out = masked_forward(target, cache, tokens, positions, allowed, hidden, forward,
