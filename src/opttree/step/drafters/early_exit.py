@@ -29,7 +29,7 @@ from ..attention import key_positions
 from ..cache import cache_argument, new_cache, truncate
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .head import DraftLMHead, drafting_temperature
-from .model import SlotTree
+from .model import SlotTree, _slot_keys
 
 
 def decoder_of(target: PreTrainedModel) -> nn.Module:
@@ -170,7 +170,7 @@ class EarlyExitDrafter(Declared):
         allowed = torch.cat([torch.ones(tokens.shape[0], self.fed, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, fed+S+K): both caches hold the committed tokens, then the slots
         positions = (self.fed - 1 + depths)[None]
-        keys = partial(key_positions, self.fed, self.fed - 1 + self.slots.depths, allowed.shape[1])
+        keys = partial(_slot_keys, self.fed, self.slots, allowed.shape[1])  # made if a layer asks
         states = _run(self.exit.lower, positions, allowed, self.lower_cache, keys, input_ids=tokens[None])
         return self._log_probs(self.exit(states, positions, allowed, self.cache, keys)[0])
 

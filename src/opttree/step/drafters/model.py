@@ -119,6 +119,11 @@ class SlotTree:
         return _counting(self._capacity, self.device)[self.size - 1 : self.size]
 
 
+def _slot_keys(base: int, slots: SlotTree, width: int) -> torch.Tensor:
+    """(width,) the positions of a draft forward's keys: the committed ones below `base`, then the slots'."""
+    return key_positions(base, base - 1 + slots.depths, width)
+
+
 @lru_cache(maxsize=8)
 def _ones(size: int, device: torch.device) -> torch.Tensor:
     """(size,) long ones, made once (read only)."""
@@ -155,6 +160,7 @@ class ModelDrafter(Declared):
         self.temperature = temperature
         self.vocab = vocab
         self.rows = model.get_input_embeddings().weight.shape[0]  # ids the draft can embed
+        self.embeds_all = vocab is not None and vocab <= self.rows  # every id of the target's (else `_embeddable`)
         self.cache = new_cache(self.model)
         self.committed_len = 0  # tokens of the committed sequence held in the cache
         self.base = 0  # committed length when the current tree was opened
@@ -179,15 +185,18 @@ class ModelDrafter(Declared):
         """The committed tokens the cache lacks through the draft; the root's log-probabilities (V,)."""
         end = committed.shape[0]
         self._slide(end)
-        # (R,) tokens the draft has not seen yet; an id past a shorter draft's rows (one the target emitted)
-        # goes in as the last row: only the draft's guesses depend on it, never the output
-        new = on(committed[self.committed_len :], self.device).clamp(max=self.rows - 1)
+        new = self._embeddable(on(committed[self.committed_len :], self.device))  # (R,) tokens the draft has not seen
         assert new.numel() > 0, "the root must be new to the drafter"
         self._positions_below(end)
         logits = self._root_forward(new, end)  # (V,)
         self.committed_len = self.base = end
         self._open_tree()
         return self._log_probs(logits)
+
+    def _embeddable(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Ids the draft can embed: one past a shorter draft's rows (the target emitted it) goes in as the last row;
+        only the draft's guesses depend on it, never the output. Unchanged (no op) where the draft embeds them all."""
+        return tokens if self.embeds_all else tokens.clamp(max=self.rows - 1)
 
     def _slide(self, end: int) -> None:
         """Before the committed tokens up to `end` go in: where the cache would then hold more than `draft_window`
@@ -209,14 +218,13 @@ class ModelDrafter(Declared):
             self.forward.rope.reserve(end)
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
+        tokens, parent_slots = self._embeddable(on(tokens, self.device)), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         held = self.base - self.dropped  # committed positions in the cache
         allowed = torch.cat([torch.ones(tokens.shape[0], held, dtype=torch.bool, device=self.device), ancestors],
                             dim=1)  # (K, held+S+K)
         # the keys' positions, for layers with a window (a sliding draft has none: `model_drafter`)
-        keys = None if self.dropped else partial(key_positions, self.base, self.base - 1 + self.slots.depths,
-                                                 allowed.shape[1])
+        keys = None if self.dropped else partial(_slot_keys, self.base, self.slots, allowed.shape[1])  # made if asked
         positions = self.base - 1 + depths  # (K,)
         self._positions_below(self.base + self.slots.size)
         logits = self._tree_forward(tokens, positions, allowed, keys)  # (K, V)
@@ -226,7 +234,7 @@ class ModelDrafter(Declared):
         """`expand` of one node (1,) whose parent is the last slot (the root when none), every slot so far being its
         ancestor (a chain): it runs as the next token over the cache, no tree mask (on a 2-core CPU 219 against 268
         us for the shipped draft). Returns (1, V)."""
-        token = on(token, self.device).clamp(max=self.rows - 1)
+        token = self._embeddable(on(token, self.device))
         depths = self.slots.add_child_of_last()  # (1,)
         self._positions_below(self.base + self.slots.size)
         return self._log_probs(self._tree_forward(token, self.base - 1 + depths, None, None))  # (1, V): causal
@@ -329,7 +337,7 @@ class StaticModelDrafter(ModelDrafter):
         return logits[count - 1]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
+        tokens, parent_slots = self._embeddable(on(tokens, self.device)), on(parent_slots, self.device)
         count, first = tokens.shape[0], self.filled  # K new slots: first .. first + K - 1
         width = 1 << (count - 1).bit_length()  # W
         self._make_room(self.base + first + width)
@@ -403,7 +411,7 @@ class ChainDrafter(ModelDrafter):
         return self._take(committed)  # the cache holds exactly the committed tokens it has seen
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
-        tokens, parent_slots = on(tokens, self.device).clamp(max=self.rows - 1), on(parent_slots, self.device)
+        tokens, parent_slots = self._embeddable(on(tokens, self.device)), on(parent_slots, self.device)
         depths, ancestors = self.slots.add(parent_slots)  # (K,), (K, S+K)
         self.slot_tokens = torch.cat([self.slot_tokens, tokens])  # (S+K,)
         width = int(depths.max())  # one host read: the longest chain
