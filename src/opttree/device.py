@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -30,6 +31,13 @@ def host_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.l
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def host_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`host_tensor` for a numpy array: the array itself on a CPU (no copy), else one asynchronous copy from pinned
+    memory."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
 @lru_cache(maxsize=256)

@@ -15,6 +15,8 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
+from ..device import host_array
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -34,6 +36,9 @@ class DraftTree:
     # Known on the host: the nodes are one chain of draws, node i + 1 a child of node i, each drawn from its parent's
     # draft distribution (draft_probs), none deterministic; verified then by block verification (`verify.accept_block`).
     chain: bool = False
+    # Known on the host: the parents (as `parents`), where the policy chose the tree there; the verify mask is then
+    # made on the host (`block_on_host`), in one copy.
+    host_parents: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -41,6 +46,8 @@ class DraftTree:
     @cached_property
     def block(self) -> torch.Tensor:
         """(N + 1, N + 1) bool `tree_block` of this tree, computed once (the verify mask and acceptance share it)."""
+        if self.host_parents is not None:
+            return host_array(block_on_host(self.host_parents), self.parents.device)
         return tree_block(self.parents)
 
     @property
@@ -114,6 +121,17 @@ def tree_block(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(max(n - 1, 1).bit_length() if n else 0):
         reach = (reach @ reach).clamp_(max=1)
     return reach > 0
+
+
+def block_on_host(parents: tuple[int, ...]) -> np.ndarray:
+    """`tree_block` of parents the host holds (parents before children): (N + 1, N + 1) bool, a row a node."""
+    n = len(parents)
+    block = np.zeros((n + 1, n + 1), dtype=bool)
+    block[:, 0] = True
+    for i, parent in enumerate(parents):
+        block[i + 1] = block[parent + 1]
+        block[i + 1, i + 1] = True
+    return block
 
 
 @lru_cache(maxsize=16)

@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from ...settings.config import SpecConfig
+from ...device import constant, host_tensor
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
@@ -84,41 +85,84 @@ class OptTree:
         n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             return self.plans.grow(drafter, committed, max_depth, picker)
-        top = drafter.top_children  # the drafter lists each node's best children itself
-        if top:
-            tokens, scores = drafter.root_top(committed, n)  # layer 1, (k,)
+        build = self._build_stop_on_device if self.stop_on_device else self._build_stop_on_host
+        return build(drafter, committed, max_depth)
+
+    def _first_layer(self, drafter: Drafter, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's n best children: (tokens, log p-hat), each (k,)."""
+        if drafter.top_children:  # the drafter lists each node's best children itself
+            return drafter.root_top(committed, self.n)
+        dist = drafter.root(committed)[None]  # (1, V)
+        return tuple(x[0] for x in self.picker.ranked(torch.zeros(1, device=dist.device), dist, self.n))
+
+    def _children(self, drafter: Drafter, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The next layer: the n best children of a layer's nodes (tokens, parent slots, log p-hat (k,) each), as
+        (tokens, log p-hat, index among the (k, k') children, k'); only a row's n best children can make them."""
+        if drafter.top_children:
+            child_tokens, child_scores = drafter.expand_top(tokens, parents, self.n)  # (k, k')
+            child_scores = scores[:, None] + child_scores
         else:
-            dist = drafter.root(committed)[None]  # (1, V)
-            tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=dist.device), dist, n))  # layer 1, (k,)
+            child_tokens, child_scores = self.picker.ranked(scores, drafter.expand(tokens, parents), self.n)
+        width = child_tokens.shape[1]
+        child_scores, flat = child_scores.view(-1).topk(min(self.n, child_scores.numel()))
+        return child_tokens.view(-1)[flat], child_scores, flat, width
+
+    def _build_stop_on_host(self, drafter: Drafter, committed: torch.Tensor, max_depth: int) -> DraftTree:
+        """Layer by layer, each layer's scores and parents read by the host (a read a layer), which decides the stop
+        and then the tree: the n best candidates, their parents and depths known on the host, sent in one copy."""
+        n = self.n
+        tokens, scores = self._first_layer(drafter, committed)  # layer 1, (k,)
+        device = tokens.device
+        parents = constant((-1,) * tokens.shape[0], device)  # (k,) the layer's parents' slots
+        layers = [(tokens, scores)]
+        # on the host, by candidate (layers in order): log p-hat, parent candidate (-1 = the root), depth
+        values, up, depths = scores.tolist(), [-1] * tokens.shape[0], [1] * tokens.shape[0]  # layer 1's read
+        offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
+        # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
+        for depth in range(1, max_depth):
+            e_depth = sum(math.exp(v) for v in heapq.nlargest(n, values))  # E(A) of the best tree this deep
+            if e_depth - e_prev <= self.delta:
+                break
+            e_prev = e_depth
+            tokens, scores, flat, width = self._children(drafter, tokens, parents, scores)
+            parents = offset + flat // width  # (k,) candidate indices = slots
+            read = torch.stack([scores, flat.to(scores.dtype)]).tolist()  # the layer's one read
+            values += read[0]
+            up += [offset + int(f) // width for f in read[1]]
+            offset = len(depths)
+            depths += [depth + 1] * len(read[0])
+            layers.append((tokens, scores))
+        order = sorted(range(len(values)), key=lambda c: -values[c])[:n]  # stable: ties to the earlier (shallower)
+        if drafter.top_children and not drafter.full_top_rows:  # a listed row's padding (-inf) is no child
+            order = [c for c in order if values[c] > float("-inf")]
+        chosen = sorted(order)  # a tree: a child never scores above its parent, and comes after it
+        index = {c: i for i, c in enumerate(chosen)}
+        tree_parents = [index[up[c]] if up[c] >= 0 else -1 for c in chosen]
+        pick, tree_parents_t, tree_depths, slots = host_tensor(  # (4, n) in one copy
+            [chosen, tree_parents, [depths[c] for c in chosen], [c if c < offset else -1 for c in chosen]],
+            device).unbind()
+        tokens, scores = (torch.cat([layer[i] for layer in layers])[pick] for i in range(2))
+        return DraftTree(tokens, tree_parents_t, tree_depths, scores, slots, host_parents=tuple(tree_parents))
+
+    def _build_stop_on_device(self, drafter: Drafter, committed: torch.Tensor, max_depth: int) -> DraftTree:
+        """Every layer up to max_depth drafted, nothing read back: the stop depth found from the gains on the device
+        and deeper candidates masked out (module docstring)."""
+        n = self.n
+        tokens, scores = self._first_layer(drafter, committed)  # layer 1, (k,)
         device = tokens.device
         # A layer: (tokens, parents (candidate index, -1 = root), log p-hat).
         layers = [(tokens, torch.full_like(tokens, -1), scores)]
-        offset, e_prev = 0, 0.0  # offset = candidate index of the last layer's first node
-        gains = []  # on the device: () per layer, E_d - E_(d-1)
-        # Layers are expanded whole and in order, so an expanded candidate's drafter slot is its index.
-        for depth in range(1, max_depth + 1):
+        offset, e_prev, gains = 0, 0.0, []  # gains: () per layer, E_d - E_(d-1), on the device
+        for _ in range(1, max_depth):
             best = torch.cat([layer[2] for layer in layers]).topk(min(n, sum(layer[0].shape[0] for layer in layers)))
             e_depth = best.values.exp().sum()  # () E(A) of the best tree this deep
-            if depth == max_depth:
-                break
-            if not self.stop_on_device:
-                e_depth = float(e_depth)  # the layer's one read
-                if e_depth - e_prev <= self.delta:
-                    break
-            else:
-                gains.append(e_depth - e_prev)
+            gains.append(e_depth - e_prev)
             e_prev = e_depth
             tokens, parents, scores = layers[-1]
-            if top:
-                child_tokens, child_scores = drafter.expand_top(tokens, parents, n)  # (k, k')
-                child_scores = scores[:, None] + child_scores
-            else:  # only a row's n best children can make the layer's n best
-                child_tokens, child_scores = picker.ranked(scores, drafter.expand(tokens, parents), n)
-            child_tokens, child_scores = child_tokens.flatten(), child_scores.flatten()
-            scores, flat = child_scores.topk(min(n, child_scores.shape[0]))
-            width = child_tokens.shape[0] // tokens.shape[0]
-            layers.append((child_tokens[flat], offset + flat // width, scores))
-            offset += tokens.shape[0]
+            tokens, scores, flat, width = self._children(drafter, tokens, parents, scores)
+            layers.append((tokens, offset + flat // width, scores))
+            offset += layers[-2][0].shape[0]
         sizes = [layer[0].shape[0] for layer in layers]
         candidates = torch.arange(sum(sizes), device=device)
         slots = torch.where(candidates < offset, candidates, -1)  # the last layer was never run
@@ -130,4 +174,5 @@ class OptTree:
             stop = torch.where(small.any(), small.long().argmax() + 1, len(layers))  # () layers kept
             keys = scores.masked_fill(depths > stop, float("-inf"))
         # a listed row may be padded (-inf): those candidates are no children; masked past the stop
-        return select_best(tokens, parents, depths, keys, slots, n, listed=top and not drafter.full_top_rows)
+        listed = drafter.top_children and not drafter.full_top_rows
+        return select_best(tokens, parents, depths, keys, slots, n, listed=listed)
