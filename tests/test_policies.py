@@ -317,14 +317,19 @@ def test_the_drafters_slot_tree_gives_each_slots_depth_and_ancestors(seed):
 
     g = torch.Generator().manual_seed(seed)
     slots = SlotTree(torch.device("cpu"), capacity=4)
-    parents: list[int] = []
-    for width in (3, 5, 1, 7, 2):
-        new = [int(torch.randint(-1, len(parents), (1,), generator=g)) if parents else -1 for _ in range(width)]
-        depths, allowed = slots.add(torch.tensor(new))
-        parents += new
-        every = ancestor_mask(torch.tensor(parents))  # (S, S)
-        assert torch.equal(allowed, every[-width:])
-        assert torch.equal(depths, every[-width:].sum(dim=1)) and torch.equal(slots.depths, every.sum(dim=1))
+    for widths in ((3, 5, 1, 7, 2), (2, 6, 3), (1, 1, 9)):  # steps: the buffers kept from one to the next
+        slots.reset()
+        if seed % 2:  # a chain's first slots before the tree's
+            for _ in range(widths[-1]):
+                slots.add_child_of_last()
+        parents: list[int] = list(range(-1, slots.size - 1))
+        for width in widths:
+            new = [int(torch.randint(-1, len(parents), (1,), generator=g)) if parents else -1 for _ in range(width)]
+            depths, allowed = slots.add(torch.tensor(new))
+            parents += new
+            every = ancestor_mask(torch.tensor(parents))  # (S, S)
+            assert torch.equal(allowed, every[-width:])
+            assert torch.equal(depths, every[-width:].sum(dim=1)) and torch.equal(slots.depths, every.sum(dim=1))
 
 
 @pytest.mark.parametrize("tree_name", POLICIES)

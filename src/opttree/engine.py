@@ -195,7 +195,7 @@ class Row:
         """5. Cut the (A + 1,) accepted tokens + bonus at EOS / stop string / max_new_tokens; returns (the
         emitted chunk (C,), whether the row ends with it, what its depth control observes)."""
         end, finished = self.stopper.cut(readout.emitted)
-        chunk = emitted[:end]
+        chunk = emitted[:end] if end < emitted.shape[0] else emitted
         if readout.siblings > (self.siblings or 0):  # rejection sampling tries this many from the next step on
             self.siblings = readout.siblings
         self.committed = torch.cat([self.committed, chunk])
@@ -530,7 +530,8 @@ class Generation:
         accepted, emitted, bonuses = zip(*(_accepted(tree, outcome, readout, self.device)
                                            for tree, outcome, readout in zip(trees, outcomes, readouts)))
         # 4. compact the target's cache to each row's root + accepted path
-        self.verifier.commit(cache, roots, trees, accepted, prefix_lens)
+        firsts = [r.path == list(range(r.accepted)) for r in readouts]  # matched on the host: stays where it is
+        self.verifier.commit(cache, roots, trees, accepted, prefix_lens, firsts)
         # the readout waited for the marks so far, and for the last step's observing: reading them stalls nothing
         verify_s = phases.seconds(t_allocated, t_verified)
         allocate_s = phases.seconds(t_drafted, t_allocated) / len(rows)

@@ -118,7 +118,7 @@ class ChainVerifier:
         return torch.cat([out[0, :1], nodes])  # (N+1, V)
 
     def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
-               prefix_lens: list[int]) -> None:
+               prefix_lens: list[int], firsts: list[bool] | None = None) -> None:
         """Back to the saved cache, then the root and the accepted nodes' tokens (A,) through it; a KV cache:
         the row of a chain through the last accepted node, cut after it."""
         (root,), (tree,), (accepted,), (prefix_len,) = roots, trees, accepted, prefix_lens

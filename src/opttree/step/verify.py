@@ -18,7 +18,7 @@ from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
 from .lean import lean_forward
-from .sampling import PositionNoise, inverse_cdf, race, target_probs, warp_logits
+from .sampling import PositionNoise, as_float32, inverse_cdf, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
 
 
@@ -298,12 +298,14 @@ class TreeVerifier:
         return verify_trees(self.target, cache, roots, trees, prefix_lens, self.hidden, self.width)
 
     def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
-               prefix_lens: list[int]) -> None:
+               prefix_lens: list[int], firsts: list[bool] | None = None) -> None:
         """Per row, keep the root and the accepted nodes (A,) in the cache, in order; drop the rest of the tree.
-        A row that accepted nothing keeps its root, the first of its step's rows, and a chain of draws its first A
-        nodes after it (known on the host: those rows stay where they are)."""
-        keeps = [torch.cat([path.new_zeros(1), path + 1]) if path.shape[0] and not tree.chain else path.shape[0] + 1
-                 for tree, path in zip(trees, accepted)]  # (A + 1,) offsets after the prefix, or A + 1: the first
+        A row that accepted nothing keeps its root, the first of its step's rows, and a row whose accepted nodes are
+        known on the host to be its first A (`firsts`; a chain of draws always) the first A + 1 rows: those rows stay
+        where they are."""
+        firsts = firsts or [False] * len(trees)
+        keeps = [torch.cat([path.new_zeros(1), path + 1]) if path.shape[0] and not (tree.chain or first)
+                 else path.shape[0] + 1 for tree, path, first in zip(trees, accepted, firsts)]  # offsets, or a count
         compact_rows(cache, prefix_lens, max(prefix_lens), keeps)
 
 
@@ -311,7 +313,7 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...,) the float32 argmax, as transformers' greedy search takes it (the first of
     equal maxima). Through `max(dim)`, which returns that same first index (documented, and tested against
     argmax on tie-heavy rows) at a third of argmax's time on a CPU (33 x 8192: 58 against 176 us)."""
-    return logits.float().max(dim=-1).indices
+    return as_float32(logits).max(dim=-1).indices
 
 
 def matching_path(tree: DraftTree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

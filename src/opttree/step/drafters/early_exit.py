@@ -126,6 +126,7 @@ class EarlyExitDrafter(Declared):
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab)
         self.networks = (exit_layer,)  # the target's layers and LM head are packed with the target
         self.device = model_device(target)
+        self.slots = SlotTree(self.device)  # the current step's slots
         self.target_cache: DynamicCache | None = None
         self.start(torch.empty(0, dtype=torch.long))
 
@@ -161,7 +162,7 @@ class EarlyExitDrafter(Declared):
         positions = torch.arange(self.fed, root + 1, device=self.device)[None]
         features = self.exit(states[None], positions, allowed, self.cache)
         self.fed, self.pending = root + 1, self.pending[:0]
-        self.slots = SlotTree(self.device)
+        self.slots.reset()
         return self._log_probs(features[0, -1])
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:

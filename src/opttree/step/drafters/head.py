@@ -132,6 +132,7 @@ class HeadDrafter(Declared):
         self.lm_head = DraftLMHead(target.get_output_embeddings(), vocab, head.draft_vocab)
         self.networks = (head, *self.lm_head.networks)  # the target's own LM head is packed with the target
         self.device = model_device(target)
+        self.slots = SlotTree(self.device)  # the current step's slots
         self.forward = head_forward(head) or head  # fewer ops than the head's own forward where it applies
         self.start(torch.empty(0, dtype=torch.long))
 
@@ -161,7 +162,7 @@ class HeadDrafter(Declared):
         predicted = self._run(features, committed[first:], torch.arange(first, root + 1, device=self.device), allowed)
         self.fed, self.pending = root + 1, self.pending[:0]
         self.slot_features = predicted[-1:]  # (1, H): row 0 = the root, row s + 1 = slot s
-        self.slots = SlotTree(self.device)
+        self.slots.reset()
         return self._log_probs(predicted[-1])
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:

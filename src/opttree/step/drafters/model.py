@@ -68,6 +68,10 @@ class SlotTree:
         self._capacity = capacity
         self._reach = None  # (1 + C, 1 + C): [1 + i, 1 + j] slot j is slot i or its ancestor; made when a tree comes
 
+    def reset(self) -> None:
+        """A new step's tree: no slots. The buffers stay (a slot's row is written whole when it is added)."""
+        self.size, self.chained = 0, 0
+
     def _grow(self, capacity: int) -> None:
         """Buffers for `capacity` slots, holding the slots written so far."""
         reach = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool, device=self.device)
@@ -84,10 +88,13 @@ class SlotTree:
         return self._reach[1 : self.size + 1].sum(dim=1)
 
     def _write_chain(self) -> None:
-        """The chain kept on the host, into the buffers (made now): every slot before slot i is its ancestor."""
+        """The chain kept on the host, into the buffers: every slot before slot i is its ancestor. Buffers made
+        afresh for a chain (its rows are written in part) or the first tree."""
         if self.chained is None:
             return
-        self._grow(self._capacity)
+        if self.chained or self._reach is None:
+            self._reach = None
+            self._grow(self._capacity)
         if self.chained:
             k = self.chained
             self._reach[1 : k + 1, 1 : k + 1] = _lower(k, self.device)
@@ -168,10 +175,11 @@ class ModelDrafter(Declared):
         self.forward = draft_forward(model) if self.runs_draft_forward else None
         self.draft_window = window
         self.dropped = 0  # committed positions dropped from the cache's front (`_slide`): its row i = position dropped + i
+        self.slots = SlotTree(self.device)
         self._open_tree()
 
     def _open_tree(self) -> None:
-        self.slots = SlotTree(self.device)
+        self.slots.reset()
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.cache = new_cache(self.model)

@@ -106,7 +106,7 @@ class OptTree:
             child_tokens, child_scores = self.picker.ranked(scores, drafter.expand(tokens, parents), self.n)
         width = child_tokens.shape[1]
         child_scores, flat = child_scores.view(-1).topk(min(self.n, child_scores.numel()))
-        return child_tokens.view(-1)[flat], child_scores, flat, width
+        return child_tokens.take(flat), child_scores, flat, width  # take: of the flattened (k, k')
 
     def _build_stop_on_host(self, drafter: Drafter, committed: torch.Tensor, max_depth: int) -> DraftTree:
         """Layer by layer, each layer's scores and parents read by the host (a read a layer), which decides the stop
