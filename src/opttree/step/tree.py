@@ -15,7 +15,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from ..device import host_array
+from ..device import constant, host_array
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,7 @@ def pad_nodes(values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 
 def position_ids(depths: torch.Tensor, root_position: int) -> torch.Tensor:
     """(N,) depths -> (N + 1,) positions of [root] + nodes: the root sits at `root_position`."""
-    zero = torch.zeros(1, dtype=torch.long, device=depths.device)
-    return root_position + torch.cat([zero, depths])
+    return root_position + torch.cat([constant((0,), depths.device), depths])
 
 
 def leaf_paths(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:

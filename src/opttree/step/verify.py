@@ -19,7 +19,7 @@ from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
 from .lean import lean_forward
 from .sampling import PositionNoise, as_float32, inverse_cdf, race, target_probs, warp_logits
-from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids
+from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,8 @@ def verify_trees(
     sizes = [len(tree) for tree in trees]
     width = max(width, *sizes) if static else max(sizes)  # a tree past the static width gets a shape of its own
     keys = capacity(cache) if static else start + width + 1
+    if not static and len(trees) == 1:  # one sequence: its own shapes, no batch axis to make and take apart
+        return [_verify_one(target, cache, roots[0], trees[0], start, hidden)]
     tokens = torch.stack([pad_nodes(torch.cat([root.view(1), tree.tokens]), width, 0)
                           for root, tree in zip(roots, trees)])  # (B, W+1)
     positions = torch.stack([pad_nodes(position_ids(tree.depths, p), width, p)
@@ -281,6 +283,22 @@ def verify_trees(
     if not hidden:
         return [logits[b, : n + 1] for b, n in enumerate(sizes)]
     return [(logits[b, : n + 1], tuple(h[b, : n + 1] for h in states)) for b, n in enumerate(sizes)]
+
+
+def _verify_one(target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int,
+                hidden: bool):
+    """`verify_trees` of one sequence over a dynamic cache: logits (N + 1, V), with `hidden` and the hidden states."""
+    tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
+    positions = position_ids(tree.depths, prefix_len)  # (N+1,)
+    keys = prefix_len + len(tree) + 1
+    if len(tree) == 0:
+        allowed = None  # the root alone: the model's own causal mask
+    elif tree.chain:  # a chain of draws: causal after the prefix (2 ops)
+        allowed = torch.ones(len(tree) + 1, keys, dtype=torch.bool, device=tokens.device).tril(prefix_len)  # (N+1, K)
+    else:
+        allowed = tree_attention_mask(tree.parents, prefix_len, tree.block)  # (N+1, K)
+    return masked_forward(target, cache, tokens, positions, allowed, hidden,
+                          keys=lambda: key_positions(prefix_len, positions, keys))
 
 
 class TreeVerifier:

@@ -28,7 +28,7 @@ from ...device import constant
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, select_best
+from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, root_children, select_best
 
 MAX_TOP_K = 10
 
@@ -69,9 +69,8 @@ class Eagle2:
         picker, k = self.picker, self.k
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             return self.plans.grow(drafter, committed, min(self.depth, depth_limit), picker)
-        dist = drafter.root(committed)[None]  # (1, V)
-        device = dist.device
-        tokens, scores = (x[0] for x in picker.ranked(torch.zeros(1, device=device), dist, k))  # layer 1, (k,)
+        tokens, scores = root_children(drafter.root(committed), k)  # layer 1, (k,)
+        device = tokens.device
         depth = min(self.depth, depth_limit)
         # Candidates are numbered layer by layer; a layer past the first is its expanded parents' children, row by
         # row, `width` a row, so candidate c of it is the child of the previous layer's expanded node c // width.

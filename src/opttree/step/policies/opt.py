@@ -39,7 +39,7 @@ from ...device import constant, host_tensor
 from ..drafters import Drafter
 from ..tree import DraftTree
 from .registry import register_policy
-from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, select_best
+from .shapes import ChildPicker, Path, TreePlans, rank_log_acceptance, root_children, select_best
 
 
 def drawn_paths(log_acc: Sequence[float], n: int, delta: float, max_depth: int) -> list[tuple[Path, float]]:
@@ -92,8 +92,7 @@ class OptTree:
         """The root's n best children: (tokens, log p-hat), each (k,)."""
         if drafter.top_children:  # the drafter lists each node's best children itself
             return drafter.root_top(committed, self.n)
-        dist = drafter.root(committed)[None]  # (1, V)
-        return tuple(x[0] for x in self.picker.ranked(torch.zeros(1, device=dist.device), dist, self.n))
+        return root_children(drafter.root(committed), self.n)
 
     def _children(self, drafter: Drafter, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -124,6 +124,13 @@ class ChildPicker:
         return tokens, scores[:, None] + child_scores
 
 
+def root_children(log_dist: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root's k best children when children are top-ranked, as `ChildPicker.ranked` gives a row's (the root's
+    p-hat is 1): (tokens, log p-hat), each (k',), k' = min(k, V). log_dist: (V,) the root's draft log-probabilities."""
+    scores, tokens = log_dist.topk(min(k, log_dist.shape[-1]))
+    return tokens, scores
+
+
 @dataclass(frozen=True)
 class PlanLayer:
     """One layer of a `TreePlan`: its nodes are tree indices start .. start + L - 1."""
