@@ -75,32 +75,27 @@ class Eagle2:
         # Candidates are numbered layer by layer; a layer past the first is its expanded parents' children, row by
         # row, `width` a row, so candidate c of it is the child of the previous layer's expanded node c // width.
         layers = [(tokens, scores)]  # (tokens, log p-hat) of each layer's candidates
-        expanded: list[torch.Tensor] = []  # per layer but the last, (e,) the candidates expanded, in slot order
-        sizes, offset, width, base = [tokens.shape[0]], 0, 1, 0  # base: the previous layer's first slot
+        expanded: list[torch.Tensor] = []  # per layer but the last, (e,) its expanded nodes' positions in the layer
+        rows: list[int] = [0] * tokens.shape[0]  # per candidate: its parent's row in [root] + the expanded nodes
+        offsets: list[int] = [0]  # per row of [root] + the expanded nodes: its layer's first candidate index
         for d in range(1, depth):
             e = min(k, scores.shape[0])
             expand = scores.topk(e).indices  # (e,) positions in the layer
-            # the parents' slots: the root's (-1), or the previous layer's expanded rows, in slot order after
-            # the slots of the layers before
-            parent_slots = constant((-1,) * e, device) if d == 1 else expand // width + base
+            # the parents' slots (-1: the root): the rows of the previous layer's expanded nodes, less one
+            parent_slots = constant(tuple(r - 1 for r in rows[-scores.shape[0]:]), device)[expand] if d > 1 \
+                else constant((-1,) * e, device)
             dist = drafter.expand(tokens[expand], parent_slots)  # (e, V)
-            child_tokens, child_scores = picker.ranked(scores[expand], dist, k)  # (e, w)
-            width = child_tokens.shape[1]
-            if d > 1:
-                base += expanded[-1].shape[0]
-            expanded.append(expand + offset)  # (e,) candidate indices
-            offset += tokens.shape[0]
-            tokens, scores = child_tokens.view(-1), child_scores.view(-1)  # (e * w,)
+            tokens, scores = picker.ranked(scores[expand], dist, k)  # (e, w)
+            width = tokens.shape[1]
+            rows += [len(offsets) + c // width for c in range(e * width)]
+            offsets += [sum(t.shape[0] for t, _ in layers) - layers[-1][0].shape[0]] * e
+            expanded.append(expand)
+            tokens, scores = tokens.view(-1), scores.view(-1)  # (e * w,)
             layers.append((tokens, scores))
-            sizes.append(tokens.shape[0])
         tokens, scores = (torch.cat([layer[i] for layer in layers]) for i in range(2))  # (C,)
-        depths = constant(tuple(d + 1 for d, size in enumerate(sizes) for _ in range(size)), device)  # (C,)
-        if not expanded:
-            parents, slots = constant((-1,) * sizes[0], device), constant((-1,) * sizes[0], device)
-            return select_best(tokens, parents, depths, scores, slots, self.n)
-        rows = [constant(tuple(c // (size // e.shape[0]) for c in range(size)), device)  # the parent's row, a layer
-                for e, size in zip(expanded, sizes[1:])]
-        parents = torch.cat([constant((-1,) * sizes[0], device)] + [e[r] for e, r in zip(expanded, rows)])  # (C,)
-        slots = torch.full_like(tokens, -1).index_put_((torch.cat(expanded),), constant(
-            tuple(range(sum(e.shape[0] for e in expanded))), device))  # (C,) expanded candidates in order
+        depths = constant(tuple(d + 1 for d, (t, _) in enumerate(layers) for _ in range(t.shape[0])), device)  # (C,)
+        # [root] + the expanded nodes as candidate indices (the root: -1), in slot order
+        nodes = torch.cat([constant((-1,), device), *expanded]) + constant(tuple(offsets), device)  # (1 + E,)
+        parents = nodes[constant(tuple(rows), device)]  # (C,)
+        slots = torch.full_like(tokens, -1).index_put_((nodes[1:],), constant(tuple(range(len(offsets) - 1)), device))
         return select_best(tokens, parents, depths, scores, slots, self.n)

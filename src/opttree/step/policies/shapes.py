@@ -344,10 +344,8 @@ def select_best(
     if listed:
         order = order[scores[order] > float("-inf")]  # a shape sync
     chosen = order.sort().values  # (n,) back in candidate (= depth) order
-    new_index = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.long, device=tokens.device)  # [c + 1] = tree index of candidate c
-    new_index[chosen + 1] = torch.arange(chosen.shape[0], device=tokens.device)
-    tree_parents = new_index[parents[chosen] + 1]
-    torch._assert_async((tree_parents >= 0).eq(parents[chosen] >= 0).all(), "selected set is not a tree")  # no sync
+    up = parents[chosen]  # (n,) each chosen candidate's parent candidate, chosen before it (-1 = the root)
+    tree_parents = torch.searchsorted(chosen, up).masked_fill_(up < 0, -1)  # (n,) its index among the chosen
     if draft_probs is None:
         return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
     rows = torch.cat([chosen.new_zeros(1), chosen + 1])  # [root] + the chosen candidates
