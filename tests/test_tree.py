@@ -5,7 +5,16 @@ import torch
 from helpers import tiny_model
 
 from opttree.step.cache import cache_argument, new_cache
-from opttree.step.tree import DraftTree, ancestor_mask, leaf_paths, position_ids, tree_attention_mask
+from opttree.step.tree import (
+    SQUARING_MAX_NODES,
+    DraftTree,
+    ancestor_mask,
+    block_on_host,
+    leaf_paths,
+    position_ids,
+    tree_attention_mask,
+    tree_block,
+)
 from opttree.step.verify import verify_tree
 
 
@@ -53,6 +62,26 @@ def test_ancestor_mask_matches_brute_force(parents):
         expected = torch.zeros(n, dtype=torch.bool)
         expected[branch(parents, i)] = True
         assert torch.equal(mask[i], expected)
+
+
+@pytest.mark.parametrize("parents", [random_parents(25, seed) for seed in range(6)]
+                         + [torch.tensor([-1]), torch.tensor([-1, -1]), torch.arange(-1, 36), chain_with_twigs(33),
+                            chain_with_twigs(64), random_parents(200, 7), torch.empty(0, dtype=torch.long)])
+def test_tree_block_on_the_device_and_the_host_and_with_a_depth_bound(parents):
+    """`tree_block` (the verify mask's tree part over [root] + nodes) equals the brute-force ancestor sets with the
+    root column added, made on the host (`block_on_host`) or on the device, without a depth bound or with the tree's
+    depth (fewer rounds); by squaring, a bound below the depth misses ancestors (the bound is what sets the rounds)."""
+    n = parents.shape[0]
+    expected = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    expected[:, 0] = True
+    for i in range(n):
+        expected[i + 1, [j + 1 for j in branch(parents, i)]] = True
+    depth = int(depths_of(parents).max()) if n else 0
+    assert torch.equal(tree_block(parents), expected)
+    assert torch.equal(tree_block(parents, depth), expected)
+    assert torch.equal(torch.from_numpy(block_on_host(tuple(parents.tolist()))), expected)
+    if depth > 2 and n <= SQUARING_MAX_NODES:
+        assert not torch.equal(tree_block(parents, 2), expected)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -39,6 +39,8 @@ class DraftTree:
     # Known on the host: the parents (as `parents`), where the policy chose the tree there; the verify mask is then
     # made on the host (`block_on_host`), in one copy.
     host_parents: tuple[int, ...] | None = None
+    # Known on the host: no node is deeper than this (0: not known), which bounds the rounds of `tree_block`.
+    depth_bound: int = 0
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -48,7 +50,7 @@ class DraftTree:
         """(N + 1, N + 1) bool `tree_block` of this tree, computed once (the verify mask and acceptance share it)."""
         if self.host_parents is not None:
             return host_array(block_on_host(self.host_parents), self.parents.device)
-        return tree_block(self.parents)
+        return tree_block(self.parents, self.depth_bound)
 
     @property
     def ancestors(self) -> torch.Tensor:
@@ -105,11 +107,12 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask[:, :n]
 
 
-def tree_block(parents: torch.Tensor) -> torch.Tensor:
+def tree_block(parents: torch.Tensor, depth_bound: int = 0) -> torch.Tensor:
     """(N,) parents -> (N + 1, N + 1) bool over [root] + nodes, [i, j] True iff j is i or one of its ancestors (the
     root is every node's): the tree's part of the verify mask, and `ancestor_mask` without its first row and column.
     Up to SQUARING_MAX_NODES nodes by squaring the reach matrix of [root] + nodes, the root its own parent (`ancestor_mask`
-    describes the method): 10 ops and two a round."""
+    describes the method): 10 ops and two a round, ceil(log2 D) rounds for a tree known to be at most D deep
+    (`depth_bound`; 0: N)."""
     n = parents.shape[0]
     if n > SQUARING_MAX_NODES:
         block = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=parents.device)
@@ -118,7 +121,8 @@ def tree_block(parents: torch.Tensor) -> torch.Tensor:
         return block
     up = torch.cat([parents.new_zeros(1), parents + 1])  # (N+1,) each row's parent row, the root's itself
     reach = (up[:, None] == torch.arange(n + 1, device=parents.device)).float() + _eye(n + 1, parents.device)
-    for _ in range(max(n - 1, 1).bit_length() if n else 0):
+    deepest = min(depth_bound or n, n)  # hops from the deepest node to the root
+    for _ in range(max(deepest - 1, 1).bit_length() if n else 0):
         reach = (reach @ reach).clamp_(max=1)
     return reach > 0
 

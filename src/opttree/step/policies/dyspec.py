@@ -150,10 +150,11 @@ class DySpec:
             value = torch.where(valid & (score.exp() > self.threshold) & (size < n), score, float("-inf"))
             if sampled:
                 probs.append(dists.exp())
+        layers = len(tokens)
         tokens, parents, depths, keys = (torch.cat(x) for x in (tokens, parents, depths, keys))
         run = torch.arange(tokens.shape[0], device=device)
         slots = torch.where(run < tokens.shape[0] - row.shape[0], run, -1)  # the last layer never ran
         draft_probs = None
         if sampled:  # (C + 1, V): [root] + every candidate's distribution, zero rows for the last layer
             draft_probs = torch.cat([*probs, probs[0].new_zeros(row.shape[0], probs[0].shape[1])])
-        return select_best(tokens, parents, depths, keys, slots, n, draft_probs=draft_probs)
+        return select_best(tokens, parents, depths, keys, slots, n, draft_probs=draft_probs, depth_bound=layers)

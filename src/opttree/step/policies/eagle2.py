@@ -98,4 +98,4 @@ class Eagle2:
         nodes = torch.cat([constant((-1,), device), *expanded]) + constant(tuple(offsets), device)  # (1 + E,)
         parents = nodes[constant(tuple(rows), device)]  # (C,)
         slots = torch.full_like(tokens, -1).index_put_((nodes[1:],), constant(tuple(range(len(offsets) - 1)), device))
-        return select_best(tokens, parents, depths, scores, slots, self.n)
+        return select_best(tokens, parents, depths, scores, slots, self.n, depth_bound=len(layers))

@@ -174,4 +174,4 @@ class OptTree:
             keys = scores.masked_fill(depths > stop, float("-inf"))
         # a listed row may be padded (-inf): those candidates are no children; masked past the stop
         listed = drafter.top_children and not drafter.full_top_rows
-        return select_best(tokens, parents, depths, keys, slots, n, listed=listed)
+        return select_best(tokens, parents, depths, keys, slots, n, listed=listed, depth_bound=len(layers))

@@ -328,7 +328,7 @@ def kary_paths(k: int, n: int, max_depth: int) -> list[Path]:
 
 def select_best(
     tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, n: int,
-    listed: bool = False, draft_probs: torch.Tensor | None = None,
+    listed: bool = False, draft_probs: torch.Tensor | None = None, depth_bound: int = 0,
 ) -> DraftTree:
     """The n candidates with the largest score (log p-hat), ties to the earlier (shallower) one.
 
@@ -339,6 +339,7 @@ def select_best(
     -inf (past a stop decided on the device) fill the n after every finite one: a fixed size.
     `draft_probs` (C + 1, V): the distributions sampled children were drawn from ([root] + candidates); the tree
     then carries the chosen rows, and its scores as keys (-inf: not a draw, never tried by rejection sampling).
+    `depth_bound`: no candidate is deeper (0: not known), for the tree's `depth_bound`.
     """
     order = torch.sort(scores, descending=True, stable=True).indices[:n]
     if listed:
@@ -347,7 +348,8 @@ def select_best(
     up = parents[chosen]  # (n,) each chosen candidate's parent candidate, chosen before it (-1 = the root)
     tree_parents = torch.searchsorted(chosen, up).masked_fill_(up < 0, -1)  # (n,) its index among the chosen
     if draft_probs is None:
-        return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen])
+        return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen],
+                         depth_bound=depth_bound)
     rows = torch.cat([chosen.new_zeros(1), chosen + 1])  # [root] + the chosen candidates
     return DraftTree(tokens[chosen], tree_parents, depths[chosen], scores[chosen], slots[chosen], draft_probs[rows],
-                     scores[chosen])
+                     scores[chosen], depth_bound=depth_bound)
