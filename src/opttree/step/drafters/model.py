@@ -54,6 +54,12 @@ def _identity(size: int, device: torch.device) -> torch.Tensor:
     return torch.eye(size, dtype=torch.bool, device=device)
 
 
+@lru_cache(maxsize=256)
+def _identity_rows(size: int, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """Rows start .. end - 1 of `_identity(size)`, a view made once (read only)."""
+    return _identity(size, device)[start:end]
+
+
 class SlotTree:
     """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors, kept in buffers that
     double when full (a layer's slots: nine ops, none sized by the tree). Row 0 of the buffer is the root (reaching
@@ -77,7 +83,7 @@ class SlotTree:
         reach = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool, device=self.device)
         if self._reach is not None and self.size:
             reach[: self.size + 1, : self.size + 1] = self._reach[: self.size + 1, : self.size + 1]
-        self._reach, self._eye = reach, _identity(capacity + 1, self.device)
+        self._reach = reach
         self._capacity = capacity
 
     @property
@@ -108,10 +114,11 @@ class SlotTree:
         if s + k > self._capacity:
             self._grow(max(2 * self._capacity, s + k))
         if s == 0:  # the first slots: every parent is the root
-            reach = self._reach[1 : k + 1].copy_(self._eye[1 : k + 1])
+            reach = self._reach[1 : k + 1].copy_(_identity_rows(self._capacity + 1, 1, k + 1, self.device))
             self.size = k
             return _ones(k, self.device), reach[:, 1 : k + 1]
-        reach = self._reach[parent_slots + 1] | self._eye[s + 1 : s + k + 1]  # (K, 1 + C): the parent's, and its own
+        own = _identity_rows(self._capacity + 1, s + 1, s + k + 1, self.device)  # (K, 1 + C)
+        reach = self._reach[parent_slots + 1] | own  # (K, 1 + C): the parent's, and its own
         self._reach[s + 1 : s + k + 1] = reach
         self.size = s + k
         return reach.sum(dim=1), reach[:, 1 : s + k + 1]
