@@ -149,8 +149,8 @@ def test_slot_tree_chain_kept_on_the_host_matches_written_slots(seed):
         under_last = torch.full((1,), slow.size - 1, dtype=torch.long)
         assert fast.add_child_of_last().tolist() == slow.add(under_last)[0].tolist()
     assert fast.depths.tolist() == slow.depths.tolist()
-    assert fast._reach[1 : fast.size + 1, 1 : fast.size + 1].tolist() == slow._reach[1 : slow.size + 1, 1 : slow.size + 1].tolist()
+    assert fast._reach[: fast.size, : fast.size].tolist() == slow._reach[: slow.size, : slow.size].tolist()
     # the ancestors are those of a tree: each slot reaches itself and its parent's set
     depths = fast.depths.tolist()
-    reach = fast._reach[1 : fast.size + 1, 1 : fast.size + 1]
+    reach = fast._reach[: fast.size, : fast.size]
     assert [int(row.sum()) for row in reach] == depths

@@ -48,22 +48,16 @@ def on_target_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, missing), value=float("-inf")) if missing > 0 else logits[..., :vocab]
 
 
-@lru_cache(maxsize=8)
-def _identity(size: int, device: torch.device) -> torch.Tensor:
-    """(size, size) bool identity, made once (read only)."""
-    return torch.eye(size, dtype=torch.bool, device=device)
-
-
 @lru_cache(maxsize=256)
 def _identity_rows(size: int, start: int, end: int, device: torch.device) -> torch.Tensor:
-    """Rows start .. end - 1 of `_identity(size)`, a view made once (read only)."""
-    return _identity(size, device)[start:end]
+    """Rows start .. end - 1 of the (size + 1, size) bool identity (its last row zero), a view made once (read only)."""
+    return torch.eye(size + 1, size, dtype=torch.bool, device=device)[start:end]
 
 
 class SlotTree:
     """A drafter's nodes of the current step, by slot: each one's depth and set of ancestors, kept in buffers that
-    double when full (a layer's slots: nine ops, none sized by the tree). Row 0 of the buffer is the root (reaching
-    nothing), slot i is row i + 1, so a parent slot of -1 (the root) needs no case of its own. A chain from the root
+    double when full (a layer's slots: seven ops, none sized by the tree). Slot i is row i of the buffer and its last
+    row the root's (reaching nothing), so a parent slot of -1 (the root) indexes it as it is. A chain from the root
     (`add_child_of_last` only) is kept on the host and written into the buffers only if a tree's slots follow: a
     slice a node."""
 
@@ -72,7 +66,7 @@ class SlotTree:
         self.size = 0  # slots so far
         self.chained = 0  # the first slots, one chain from the root, not yet in the buffers (None: written)
         self._capacity = capacity
-        self._reach = None  # (1 + C, 1 + C): [1 + i, 1 + j] slot j is slot i or its ancestor; made when a tree comes
+        self._reach = None  # (C + 1, C): [i, j] slot j is slot i or its ancestor, row C the root; made when a tree comes
 
     def reset(self) -> None:
         """A new step's tree: no slots. The buffers stay (a slot's row is written whole when it is added)."""
@@ -80,9 +74,9 @@ class SlotTree:
 
     def _grow(self, capacity: int) -> None:
         """Buffers for `capacity` slots, holding the slots written so far."""
-        reach = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool, device=self.device)
+        reach = torch.zeros(capacity + 1, capacity, dtype=torch.bool, device=self.device)
         if self._reach is not None and self.size:
-            reach[: self.size + 1, : self.size + 1] = self._reach[: self.size + 1, : self.size + 1]
+            reach[: self.size, : self.size] = self._reach[: self.size, : self.size]
         self._reach = reach
         self._capacity = capacity
 
@@ -91,7 +85,7 @@ class SlotTree:
         """(S,) the slots' depths: how many slots each reaches."""
         if self.chained is not None:  # a chain kept on the host: slot i at depth i + 1
             return _counting(max(self._capacity, self.size), self.device)[: self.size]
-        return self._reach[1 : self.size + 1].sum(dim=1)
+        return self._reach[: self.size].sum(dim=1)
 
     def _write_chain(self) -> None:
         """The chain kept on the host, into the buffers: every slot before slot i is its ancestor. Buffers made
@@ -103,7 +97,7 @@ class SlotTree:
             self._grow(self._capacity)
         if self.chained:
             k = self.chained
-            self._reach[1 : k + 1, 1 : k + 1] = _lower(k, self.device)
+            self._reach[:k, :k] = _lower(k, self.device)
         self.chained = None
 
     def add(self, parent_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,15 +107,15 @@ class SlotTree:
         k, s = parent_slots.shape[0], self.size
         if s + k > self._capacity:
             self._grow(max(2 * self._capacity, s + k))
+        own = _identity_rows(self._capacity, s, s + k, self.device)  # (K, C)
         if s == 0:  # the first slots: every parent is the root
-            reach = self._reach[1 : k + 1].copy_(_identity_rows(self._capacity + 1, 1, k + 1, self.device))
+            reach = self._reach[:k].copy_(own)
             self.size = k
-            return _ones(k, self.device), reach[:, 1 : k + 1]
-        own = _identity_rows(self._capacity + 1, s + 1, s + k + 1, self.device)  # (K, 1 + C)
-        reach = self._reach[parent_slots + 1] | own  # (K, 1 + C): the parent's, and its own
-        self._reach[s + 1 : s + k + 1] = reach
+            return _ones(k, self.device), reach[:, :k]
+        reach = self._reach[parent_slots] | own  # (K, C): the parent's (-1: the root's row, the last), and its own
+        self._reach[s : s + k] = reach
         self.size = s + k
-        return reach.sum(dim=1), reach[:, 1 : s + k + 1]
+        return reach.sum(dim=1), reach[:, : s + k]
 
     def add_child_of_last(self) -> torch.Tensor:
         """One new slot under the last one (the root when none): a chain's next node. Its depth (1,) (read only)."""
@@ -274,7 +268,10 @@ class ModelDrafter(Declared):
         together = current_round() if self.forwards_together else None
         if together is not None:  # one forward with the other rows' (`drafters.together`)
             return together.submit(self.model, self.cache, tokens, positions, allowed, keys, self.forward)
-        return masked_forward(self.model, self.cache, tokens, positions, allowed, forward=self.forward, keys=keys)
+        if self.forward is not None:  # `draft_forward` (full attention everywhere) broadcasts a (K, keys) mask itself
+            return self.forward(input_ids=tokens[None], position_ids=positions[None], attention_mask=allowed,
+                                cache=self.cache).logits[0]
+        return masked_forward(self.model, self.cache, tokens, positions, allowed, keys=keys)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., Vd) logits in the model's dtype -> (..., V) float32 log-probabilities at the draft temperature
