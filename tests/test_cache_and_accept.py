@@ -60,9 +60,9 @@ def test_a_batch_readout_matches_on_the_host_what_the_device_matches(seed):
     empty trees included: each row's readout the same either way, and the host rows' path the one the device finds."""
     g = torch.Generator().manual_seed(seed)
     trees = [random_tree(n, 6, seed + n) if n else DraftTree.empty() for n in (15, 0, 4, 9)]
-    choices = [torch.where(torch.rand(len(t) + 1, generator=g) < 0.7, torch.cat([t.tokens[:1], t.tokens])
-                           if len(t) else torch.zeros(1, dtype=torch.long), torch.randint(0, 6, (len(t) + 1,), generator=g))
-               for t in trees]
+    drafted = [torch.cat([t.tokens[:1], t.tokens]) if len(t) else torch.zeros(1, dtype=torch.long) for t in trees]
+    choices = [torch.where(torch.rand(len(d), generator=g) < 0.7, d, torch.randint(0, 6, (len(d),), generator=g))
+               for d in drafted]
     on_device = StepReadout.read_rows([(t, matching_path(t, c)) for t, c in zip(trees, choices)])
     mixed = StepReadout.read_rows([(t, HostMatch(c) if i % 2 else matching_path(t, c))
                                    for i, (t, c) in enumerate(zip(trees, choices))])

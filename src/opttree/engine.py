@@ -171,7 +171,8 @@ class Row:
             return DraftTree.empty(self.committed.device)
         return self.policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostMatch:
+    def accept(self, tree: DraftTree, logits: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostMatch:
         """3. The longest branch the target agrees with, plus its bonus token: (path (N,), length (), bonus ())
         on the device, or where it is a match of the tree against the target's choices, those choices, matched on
         the host after the step's read (`HostMatch`). logits: (N + 1, V) at [root] + nodes."""

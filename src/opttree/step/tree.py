@@ -110,9 +110,9 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 def tree_block(parents: torch.Tensor, depth_bound: int = 0) -> torch.Tensor:
     """(N,) parents -> (N + 1, N + 1) bool over [root] + nodes, [i, j] True iff j is i or one of its ancestors (the
     root is every node's): the tree's part of the verify mask, and `ancestor_mask` without its first row and column.
-    Up to SQUARING_MAX_NODES nodes by squaring the reach matrix of [root] + nodes, the root its own parent (`ancestor_mask`
-    describes the method): 10 ops and two a round, ceil(log2 D) rounds for a tree known to be at most D deep
-    (`depth_bound`; 0: N)."""
+    Up to SQUARING_MAX_NODES nodes by squaring the reach matrix of [root] + nodes, the root its own parent
+    (`ancestor_mask` describes the method): 10 ops and two a round, ceil(log2 D) rounds for a tree known to be at
+    most D deep (`depth_bound`; 0: N)."""
     n = parents.shape[0]
     if n > SQUARING_MAX_NODES:
         block = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=parents.device)

@@ -271,8 +271,6 @@ def verify_trees(
                              for tree, p in zip(trees, prefix_lens)])  # (B, W+1)
     if not static and width == 0 and all(p == start for p in prefix_lens):
         allowed = None  # the roots alone, one token after each cache: the model's own causal mask
-    elif not static and len(trees) == 1 and trees[0].chain:  # a chain of draws: causal after the prefix (2 ops)
-        allowed = torch.ones(1, width + 1, keys, dtype=torch.bool, device=tokens.device).tril(start)  # (1, W+1, K)
     else:
         allowed = torch.stack([padded_tree_mask(tree.parents, p, width, keys, tree.block, start)
                                for tree, p in zip(trees, prefix_lens)])  # (B, W+1, K)

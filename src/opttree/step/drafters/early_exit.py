@@ -25,7 +25,6 @@ from transformers import DynamicCache, PreTrainedModel
 from ...device import model_device, on
 from ...parts import read_part, save_part
 from ...settings.declared import Declared
-from ..attention import key_positions
 from ..cache import cache_argument, new_cache, truncate
 from ..verify import Verification, attention_bias, masked_attention_kernels
 from .head import DraftLMHead, drafting_temperature

@@ -66,7 +66,7 @@ class SlotTree:
         self.size = 0  # slots so far
         self.chained = 0  # the first slots, one chain from the root, not yet in the buffers (None: written)
         self._capacity = capacity
-        self._reach = None  # (C + 1, C): [i, j] slot j is slot i or its ancestor, row C the root; made when a tree comes
+        self._reach = None  # (C + 1, C): [i, j] slot j is slot i or its ancestor, row C the root's; made for a tree
 
     def reset(self) -> None:
         """A new step's tree: no slots. The buffers stay (a slot's row is written whole when it is added)."""

@@ -82,7 +82,7 @@ class OptTree:
             rank_log_acceptance(acceptance, min(self.n, vocab)), self.n, self.delta, max_depth))
 
     def build(self, drafter: Drafter, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        n, max_depth, picker = self.n, min(self.max_depth, depth_limit), self.picker
+        max_depth, picker = min(self.max_depth, depth_limit), self.picker
         if picker.sampled:  # the tree is fixed by draw ranks (module docstring): drawn into its plan
             return self.plans.grow(drafter, committed, max_depth, picker)
         build = self._build_stop_on_device if self.stop_on_device else self._build_stop_on_host
