@@ -4,8 +4,9 @@ The n nodes with the largest p-hat over all candidates form the optimal tree, an
 of layer d + 1 need only be the n best children of layer d. Deepening stops once the best
 n-node tree gains no more than `delta` expected tokens, decided before the next draft forward.
 
-Where that decision is made: on the host (the default, every device), reading each layer's gain
-before the next draft forward, so no forward is wasted; or on the device (`stop_on_device`: every layer
+Where that decision is made: on the host (the default, every device), reading each layer's scores and
+parents before the next draft forward, so no forward is wasted (the host then picks the tree too and makes
+its verify mask, where the device would sort and index); or on the device (`stop_on_device`: every layer
 up to max_depth is drafted, the stop depth is found from the gains on the device and deeper candidates
 are masked out, so nothing is read back until the acceptance). Both give the same tree, but where the stop
 leaves fewer than n candidates (a drafter that lists few children a node, as Token Recycling does): the
