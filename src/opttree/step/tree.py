@@ -119,7 +119,7 @@ def tree_block(parents: torch.Tensor, depth_bound: int = 0) -> torch.Tensor:
         block[:, 0] = True
         block[1:, 1:] = ancestor_mask(parents)
         return block
-    up = torch.cat([parents.new_zeros(1), parents + 1])  # (N+1,) each row's parent row, the root's itself
+    up = torch.cat([constant((0,), parents.device), parents + 1])  # (N+1,) each row's parent row, the root's itself
     reach = (up[:, None] == torch.arange(n + 1, device=parents.device)).float() + _eye(n + 1, parents.device)
     deepest = min(depth_bound or n, n)  # hops from the deepest node to the root
     for _ in range(max(deepest - 1, 1).bit_length() if n else 0):

@@ -17,7 +17,7 @@ from functools import lru_cache, partial
 import torch
 from transformers import PreTrainedModel
 
-from ...device import model_device, on, static_step
+from ...device import constant, model_device, on, static_step
 from ...settings.declared import Declared
 from ..attention import key_positions, mask_layout
 from ..cache import (
@@ -111,7 +111,7 @@ class SlotTree:
         if s == 0:  # the first slots: every parent is the root
             reach = self._reach[:k].copy_(own)
             self.size = k
-            return _ones(k, self.device), reach[:, :k]
+            return constant((1,) * k, self.device), reach[:, :k]
         reach = self._reach[parent_slots] | own  # (K, C): the parent's (-1: the root's row, the last), and its own
         self._reach[s : s + k] = reach
         self.size = s + k
@@ -130,12 +130,6 @@ class SlotTree:
 def _slot_keys(base: int, slots: SlotTree, width: int) -> torch.Tensor:
     """(width,) the positions of a draft forward's keys: the committed ones below `base`, then the slots'."""
     return key_positions(base, base - 1 + slots.depths, width)
-
-
-@lru_cache(maxsize=8)
-def _ones(size: int, device: torch.device) -> torch.Tensor:
-    """(size,) long ones, made once (read only)."""
-    return torch.ones(size, dtype=torch.long, device=device)
 
 
 @lru_cache(maxsize=8)
