@@ -8,8 +8,9 @@ Each (max-batch, clients) cell sends the same prompts (temperature 0, or --tempe
 index as its seed) from that many client threads
 over HTTP to a real uvicorn server (the shipped pair in float32 unless --target / --draft / --device /
 --dtype say otherwise) and prints the tokens per second
-over all requests, the p50 / p99 request latency, and whether every answer equals the one of the
-first cell (greedy in float32, and sampled with the draft model in float32: they must). --batch-budgets: each request its own tree (off), each tree cut to the
+over all requests, the p50 / p99 request latency, where the scheduler's time went (from the server's
+/metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with), and whether every
+answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they must). --batch-budgets: each request its own tree (off), each tree cut to the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
 or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
 target's latency curve measured here first (auto).
@@ -47,6 +48,20 @@ def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:
     while not uv.started:
         time.sleep(0.05)
     return f"http://127.0.0.1:{port}", uv, thread
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's histogram sums and counts (`opttree:..._sum` / `_count`) now."""
+    pairs = (line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count"))}
+
+
+def split(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float]:
+    """Between two scrapes: seconds in the batch's steps, rows a step, mean seconds of a request's prefill."""
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    per = lambda name: delta[name + "_sum"] / max(delta[name + "_count"], 1)  # noqa: E731
+    return (delta["opttree:iteration_seconds_sum"], per("opttree:batch_size"),
+            per("opttree:request_prefill_time_seconds"))
 
 
 def load(url: str, prompts: list[str], clients: int, max_tokens: int, temperature: float = 0.0,
@@ -115,18 +130,22 @@ def main() -> None:
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
             for clients in map(int, args.clients.split(",")):
+                before = scrape(url)
                 seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens, args.temperature, not args.unseeded)
                 reference = reference or answers
-                table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference))
+                table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference, seconds,
+                                                           *split(before, scrape(url))))
     method = f"{args.tree}:{args.drafter}@{args.budget}" if args.tree != "ar" else "plain decoding"
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
-    print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | answers equal |\n"
-          "|---:|---|---:|---:|---:|---:|---|")
+    print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | wall s | in steps s "
+          "| rows a step | prefill s a request | answers equal |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for ((b, budget), clients), runs in table.items():
         lat = np.concatenate([r[1] for r in runs])
+        wall, steps, rows, prefill = (np.mean([r[i] for r in runs]) for i in range(3, 7))
         print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
-              f"{np.percentile(lat, 99):.2f} | {all(r[2] for r in runs)} |")
+              f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | "
+              f"{all(r[2] for r in runs)} |")
     for _, uv, thread in servers.values():
         uv.should_exit = True
         thread.join(10)

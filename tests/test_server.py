@@ -346,6 +346,7 @@ def test_metrics_count_queue_time_and_what_is_running(pair):
         return float(next(l for l in httpx.get(url + "/metrics").text.splitlines() if l.startswith(name + " ")).split()[-1])
 
     assert metric("opttree:num_requests_running") == 0
+    began = time.perf_counter()
     long = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=120, json={
         "prompt": PROMPT, "max_tokens": 200, "temperature": 0}))
     long.start()
@@ -362,6 +363,12 @@ def test_metrics_count_queue_time_and_what_is_running(pair):
     assert metric("opttree:num_requests_running") == 0 and metric("opttree:num_batches_running") == 0
     assert metric("opttree:request_queue_time_seconds_count") == 2
     assert 0 < metric("opttree:request_queue_time_seconds_sum") < waited  # ... while the short one waited its turn
+    # where the scheduler's time went: each request's prefill, and every step of the batch timed once
+    assert metric("opttree:request_prefill_time_seconds_count") == 2
+    assert metric("opttree:request_prefill_time_seconds_sum") > 0
+    steps = metric("opttree:batch_size_count")
+    assert steps >= 200 / (TREE["budget"] + 1) and metric("opttree:iteration_seconds_count") == steps  # 200 tokens
+    assert 0 < metric("opttree:iteration_seconds_sum") < time.perf_counter() - began
 
 
 CODE_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
@@ -375,7 +382,7 @@ def _batching_server(pair, max_batch: int, batch_budget=None) -> tuple[Server, l
     server = Server(target, draft, tok, TREE, model_name="demo", max_batch=max_batch, batch_budget=batch_budget)
     rows: list[tuple[int, int]] = []  # per step: (rows, draft nodes of all rows)
     observe = server.batcher.on_step
-    server.batcher.on_step = lambda n, tokens, drafted: (rows.append((n, sum(drafted))), observe(n, tokens, drafted))
+    server.batcher.on_step = lambda n, tokens, drafted, s: (rows.append((n, sum(drafted))), observe(n, tokens, drafted, s))
     return server, rows
 
 

@@ -174,6 +174,10 @@ class Metrics:
                                         buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_time = prom.Histogram("opttree:request_queue_time_seconds", "time a request waited for its turn",
                                          registry=r)
+        self.prefill_time = prom.Histogram("opttree:request_prefill_time_seconds", "the prefill a request joined the "
+                                           "batch with (requests that join together share one)", registry=r)
+        self.step_time = prom.Histogram("opttree:iteration_seconds", "one step of a running batch, all its rows",
+                                        buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=r)
         self._tokens = self._steps = 0
 
     def observe(self, stats) -> None:
@@ -187,8 +191,9 @@ class Metrics:
         self._steps += stats.steps
         self.mal.set(self._tokens / self._steps if self._steps else 0.0)
 
-    def observe_step(self, rows: int, tokens: int, drafted: list[int]) -> None:
-        """One step of the batch (`Batcher`'s on_step): its rows, their tokens, each row's draft nodes."""
+    def observe_step(self, rows: int, tokens: int, drafted: list[int], seconds: float) -> None:
+        """One step of the batch (`Batcher`'s on_step): its rows, their tokens, each row's draft nodes, its time."""
+        self.step_time.observe(seconds)
         self.batch_rows.observe(rows)
         self.step_tokens.observe(tokens)
         for nodes in drafted:
@@ -454,6 +459,7 @@ class Completion:
         server.metrics.latency.observe(time.perf_counter() - self.began)
         if job.waited_s is not None:
             server.metrics.queue_time.observe(job.waited_s)
+            server.metrics.prefill_time.observe(job.stats.prefill_s)
         server.metrics.requests.labels(self.request.url.path, status).inc()
 
     async def whole(self):

@@ -108,18 +108,20 @@ class Lane:
         self.jobs.clear()
         self.run = None
 
-    def step(self, on_step: Callable[[int, int, list[int]], None]) -> None:
+    def step(self, on_step: Callable[[int, int, list[int], float], None]) -> None:
         drafted = {b: job.stats.drafted_tokens for b, job in self.jobs.items()}
+        began = time.perf_counter()
         try:
             pairs = self.run.step()
         except Exception as err:  # the step failed: every row in it fails, the next requests start afresh
             self.fail(err)
             return
+        seconds = time.perf_counter() - began
         tokens = 0
         for b, chunk in pairs:
             tokens += chunk.shape[0]
             self.jobs[b].put(chunk.tolist())
-        on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs])
+        on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs], seconds)
         for b in [b for b in self.jobs if self.run.rows[b].finished]:
             self.jobs.pop(b).end(complete=True)
 
@@ -128,11 +130,12 @@ class Batcher:
     """The scheduler: a thread that admits waiting jobs (first come, first served: none starves), drops the
     stopped ones and steps the running batches. Requests of similar lengths share a batch (a `Lane`), those of very
     different lengths run in lanes of their own, stepped in turn (a step of each lane a turn). `on_step(rows, tokens,
-    drafted)` observes each step: how many rows ran, the tokens they emitted, the draft nodes each row verified.
+    drafted, seconds)` observes each step: how many rows ran, the tokens they emitted, the draft nodes each row
+    verified, how long it took.
     `allocator`: how the rows share a step (one node budget for the batch, or each tree sized for the rows
     decoding), None: a tree each."""
 
-    def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int]], None] = lambda *_: None,
+    def __init__(self, target, max_rows: int, on_step: Callable[[int, int, list[int], float], None] = lambda *_: None,
                  allocator: Allocator | None = None):
         if max_rows < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_rows}")
