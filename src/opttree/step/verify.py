@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable
 
 import torch
@@ -131,11 +130,6 @@ class Verification:
     def tokens(self) -> torch.Tensor:
         """(N + 1,) the verified tokens: [root] + nodes."""
         return torch.cat([self.root.view(1), self.tree.tokens])
-
-    @cached_property
-    def choice(self) -> torch.Tensor:
-        """(N + 1,) the target's most likely next token at [root] + nodes (`greedy_choice`)."""
-        return greedy_choice(self.logits)
 
     @property
     def accepted_slots(self) -> torch.Tensor:

@@ -38,7 +38,15 @@ class RecyclingMatrix:
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
-        self.next[tokens] = logits.topk(self.width, dim=-1).indices
+        self.write(tokens, self.best(logits))
+
+    def best(self, logits: torch.Tensor) -> torch.Tensor:
+        """(P, V) logits -> (P, k) their k best next tokens, best first."""
+        return logits.topk(self.width, dim=-1).indices
+
+    def write(self, tokens: torch.Tensor, best: torch.Tensor) -> None:
+        """M[tokens] = best (P, k)."""
+        self.next[tokens] = best
         self.filled[tokens] = True
 
     def observe_hits(self, tokens: torch.Tensor, depths: torch.Tensor, choice: torch.Tensor) -> None:
@@ -141,6 +149,7 @@ class RecyclingDrafter(Declared):
     def observe(self, result) -> None:
         tokens = result.tokens  # (N + 1,) [root] + nodes
         depths = torch.nn.functional.pad(result.tree.depths, (1, 0))  # (N + 1,) the root at depth 0
-        self.matrix.observe_hits(tokens, depths, result.choice)
-        self.matrix.record(tokens, result.logits)
+        best = self.matrix.best(result.logits)  # (N + 1, k): its first column is the target's choice (no argmax again)
+        self.matrix.observe_hits(tokens, depths, best[:, 0])  # M scored before it is rewritten
+        self.matrix.write(tokens, best)
 
