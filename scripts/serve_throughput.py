@@ -10,7 +10,8 @@ over HTTP to a real uvicorn server (the shipped pair in float32 unless --target 
 --dtype say otherwise) and prints the tokens per second
 over all requests, the p50 / p99 request latency, where the scheduler's time went (from the server's
 /metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with), and whether every
-answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they must). --batch-budgets: each request its own tree (off), each tree cut to the
+answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they
+must). --batch-budgets: each request its own tree (off), each tree cut to the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
 or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
 target's latency curve measured here first (auto).
@@ -142,7 +143,8 @@ def main() -> None:
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
     print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | wall s | in steps s "
-          "| rows a step | prefill s a request | answers equal |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| rows a step | prefill s a request | answers equal |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for ((b, budget), clients), runs in table.items():
         lat = np.concatenate([r[1] for r in runs])
         wall, steps, rows, prefill = (np.mean([r[i] for r in runs]) for i in range(3, 7))

@@ -382,7 +382,8 @@ def _batching_server(pair, max_batch: int, batch_budget=None) -> tuple[Server, l
     server = Server(target, draft, tok, TREE, model_name="demo", max_batch=max_batch, batch_budget=batch_budget)
     rows: list[tuple[int, int]] = []  # per step: (rows, draft nodes of all rows)
     observe = server.batcher.on_step
-    server.batcher.on_step = lambda n, tokens, drafted, s: (rows.append((n, sum(drafted))), observe(n, tokens, drafted, s))
+    server.batcher.on_step = lambda n, tokens, drafted, s: (rows.append((n, sum(drafted))),
+                                                             observe(n, tokens, drafted, s))
     return server, rows
 
 
