@@ -36,6 +36,7 @@ from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.calibration.measure import context_ids, latency_curves
 from opttree.server.app import GracefulServer, Server, create_app
+from opttree.server.load import histogram_totals, server_account
 from opttree.step.policies.batch import BatchBudget
 
 
@@ -49,20 +50,6 @@ def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:
     while not uv.started:
         time.sleep(0.05)
     return f"http://127.0.0.1:{port}", uv, thread
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The server's histogram sums and counts (`opttree:..._sum` / `_count`) now."""
-    pairs = (line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#"))
-    return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count"))}
-
-
-def split(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float]:
-    """Between two scrapes: seconds in the batch's steps, rows a step, mean seconds of a request's prefill."""
-    delta = {name: after[name] - before.get(name, 0.0) for name in after}
-    per = lambda name: delta[name + "_sum"] / max(delta[name + "_count"], 1)  # noqa: E731
-    return (delta["opttree:iteration_seconds_sum"], per("opttree:batch_size"),
-            per("opttree:request_prefill_time_seconds"))
 
 
 def load(url: str, prompts: list[str], clients: int, max_tokens: int, temperature: float = 0.0,
@@ -134,11 +121,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
             for clients in map(int, args.clients.split(",")):
-                before = scrape(url)
+                before = histogram_totals(url)
                 seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens, args.temperature, not args.unseeded)
                 reference = reference or answers
+                account = server_account(before, histogram_totals(url))
                 table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference, seconds,
-                                                           *split(before, scrape(url))))
+                                                           account["step_s"], account["rows_per_step"],
+                                                           account["prefill_s_per_request"]))
     method = f"{args.tree}:{args.drafter}@{args.budget}" if args.tree != "ar" else "plain decoding"
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")

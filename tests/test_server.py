@@ -228,6 +228,11 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
     assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"] and summary["tokens_per_s"] > 0
     assert summary["completion_tokens"] == sum(4 + (r % 3) for c in range(8) for r in range(10)
                                                if (c + r) % 5 in (0, 1, 2))
+    # the server's own account of the load: steps of one or more requests, which took part of the wall
+    account = summary["server"]
+    assert account["steps"] >= summary["completion_tokens"] / (8 * 5) and 1 <= account["rows_per_step"] <= 8
+    assert 0 < account["step_s"] < summary["wall_s"] and account["prefill_s_per_request"] > 0
+    assert "the server:" in report.table()
 
 
 def test_the_load_checks_catch_mixed_answers_and_miscounts():

@@ -55,12 +55,32 @@ class Outcome:
     problem: str = ""  # empty: as expected
 
 
+def histogram_totals(url: str) -> dict[str, float]:
+    """The server's Prometheus histogram sums and counts now (`name_sum` / `name_count`)."""
+    pairs = (line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count"))}
+
+
+def server_account(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """What `opttree serve` did between two `histogram_totals`: the batch's steps, their seconds, rows a step, and
+    the mean prefill a request joined with (shared by requests that joined together); None from another server."""
+    names = ("opttree:iteration_seconds", "opttree:batch_size", "opttree:request_prefill_time_seconds")
+    if any(f"{name}_count" not in after for name in names):
+        return None
+    grew = {key: after[key] - before.get(key, 0.0) for key in after}
+    steps, prefills = grew["opttree:iteration_seconds_count"], grew["opttree:request_prefill_time_seconds_count"]
+    return {"steps": int(steps), "step_s": grew["opttree:iteration_seconds_sum"],
+            "rows_per_step": grew["opttree:batch_size_sum"] / steps if steps else 0.0,
+            "prefill_s_per_request": grew["opttree:request_prefill_time_seconds_sum"] / prefills if prefills else 0.0}
+
+
 @dataclass
 class LoadReport:
     clients: int
     outcomes: list[Outcome]
     wall_s: float
     problems: list[str] = field(default_factory=list)
+    server: dict | None = None  # `server_account` over the load (None: not an opttree server)
 
     @property
     def ok(self) -> bool:
@@ -83,6 +103,7 @@ class LoadReport:
             "completion_tokens": tokens,
             "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
             "wall_s": self.wall_s,
+            "server": self.server,
             "problems": self.problems,
         }
 
@@ -94,6 +115,11 @@ class LoadReport:
             lines.append(f"latency of complete answers: p50 {s['latency_p50_s']:.2f} s, p99 {s['latency_p99_s']:.2f} s")
         lines.append(f"{s['completion_tokens']} completion tokens, {s['tokens_per_s']:.1f} tokens/s overall; "
                      f"{s['retries_after_429']} retries after 429")
+        server = self.server
+        if server is not None and server["steps"]:
+            lines.append(f"the server: {server['steps']} steps of {server['rows_per_step']:.1f} requests on average, "
+                         f"{server['step_s']:.1f} s in them ({server['step_s'] / self.wall_s:.0%} of the wall), "
+                         f"prefills of {1000 * server['prefill_s_per_request']:.0f} ms a request")
         lines.append("all answers complete and correct, /metrics counts match" if self.ok else
                      f"{len(self.problems)} problems:\n  " + "\n  ".join(self.problems[:20]))
         return "\n".join(lines)
@@ -102,7 +128,7 @@ class LoadReport:
 def run_load(url: str, clients: int = 8, requests: int = 20, max_tokens: int = 8, cancel_tokens: int = 64,
              expected: Callable[[str, int], str] | None = None, timeout_s: float = 600.0) -> LoadReport:
     """Load `url` (the server's root, e.g. http://127.0.0.1:8000) and check every answer (see module doc)."""
-    before = _request_counts(url)
+    before, totals = _request_counts(url), histogram_totals(url)
     outcomes: list[list[Outcome]] = [[] for _ in range(clients)]
 
     def client(c: int) -> None:
@@ -123,6 +149,7 @@ def run_load(url: str, clients: int = 8, requests: int = 20, max_tokens: int = 8
                         for o in report.outcomes if o.problem]
     report.problems += _check_texts(report.outcomes, expected)
     report.problems += _check_metrics(report.outcomes, before, _request_counts(url, settle=True))
+    report.server = server_account(totals, histogram_totals(url))
     return report
 
 
