@@ -57,7 +57,8 @@ class Outcome:
 
 def histogram_totals(url: str) -> dict[str, float]:
     """The server's Prometheus histogram sums and counts now (`name_sum` / `name_count`)."""
-    pairs = (line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#"))
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    pairs = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
     return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count"))}
 
 
