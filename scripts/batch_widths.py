@@ -26,11 +26,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--packed-rows", type=int, default=0, help="also a copy packed for up to this many rows")
     args = parser.parse_args()
-    models = {f"packed to {packed.MAX_ROWS} rows": opttree.demo_models(getattr(torch, args.dtype))[0]}
-    packed.packed_linears(models[next(iter(models))])  # packed now, with today's limit
-    if args.packed_rows:
-        packed.MAX_ROWS = args.packed_rows  # its own checked limits (kept apart in the user cache)
-        models[f"packed to {args.packed_rows} rows"] = model = opttree.demo_models(getattr(torch, args.dtype))[0]
+    models = {}
+    for rows in [packed.MAX_ROWS] + ([args.packed_rows] if args.packed_rows else []):
+        packed.MAX_ROWS = rows  # each copy packed now, with its own checked limits (kept apart in the user cache)
+        models[f"packed to {rows} rows"] = model = opttree.demo_models(getattr(torch, args.dtype))[0]
         packed.packed_linears(model)
     batch_sizing.WIDTHS = tuple(int(w) for w in args.widths.split(","))
     batch_sizing.REPEATS = 3
