@@ -208,3 +208,54 @@ def test_a_sampled_row_without_a_seed_to_keep_may_decode_plainly_and_stays_exact
     assert torch.equal(rows[1].committed, plain.sequences[0])
     assert rows[2].stats.drafted_tokens > 0
     assert torch.equal(rows[2].committed, spec.generate(opttree.Request(kept, temperature=1.0, seed=6)).sequences[0])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_before_drafting_greedy_sized_rows_get_the_batchs_size_plain_rows_none_the_rest_their_own(seed):
+    from opttree.stats import RowCost
+
+    g = torch.Generator().manual_seed(seed)
+    latency = BatchLatency(table(lambda rows, w: 5 + rows * w * float(torch.rand(1, generator=g))))
+    sized = SizedBudget(latency)
+    costs = [RowCost(sized=bool(torch.rand(1, generator=g) < 0.7), sampled=bool(torch.rand(1, generator=g) < 0.4),
+                     budget=int(torch.randint(1, 33, (1,), generator=g)), tokens=2.0, draft_ms=1.0)
+             for _ in range(int(torch.randint(2, 9, (1,), generator=g)))]
+    greedy = [c.budget for c in costs if c.sized and not c.sampled]
+    size = latency.sized_budget(len(costs), max(greedy)) if greedy else None
+    plain = set(sized.plain(costs))
+    assert sized.nodes(costs) == [0 if i in plain else min(c.budget, size) if c.sized and not c.sampled else None
+                                  for i, c in enumerate(costs)]
+    assert all(costs[i].sampled and costs[i].sized for i in plain)
+    assert sized.nodes(costs[:1]) == [None]  # one row: its own budget
+
+
+@pytest.mark.parametrize("tree, drafter", [("opt", "model"), ("opt", "recycling+lookup"), ("eagle2", "model"),
+                                           ("dyspec", "model"), ("sequoia", "model"), ("eagle2", "lookup")])
+def test_a_sized_greedy_row_drafts_at_the_batchs_size_rather_than_cutting_and_stays_exact(tree, drafter):
+    """Rows of budget 8 in a batch sized below that: each drafts with its policy built for the batch's size (so
+    no tree comes to the cut larger than it), and each text is the target's greedy one."""
+    from opttree.engine import Generation
+
+    drafted: list[int] = []
+
+    class Recording(SizedBudget):
+        def __call__(self, trees, sized=None):
+            drafted.extend(len(tree) for tree in trees)
+            return super().__call__(trees, sized)
+
+    allocator = Recording(BatchLatency(table(lambda rows, w: 30 + rows * w)))
+    size = allocator.latency.sized_budget(3, 8)
+    assert 1 < size < 8
+    target = tiny("llama", "sdpa", seed=1)
+    draft = tiny("llama", "sdpa", seed=2) if drafter == "model" else None
+    spec = opttree.Speculator(target, draft, tree=tree, drafter=drafter, budget=8, max_new_tokens=12,
+                              eos_token_id=[], batch_budget=allocator)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 24, (n,), generator=g).remainder(5) + 3 for n in (6, 9, 7)]
+    rows = [spec.row(opttree.Request(ids)) for ids in prompts]
+    for _ in Generation(target, rows, width=0, static=False, batch=True, allocator=allocator):
+        pass
+    for row, ids in zip(rows, prompts):
+        assert torch.equal(row.committed, hf_greedy(target, ids[None], 12)[0])
+        assert row.config.budget == 8 and size in row.resized  # its own budget kept, its policy built smaller
+    assert drafted and max(drafted) <= size and max(drafted) > 1  # drafted at the size, not cut to it

@@ -7,7 +7,8 @@ holds this machine's measured cost of a forward over `rows` sequences of `tokens
 once per target and machine, kept in the user cache); `sized_budget` picks the per-row budget n that makes the batch's
 tokens per second largest, B * E(n) / T(B, n + 1), with the expected accepted length per step
 E(n) = 1 + ACCEPTED_PER_DOUBLING * log2(1 + n), at most the one-sequence budget.
-`SizedBudget` cuts each row's tree to that size for the rows running at each step (continuous batching);
+`SizedBudget` has each row draft its tree at that size for the rows running at each step (continuous batching)
+where its policy can be built for fewer nodes, and cuts the trees drafted larger;
 sampled trees are never cut (their nodes are draws for their budget), and a sampled row is sized only when
 it asks no seed to reproduce (`Speculator.row`): it then decodes plainly on the steps where that makes the
 batch faster (`SizedBudget.plain`: its drafting costs more than its tokens bring).
@@ -133,6 +134,17 @@ class SizedBudget:
         if max(costs[i].plain_run for i in chosen) >= EXPLORE_EVERY or rate(chosen) <= rate(set()) * (1 + LARGER_BY):
             return []  # (all draft together, to be measured again: one drafting row widens every row's step)
         return sorted(chosen)
+
+    def nodes(self, costs: list[RowCost]) -> list[int | None]:
+        """Before drafting, each row's most nodes this step: 0 for the sampled rows that decode plainly (`plain`),
+        the budget sized for the rows for each greedy row that may be sized (at most its own: drafting no more than
+        the cut keeps saves its drafting, e.g. 4 nodes a row at 8 rows where a request's budget is 16), None for
+        the others (their own budget)."""
+        plain = set(self.plain(costs))
+        greedy = [cost.budget for cost in costs if cost.sized and not cost.sampled]
+        size = self._size(len(costs), max(greedy)) if len(costs) > 1 and greedy else None
+        return [0 if i in plain else min(cost.budget, size) if size is not None and cost.sized and not cost.sampled
+                else None for i, cost in enumerate(costs)]
 
     def _size(self, rows: int, cap: int) -> int:
         if (rows, cap) not in self.sizes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -46,8 +46,9 @@ _NO_TOKEN = torch.iinfo(torch.long).max  # a token id no vocabulary has
 class Allocator(Protocol):
     """How a batch's rows share a step (`policies.batch.BatchBudget`, `batch_sizing.SizedBudget`)."""
 
-    def plain(self, costs: list[RowCost]) -> list[int]:
-        """Before drafting: the rows (indices) that decode plainly this step, with no tree."""
+    def nodes(self, costs: list[RowCost]) -> list[int | None]:
+        """Before drafting: the most nodes each row drafts this step (0: it decodes plainly, with no tree; None:
+        its own budget). A row that can draft fewer (`Row.resize`) drafts its tree at that size."""
 
     def __call__(self, trees: list[DraftTree], sized: list[bool]) -> list[DraftTree]:
         """After drafting: the trees the batch verifies (`sized[b]`: row b's tree may be cut for the batch)."""
@@ -121,9 +122,12 @@ class Row:
     random stream and statistics. A `Generation` steps one or more rows together."""
 
     def __init__(self, ids: torch.Tensor, drafter: Drafter | None, policy: TreePolicy, config: SpecConfig,
-                 stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device, sized: bool = False):
+                 stopper: Stopper, processors: tuple, depth: DepthControl, device: torch.device, sized: bool = False,
+                 resize: Callable[[int], TreePolicy] | None = None):
         self.drafter, self.policy, self.config, self.stopper, self.depth = drafter, policy, config, stopper, depth
         self.sized = sized  # its tree may be cut to the budget sized for the batch (`batch_sizing.SizedBudget`)
+        # its policy as built for fewer nodes (budget -> policy), for the steps its batch sizes its tree below its own
+        self.resize, self.resized = resize, {}
         self.plain_step = False  # this step it decodes plainly (its batch's allocator chose so), no tree
         self.plain_run = 0  # steps decoded plainly in a row, up to the last one
         self.drafted_steps, self.drafted_emitted, self.drafted_s = 0, 0, 0.0  # over its steps that drafted
@@ -161,15 +165,21 @@ class Row:
                        self.drafted_emitted / steps if known else None, 1e3 * self.drafted_s / steps if known else None,
                        self.plain_run)
 
-    def draft(self, depth_cap: int | None) -> DraftTree:
-        """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`."""
+    def draft(self, depth_cap: int | None, nodes: int | None = None) -> DraftTree:
+        """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`;
+        drafted for `nodes` nodes where its batch sizes it below its budget and its policy can be (`resize`)."""
         depth_limit = min(self.stopper.remaining - 1, self.depth.limit(self.committed[-1], self.feature)
                           or self.stopper.remaining)
         if depth_cap is not None:
             depth_limit = min(depth_limit, depth_cap)
-        if not depth_limit:
+        if not depth_limit or nodes == 0:
             return DraftTree.empty(self.committed.device)
-        return self.policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
+        policy = self.policy
+        if nodes is not None and nodes < self.config.budget and self.resize is not None:
+            if nodes not in self.resized:
+                self.resized[nodes] = self.resize(nodes)
+            policy = self.resized[nodes]
+        return policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
 
     def accept(self, tree: DraftTree, logits: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostMatch:
@@ -489,22 +499,21 @@ class Generation:
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
         a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
-        plain = self.allocator.plain([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
-            else []  # (one row always drafts: its tree pays alone, or its settings chose plain decoding)
+        nodes = self.allocator.nodes([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
+            else [None] * len(rows)  # (one row drafts its own: its tree pays alone, or its settings chose plain)
         for i, row in enumerate(rows):  # a row that decodes plainly this step drafts nothing
-            row.plain_step = i in plain
-            caps[i] = 0 if row.plain_step else caps[i]
+            row.plain_step = nodes[i] == 0
         together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
         together = together if len(together) > 1 and self.device.type not in DRAFT_ALONE_ON else []
         trees, spans = [None] * len(rows), [None] * len(rows)
         for i, row in enumerate(rows):
             if i not in together:
                 start = phases.mark()
-                trees[i] = row.draft(caps[i])
+                trees[i] = row.draft(caps[i], nodes[i])
                 spans[i] = (start, phases.mark(), 1.0)
         if together:
             start = phases.mark()
-            built = Round().run([partial(rows[i].draft, caps[i]) for i in together])
+            built = Round().run([partial(rows[i].draft, caps[i], nodes[i]) for i in together])
             end = phases.mark()
             for i, tree in zip(together, built):
                 trees[i], spans[i] = tree, (start, end, 1 / len(together))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -25,7 +26,7 @@ from .step.cache import check_model, context_window, has_indexed_attention
 from .step.chains import verified_as_chains
 from .step.depth import DepthControl, make_depth_control
 from .step.drafters import CheckedDrafter, Drafter, model_drafter
-from .step.drafters.sources import SourceContext, default_children, default_max_depth, make_sources
+from .step.drafters.sources import MergedPolicy, SourceContext, default_children, default_max_depth, make_sources
 from .step.policies import TreePolicy, make_policy
 from .step.policies.batch import BatchBudget
 
@@ -215,7 +216,10 @@ class Speculator:
         depth = depth or make_depth_control(config, target)  # how deep each step drafts
         # its tree may be sized for the batch (a sampled one only when its draws need not be reproducible)
         sized = self.sized and (config.temperature == 0 or not reproducible)
-        row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target), sized)
+        # a greedy one is drafted at the size its batch cuts it to: its policy built for fewer nodes
+        resize = partial(_policy_at, config, policy) if sized and config.temperature == 0 and drafter is not None \
+            else None
+        row = Row(ids, drafter, policy, config, stopper, rules.processors, depth, model_device(target), sized, resize)
         return row, _Shape(tree_width(config, policy), static)
 
 
@@ -393,6 +397,15 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
                              "log-probabilities (scale them there)")
         draft = CheckedDrafter(draft, vocab)
     return make_sources(config.drafter, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
+
+
+def _policy_at(config: SpecConfig, policy: TreePolicy, budget: int) -> TreePolicy:
+    """A row's `policy` as built for `budget` nodes (the steps its batch sizes its tree below its own budget):
+    its settings' policy, merged with its other sources' tries as the row's is (`MergedPolicy`)."""
+    resized = make_policy(replace(config, budget=budget))
+    if isinstance(policy, MergedPolicy):
+        return MergedPolicy(resized, budget, policy.max_depth, policy.prune)
+    return resized
 
 
 def _stop_strings(stop) -> list[str]:

@@ -167,23 +167,23 @@ class TrieDrafter(Declared):
         self.source.start(input_ids)
 
     def root(self, committed: torch.Tensor) -> torch.Tensor:
-        self._open(committed)
+        self._open(committed, self.max_nodes)
         return self._rows([()])[0]
 
     def expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor) -> torch.Tensor:
         return self._rows(self._run(tokens, parent_slots))
 
     def root_top(self, committed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._open(committed)
+        self._open(committed, min(k, self.max_nodes))  # a tree of k nodes (OPT-Tree's) holds no more of the trie
         tokens, logq = self._top([()], k)
         return tokens[0], logq[0]
 
     def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._top(self._run(tokens, parent_slots), k)
 
-    def _open(self, committed: torch.Tensor) -> None:
-        """A new tree: the source's trie after `committed`, as each path's children."""
-        trie = self.source.propose(committed, self.max_nodes, self.max_depth)
+    def _open(self, committed: torch.Tensor, nodes: int) -> None:
+        """A new tree: the source's trie of `nodes` nodes after `committed`, as each path's children."""
+        trie = self.source.propose(committed, nodes, self.max_depth)
         scores = dict(zip(node_paths(trie), trie.scores.tolist()))
         self.children = {}
         for path, score in scores.items():

@@ -30,9 +30,10 @@ class BatchBudget:
         self.curve = None if curve is None else torch.tensor(list(curve), dtype=torch.float64)
         self.fixed = fixed
 
-    def plain(self, costs: list) -> list[int]:
-        """No row decodes plainly by choice: the budget itself shrinks the trees under load."""
-        return []
+    def nodes(self, costs: list) -> list[int | None]:
+        """Every row drafts its own budget: the batch's budget then picks among all their candidates (and
+        shrinks the trees under load on its own, no row decoding plainly by choice)."""
+        return [None] * len(costs)
 
     def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
         """The trees the batch verifies (`sized` is not read: one budget binds every row)."""
