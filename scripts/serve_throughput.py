@@ -11,10 +11,11 @@ over HTTP to a real uvicorn server (the shipped pair in float32 unless --target 
 over all requests, the p50 / p99 request latency, where the scheduler's time went (from the server's
 /metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with), and whether every
 answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they
-must). --batch-budgets: each request its own tree (off), each tree cut to the
+must). --batch-budgets: each request its own tree (off), each tree drafted at the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
 or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
-target's latency curve measured here first (auto).
+target's latency curve measured here first (auto); a --max-batch of 1 runs with the first of them only
+(one row a step: how rows share it does not matter).
 """
 
 from __future__ import annotations
@@ -113,10 +114,11 @@ def main() -> None:
             allocators[choice] = SizedBudget(batch_latency(target, max(map(int, args.batches.split(",")))))
         elif choice != "off":
             allocators[choice] = BatchBudget(fixed=int(choice))
+    named = args.batch_budgets.split(",")
     servers = {(b, name): serve(Server(target, draft if "model" in args.drafter else None, tok, options,
                                        model_name="demo", max_batch=b, max_queue=64, batch_budget=allocator))
                for b in map(int, args.batches.split(",")) for name, allocator in allocators.items()
-               if name in args.batch_budgets.split(",")}
+               if name in (named if b > 1 else named[:1])}  # one row a step: how rows share it does not matter
     reference, table = None, {}
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
