@@ -230,8 +230,9 @@ def test_before_drafting_greedy_sized_rows_get_the_batchs_size_plain_rows_none_t
 
 
 @pytest.mark.parametrize("tree, drafter", [("opt", "model"), ("opt", "recycling+lookup"), ("eagle2", "model"),
-                                           ("dyspec", "model"), ("sequoia", "model"), ("eagle2", "lookup")])
-def test_a_sized_greedy_row_drafts_at_the_batchs_size_rather_than_cutting_and_stays_exact(tree, drafter):
+                                           ("dyspec", "model"), ("sequoia", "model"), ("eagle2", "lookup"),
+                                           ("opt", "head+lookup")])
+def test_a_sized_greedy_row_drafts_at_the_batchs_size_rather_than_cutting_and_stays_exact(tree, drafter, tmp_path):
     """Rows of budget 8 in a batch sized below that: each drafts with its policy built for the batch's size (so
     no tree comes to the cut larger than it), and each text is the target's greedy one."""
     from opttree.engine import Generation
@@ -248,8 +249,14 @@ def test_a_sized_greedy_row_drafts_at_the_batchs_size_rather_than_cutting_and_st
     assert 1 < size < 8
     target = tiny("llama", "sdpa", seed=1)
     draft = tiny("llama", "sdpa", seed=2) if drafter == "model" else None
+    head = {}
+    if "head" in drafter:
+        from opttree.step.drafters.head import FeatureHead, head_config
+
+        torch.manual_seed(0)
+        head = dict(head=FeatureHead(head_config(target)).save(tmp_path / "head", target))
     spec = opttree.Speculator(target, draft, tree=tree, drafter=drafter, budget=8, max_new_tokens=12,
-                              eos_token_id=[], batch_budget=allocator)
+                              eos_token_id=[], batch_budget=allocator, **head)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 24, (n,), generator=g).remainder(5) + 3 for n in (6, 9, 7)]
     rows = [spec.row(opttree.Request(ids)) for ids in prompts]
