@@ -9,7 +9,8 @@ index as its seed) from that many client threads
 over HTTP to a real uvicorn server (the shipped pair in float32 unless --target / --draft / --device /
 --dtype say otherwise) and prints the tokens per second
 over all requests, the p50 / p99 request latency, where the scheduler's time went (from the server's
-/metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with), and whether every
+/metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with, the draft tokens
+accepted a request a step), and whether every
 answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they
 must). --batch-budgets: each request its own tree (off), each tree drafted at the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
@@ -37,7 +38,7 @@ from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.calibration.measure import context_ids, latency_curves
 from opttree.server.app import GracefulServer, Server, create_app
-from opttree.server.load import histogram_totals, server_account
+from opttree.server.load import metric_totals, server_account
 from opttree.step.policies.batch import BatchBudget
 
 
@@ -123,24 +124,25 @@ def main() -> None:
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
             for clients in map(int, args.clients.split(",")):
-                before = histogram_totals(url)
+                before = metric_totals(url)
                 seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens, args.temperature, not args.unseeded)
                 reference = reference or answers
-                account = server_account(before, histogram_totals(url))
+                account = server_account(before, metric_totals(url))
                 table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference, seconds,
                                                            account["step_s"], account["rows_per_step"],
-                                                           account["prefill_s_per_request"]))
+                                                           account["prefill_s_per_request"],
+                                                           account["accepted_per_request_step"]))
     method = f"{args.tree}:{args.drafter}@{args.budget}" if args.tree != "ar" else "plain decoding"
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
     print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | wall s | in steps s "
-          "| rows a step | prefill s a request | answers equal |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| rows a step | prefill s a request | accepted a request a step | answers equal |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for ((b, budget), clients), runs in table.items():
         lat = np.concatenate([r[1] for r in runs])
-        wall, steps, rows, prefill = (np.mean([r[i] for r in runs]) for i in range(3, 7))
+        wall, steps, rows, prefill, accepted = (np.mean([r[i] for r in runs]) for i in range(3, 8))
         print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
-              f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | "
+              f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | {accepted:.2f} | "
               f"{all(r[2] for r in runs)} |")
     for _, uv, thread in servers.values():
         uv.should_exit = True

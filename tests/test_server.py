@@ -232,6 +232,7 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
     account = summary["server"]
     assert account["steps"] >= summary["completion_tokens"] / (8 * 5) and 1 <= account["rows_per_step"] <= 8
     assert 0 < account["step_s"] < summary["wall_s"] and account["prefill_s_per_request"] > 0
+    assert 0 < account["accepted_per_request_step"] <= TREE["budget"]  # the pair accepts some of its trees
     assert "the server:" in report.table()
 
 

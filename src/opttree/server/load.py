@@ -55,24 +55,30 @@ class Outcome:
     problem: str = ""  # empty: as expected
 
 
-def histogram_totals(url: str) -> dict[str, float]:
-    """The server's Prometheus histogram sums and counts now (`name_sum` / `name_count`)."""
+def metric_totals(url: str) -> dict[str, float]:
+    """The server's Prometheus totals now: histogram sums and counts (`name_sum` / `name_count`) and counters
+    (`name_total`)."""
     lines = httpx.get(url + "/metrics").text.splitlines()
     pairs = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
-    return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count"))}
+    return {name: float(value) for name, value in pairs if name.endswith(("_sum", "_count", "_total"))}
 
 
 def server_account(before: dict[str, float], after: dict[str, float]) -> dict | None:
-    """What `opttree serve` did between two `histogram_totals`: the batch's steps, their seconds, rows a step, and
-    the mean prefill a request joined with (shared by requests that joined together); None from another server."""
+    """What `opttree serve` did between two `metric_totals`: the batch's steps, their seconds, rows a step, the
+    mean prefill a request joined with (shared by requests that joined together), and the draft tokens accepted a
+    request a step (the speculative gain: each step also emits one token of the target's own); None from another
+    server."""
     names = ("opttree:iteration_seconds", "opttree:batch_size", "opttree:request_prefill_time_seconds")
     if any(f"{name}_count" not in after for name in names):
         return None
     grew = {key: after[key] - before.get(key, 0.0) for key in after}
     steps, prefills = grew["opttree:iteration_seconds_count"], grew["opttree:request_prefill_time_seconds_count"]
+    row_steps = grew.get("opttree:spec_decode_num_drafts_total", 0.0)  # a request's steps, summed over requests
     return {"steps": int(steps), "step_s": grew["opttree:iteration_seconds_sum"],
             "rows_per_step": grew["opttree:batch_size_sum"] / steps if steps else 0.0,
-            "prefill_s_per_request": grew["opttree:request_prefill_time_seconds_sum"] / prefills if prefills else 0.0}
+            "prefill_s_per_request": grew["opttree:request_prefill_time_seconds_sum"] / prefills if prefills else 0.0,
+            "accepted_per_request_step": grew.get("opttree:spec_decode_num_accepted_tokens_total", 0.0) / row_steps
+            if row_steps else 0.0}
 
 
 @dataclass
@@ -120,7 +126,8 @@ class LoadReport:
         if server is not None and server["steps"]:
             lines.append(f"the server: {server['steps']} steps of {server['rows_per_step']:.1f} requests on average, "
                          f"{server['step_s']:.1f} s in them ({server['step_s'] / self.wall_s:.0%} of the wall), "
-                         f"prefills of {1000 * server['prefill_s_per_request']:.0f} ms a request")
+                         f"prefills of {1000 * server['prefill_s_per_request']:.0f} ms a request, "
+                         f"{server['accepted_per_request_step']:.2f} draft tokens accepted a request a step")
         lines.append("all answers complete and correct, /metrics counts match" if self.ok else
                      f"{len(self.problems)} problems:\n  " + "\n  ".join(self.problems[:20]))
         return "\n".join(lines)
@@ -129,7 +136,7 @@ class LoadReport:
 def run_load(url: str, clients: int = 8, requests: int = 20, max_tokens: int = 8, cancel_tokens: int = 64,
              expected: Callable[[str, int], str] | None = None, timeout_s: float = 600.0) -> LoadReport:
     """Load `url` (the server's root, e.g. http://127.0.0.1:8000) and check every answer (see module doc)."""
-    before, totals = _request_counts(url), histogram_totals(url)
+    before, totals = _request_counts(url), metric_totals(url)
     outcomes: list[list[Outcome]] = [[] for _ in range(clients)]
 
     def client(c: int) -> None:
@@ -150,7 +157,7 @@ def run_load(url: str, clients: int = 8, requests: int = 20, max_tokens: int = 8
                         for o in report.outcomes if o.problem]
     report.problems += _check_texts(report.outcomes, expected)
     report.problems += _check_metrics(report.outcomes, before, _request_counts(url, settle=True))
-    report.server = server_account(totals, histogram_totals(url))
+    report.server = server_account(totals, metric_totals(url))
     return report
 
 
