@@ -137,8 +137,8 @@ batch)
 serve)
     inflated
     python3 scripts/serve_throughput.py --target $big --draft $shipped_draft --device cuda --dtype bfloat16 \
-        --prompts "$humaneval" --limit 32 --max-tokens 128 --clients 1,8,32 --batches 1,32 --batch-budgets off,sized,auto \
-        --rounds 1 | tee "$out/serve.txt"
+        --prompts "$humaneval" --limit 32 --max-tokens 128 --clients 1,8,32 --batches 1,32 \
+        --batch-budgets off,sized,auto --rounds 1 | tee "$out/serve.txt"
     ;;
 defaults)  # what a user gets with no flags: the first-use choices made on this GPU (an empty cache)
     OPTTREE_CACHE_DIR=/tmp/opttree-empty-cache opttree bench --device cuda --prompts "$humaneval" \

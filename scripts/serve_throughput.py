@@ -142,7 +142,8 @@ def main() -> None:
         lat = np.concatenate([r[1] for r in runs])
         wall, steps, rows, prefill, accepted = (np.mean([r[i] for r in runs]) for i in range(3, 8))
         print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
-              f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | {accepted:.2f} | "
+              f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | "
+              f"{accepted:.2f} | "
               f"{all(r[2] for r in runs)} |")
     for _, uv, thread in servers.values():
         uv.should_exit = True
