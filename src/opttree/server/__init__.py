@@ -43,8 +43,8 @@ def cmd_serve(args) -> int:
 
 
 def batch_budget(choice: str | None, target, draft, max_batch: int, budget_given: bool):
-    """--batch-budget: 'sized' (the default without --budget) -> each request's tree cut, each step, to the
-    budget sized for the requests decoding together (`opttree.batch_sizing`: this target's batch forward,
+    """--batch-budget: 'sized' (the default without --budget) -> each greedy request's tree drafted, each step, at
+    the budget sized for the requests decoding together (`opttree.batch_sizing`: this target's batch forward,
     timed once on this machine); 'off' (the default with --budget) -> None, each request its own tree;
     N -> that many nodes a step for the batch; 'auto' -> chosen each step from the pair's measured latency
     curve (its calibration profile), None without one."""
@@ -107,9 +107,9 @@ def register(subparsers) -> None:
                    help="requests decoding together at most (continuous batching: they join and leave between "
                         "steps; the others wait in arrival order; default: 8; a --tp target decodes one at a time)")
     p.add_argument("--batch-budget", type=batch_budget_arg, metavar="sized|auto|off|N",
-                   help="how requests decoding together share a step. sized: each request's tree cut to the budget "
-                        "that makes the batch's tokens/s largest for the number decoding now (this target's batch "
-                        "forward is timed once on this machine); off: each request its own tree; N / auto: "
+                   help="how requests decoding together share a step. sized: each request's tree drafted at the "
+                        "budget that makes the batch's tokens/s largest for the number decoding now (this target's "
+                        "batch forward is timed once on this machine); off: each request its own tree; N / auto: "
                         "batch-level OPT-Tree, one node budget a step for all of them, given to the candidates most "
                         "likely accepted whichever request they belong to (auto: chosen each step from the pair's "
                         "calibrated latency curve) (default: sized, off with --budget)")
