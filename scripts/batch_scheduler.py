@@ -44,8 +44,11 @@ def main() -> None:
 
     class CutAfter(SizedBudget):  # every greedy row drafts its own budget; the cut then keeps the sized nodes
         def nodes(self, costs):
-            plain = set(self.plain(costs))
-            return [0 if i in plain else None for i in range(len(costs))]
+            self.sized_now = super().nodes(costs)
+            return [0 if n == 0 else None for n in self.sized_now]
+
+        def __call__(self, trees, nodes):
+            return super().__call__(trees, self.sized_now)
 
     def server(budget: int, max_batch: int, sized: type | None = None) -> Server:
         allocator = sized(batch_latency(target, max_batch)) if sized else None

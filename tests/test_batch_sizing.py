@@ -68,14 +68,21 @@ def chain(tokens: list[int], sampled: bool = False) -> DraftTree:
 
 
 def test_the_cut_keeps_each_rows_best_nodes_and_leaves_sampled_trees_and_one_row_whole():
-    sized = SizedBudget(BatchLatency(table(lambda rows, w: rows * w)))  # 2 rows: 1 node each
+    """The cut after drafting: to the nodes chosen before it (`nodes`), for a tree that came out larger."""
+    from opttree.stats import RowCost
+
+    sized = SizedBudget(BatchLatency(table(lambda rows, w: rows * w)))  # 4 rows: 1 node each
+    greedy, sampled = (RowCost(sized=True, sampled=hot, budget=3, tokens=None, draft_ms=None) for hot in (False, True))
+    nodes = sized.nodes([greedy, greedy, sampled, greedy])
+    assert nodes == [1, 1, None, 1]
     trees = [chain([5, 6, 7]), chain([8, 9]), chain([1, 2, 3], sampled=True), chain([])]
-    cut = sized(trees)
+    cut = sized(trees, nodes)
     assert torch.equal(cut[0].tokens, top_nodes(trees[0], 1).tokens) and cut[0].tokens.tolist() == [5]
     assert cut[1].tokens.tolist() == [8]
     assert cut[2] is trees[2] and cut[3] is trees[3]
-    assert sized([trees[0]])[0] is trees[0]
-    kept = sized(trees[:2], [True, False])  # a row not sized (its budget given, or sampling) keeps its tree
+    assert sized([trees[0]], sized.nodes([greedy]))[0] is trees[0]  # one row: its own budget
+    unsized = replace(greedy, sized=False)  # a row not sized (its budget given, or sampling) keeps its tree
+    kept = sized(trees[:2], sized.nodes([greedy, unsized]))
     assert kept[0].tokens.tolist() == [5] and kept[1] is trees[1]
 
 
@@ -240,9 +247,9 @@ def test_a_sized_greedy_row_drafts_at_the_batchs_size_rather_than_cutting_and_st
     drafted: list[int] = []
 
     class Recording(SizedBudget):
-        def __call__(self, trees, sized=None):
+        def __call__(self, trees, nodes):
             drafted.extend(len(tree) for tree in trees)
-            return super().__call__(trees, sized)
+            return super().__call__(trees, nodes)
 
     allocator = Recording(BatchLatency(table(lambda rows, w: 30 + rows * w)))
     size = allocator.latency.sized_budget(3, 8)

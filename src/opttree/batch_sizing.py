@@ -98,9 +98,10 @@ class BatchLatency:
 
 
 class SizedBudget:
-    """For `Generation`'s allocator: each row's tree cut to the budget sized for the rows of this step
-    (`BatchLatency.sized_budget`, at most the largest tree drafted). Left whole: the trees of rows not
-    `sized` (a budget given, or a seed to reproduce) and trees of sampled nodes (drawn for their own budget).
+    """For `Generation`'s allocator: each greedy row's tree drafted at the budget sized for the rows of this step
+    (`BatchLatency.sized_budget`, at most its own budget: `nodes`), and cut to it after drafting where it came out
+    larger. Left whole: the trees of rows not `sized` (a budget given, or a seed to reproduce) and trees of sampled
+    nodes (drawn for their own budget).
     Sampled rows that may be sized decode plainly on the steps where that makes the batch faster (`plain`)."""
 
     def __init__(self, latency: BatchLatency):
@@ -151,12 +152,12 @@ class SizedBudget:
             self.sizes[(rows, cap)] = self.latency.sized_budget(rows, cap)
         return self.sizes[(rows, cap)]
 
-    def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
-        cut = [i for i in splittable(trees) if sized is None or sized[i]]
-        if len(trees) < 2 or not cut:
-            return trees
-        size = self._size(len(trees), max(len(trees[i]) for i in cut))
-        return [top_nodes(tree, size) if i in cut and len(tree) > size else tree for i, tree in enumerate(trees)]
+    def __call__(self, trees: list[DraftTree], nodes: list[int | None]) -> list[DraftTree]:
+        """The trees cut to the nodes `nodes` chose before drafting, where one came out larger (a row whose policy
+        could not be built for them); trees of sampled nodes stay whole (drawn for their own budget)."""
+        cut = set(splittable(trees))
+        return [top_nodes(tree, n) if i in cut and n is not None and len(tree) > n else tree
+                for i, (tree, n) in enumerate(zip(trees, nodes))]
 
 
 def _measured_or_like(costs: list[RowCost]) -> list[RowCost] | None:

@@ -50,8 +50,8 @@ class Allocator(Protocol):
         """Before drafting: the most nodes each row drafts this step (0: it decodes plainly, with no tree; None:
         its own budget). A row that can draft fewer (`Row.resize`) drafts its tree at that size."""
 
-    def __call__(self, trees: list[DraftTree], sized: list[bool]) -> list[DraftTree]:
-        """After drafting: the trees the batch verifies (`sized[b]`: row b's tree may be cut for the batch)."""
+    def __call__(self, trees: list[DraftTree], nodes: list[int | None]) -> list[DraftTree]:
+        """After drafting: the trees the batch verifies (`nodes`: what `nodes` chose before drafting)."""
 
 
 # Devices where each row drafts on its own even when its drafter could batch its forwards with the other rows'
@@ -494,13 +494,13 @@ class Generation:
             self.long_keys = True
         return None
 
-    def _draft(self, cache: Cache, rows: list[Row], phases: PhaseClock) -> tuple[list[DraftTree], list[tuple]]:
-        """Every row's tree, and the span of its drafting (start mark, end mark, its share of that time).
+    def _draft(self, cache: Cache, rows: list[Row], nodes: list[int | None], phases: PhaseClock
+               ) -> tuple[list[DraftTree], list[tuple]]:
+        """Every row's tree (at most `nodes[i]` nodes where its policy can be built for them), and the span of its
+        drafting (start mark, end mark, its share of that time).
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
         a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
-        nodes = self.allocator.nodes([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
-            else [None] * len(rows)  # (one row drafts its own: its tree pays alone, or its settings chose plain)
         for i, row in enumerate(rows):  # a row that decodes plainly this step drafts nothing
             row.plain_step = nodes[i] == 0
         together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
@@ -523,11 +523,13 @@ class Generation:
         """One speculative step of every row; returns per row (the emitted chunk (C,), whether the row ends
         with it, what its depth control observes: (accepted, drafted depth, draft seconds, verify seconds))."""
         prefix_lens, roots = [row.prefix_len for row in rows], [row.committed[-1] for row in rows]
-        # 1. draft: each row's tree, from its own drafter and policy
-        trees, spans = self._draft(cache, rows, phases)
+        # 1. draft: each row's tree, from its own drafter and policy, of the most nodes its batch gives it
+        nodes = self.allocator.nodes([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
+            else [None] * len(rows)  # (one row drafts its own: its tree pays alone, or its settings chose plain)
+        trees, spans = self._draft(cache, rows, nodes, phases)
         t_drafted = phases.mark()
         if self.allocator is not None:  # one node budget for the batch (its time shared by the rows' drafting)
-            trees = self.allocator(trees, [row.sized for row in rows])
+            trees = self.allocator(trees, nodes)
         t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens)

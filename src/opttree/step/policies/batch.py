@@ -35,8 +35,8 @@ class BatchBudget:
         shrinks the trees under load on its own, no row decoding plainly by choice)."""
         return [None] * len(costs)
 
-    def __call__(self, trees: list[DraftTree], sized: list[bool] | None = None) -> list[DraftTree]:
-        """The trees the batch verifies (`sized` is not read: one budget binds every row)."""
+    def __call__(self, trees: list[DraftTree], nodes: list[int | None] | None = None) -> list[DraftTree]:
+        """The trees the batch verifies (`nodes` is not read: every row drafted its own, one budget binds them)."""
         if self.fixed is not None:
             return allocate(trees, self.fixed)
         scores = candidate_scores(trees)  # (M,) computed once for the choice and the cut
