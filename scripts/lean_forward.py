@@ -8,12 +8,14 @@ drafts with the draft model takes the pair's profile settings (`opttree.profile_
     python scripts/lean_forward.py                       # shipped pair, bf16, HumanEval 20, 128 new tokens
     python scripts/lean_forward.py --limit 10 --temperature 1 --methods ar,opt:model@16
     python scripts/lean_forward.py --switch draft --limit 40 --temperature 1 --methods ar,opt@8
+    python scripts/lean_forward.py --prefill --limit 40    # the prompts' prefills alone (the engine's `prefill_s`)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -57,10 +59,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--switch", default="lean", choices=list(SWITCHES), help="which forward is turned on and off")
+    parser.add_argument("--prefill", action="store_true", help="time the prompts' prefills only (lean on and off)")
     args = parser.parse_args()
     variable = SWITCHES[args.switch]
     target, draft, tokenizer = opttree.demo_models(dtype=getattr(torch, args.dtype))
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts(args.prompts, limit=args.limit)]
+    if args.prefill:
+        return prefills(target, prompts)
     methods = args.methods.split(",")
     cells = [(m, lean) for m in methods for lean in (("on", "off") if m != "hf-ar" else ("-",))]
     tokens = {cell: 0 for cell in cells}
@@ -91,6 +96,31 @@ def main() -> None:
         ratio = f"{rate / (tokens[method, 'off'] / seconds[method, 'off']):.2f}x" if lean == "on" else ""
         print(f"| {method} | {lean} | {rate:.1f} | {seconds[method, lean] / steps[method, lean] * 1e3:.2f} | {ratio} | "
               f"{differ[method] if lean == 'on' else ''} |")
+
+
+def prefills(target, prompts: list[torch.Tensor], repeats: int = 3) -> None:
+    """Each prompt's prefill with the lean forward on and off, alternated (`repeats` times, the median), as the
+    engine times it (`stats.prefill_s` of a one-token greedy generation); the medians by prompt length."""
+    times: dict[str, list[tuple[int, float]]] = {"on": [], "off": []}
+    for i, ids in enumerate([prompts[0]] + prompts):  # the first: a warm-up
+        seconds: dict[str, list[float]] = {"on": [], "off": []}
+        for repeat in range(repeats):
+            for lean in ("on", "off") if (i + repeat) % 2 else ("off", "on"):
+                os.environ["OPTTREE_LEAN"] = "1" if lean == "on" else "0"
+                seconds[lean].append(opttree.generate(target, ids, max_new_tokens=1, tree="ar").stats.prefill_s)
+        for lean, measured in seconds.items():
+            if i:
+                times[lean].append((ids.shape[1], statistics.median(measured)))
+    os.environ.pop("OPTTREE_LEAN")
+    print("| prompt tokens | prompts | prefill ms, lean forward | prefill ms, the model's forward | on / off |")
+    print("|---|---:|---:|---:|---:|")
+    for low, high in ((1, 64), (65, 128), (129, 10**9)):
+        on = [s for n, s in times["on"] if low <= n <= high]
+        off = [s for n, s in times["off"] if low <= n <= high]
+        if on:
+            span = f"{low}-{high}" if high < 10**9 else f"{low}+"
+            print(f"| {span} | {len(on)} | {1e3 * statistics.median(on):.1f} | {1e3 * statistics.median(off):.1f} | "
+                  f"{statistics.median(on) / statistics.median(off):.2f} |")
 
 
 if __name__ == "__main__":

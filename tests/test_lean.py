@@ -42,24 +42,26 @@ def tree_inputs(model, rows: int, prefix: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch,rows", [("llama", 1), ("llama", 2), ("mha", 1), ("qwen2", 1), ("mistral", 2)])
-@pytest.mark.parametrize("new", ["tree", "one", "causal"])
+@pytest.mark.parametrize("new", ["tree", "one", "causal", "prefill"])
 def test_lean_forward_gives_the_models_logits_and_cache_bit_for_bit(dtype, attn, arch, rows, new):
-    """A tree under its 4D mask, or with no mask (the model's own): one token (plain decoding), or three
-    with the last one's logits only (a root forward, a prefill)."""
+    """A tree under its 4D mask, or with no mask (the model's own): one token (plain decoding), three with the
+    last one's logits only (a root forward), or a prompt's prefill into an empty cache (the last two's logits)."""
     model = mha_model(attn) if arch == "mha" else tiny_model(arch, seed=4, attn=attn)  # tiny_model: 4 heads, 2 KV heads
     model = model.to(dtype)
     prefix, tokens, positions, mask = tree_inputs(model, rows, 7, seed=1)
-    if new != "tree":
+    if new in ("one", "causal"):
         width = 1 if new == "one" else 3
         tokens, positions, mask = tokens[:, :width], torch.arange(7, 7 + width).expand(rows, width), None
+    if new == "prefill":
+        tokens, positions, mask = prefix, torch.arange(7).expand(rows, 7), None
     caches = [new_cache(), new_cache()]
     with torch.inference_mode():
-        for cache in caches:
+        for cache in caches if new != "prefill" else ():
             model(input_ids=prefix, **{cache_argument(model): cache})
         runner = lean_forward(model, mask)
         assert runner is not None
         kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                      output_hidden_states=True, **({"logits_to_keep": 1} if new == "causal" else {}))
+                      output_hidden_states=True, **{"causal": {"logits_to_keep": 1}, "prefill": {"logits_to_keep": 2}}.get(new, {}))
         want = model(**kwargs, **{cache_argument(model): caches[0]})
         got = runner(**kwargs, **{cache_argument(model): caches[1]})
     assert got.logits.dtype == want.logits.dtype and torch.equal(got.logits, want.logits)

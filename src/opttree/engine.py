@@ -33,7 +33,7 @@ from .step.chains import ChainVerifier, state_cache, verified_as_chains
 from .step.depth import DepthControl
 from .step.drafters import Drafter
 from .step.drafters.together import Round
-from .step.lean import float32_attention
+from .step.lean import float32_attention, lean_forward
 from .step.policies import TreePolicy
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
@@ -253,8 +253,9 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
     wanted = max(longest - length + min(seed, length) for length, seed in zip(lengths, seeds))
     kept = max(wanted, 1)  # the last `kept` positions' logits (one at least: the least a model can be asked)
     hidden = any(row.wants_hidden for row in rows)
-    out = target(input_ids=ids, position_ids=torch.arange(longest, device=device).expand(len(rows), -1),
-                 **{cache_argument(target): cache}, output_hidden_states=hidden, **last_logits_only(target, kept))
+    forward = lean_forward(target, None) or target  # the model's own forward, without its wrapping where that applies
+    out = forward(input_ids=ids, position_ids=torch.arange(longest, device=device).expand(len(rows), -1),
+                  **{cache_argument(target): cache}, output_hidden_states=hidden, **last_logits_only(target, kept))
     logits = out.logits[:, -kept:]  # (B, kept, V): positions longest - kept ..
     for b, (row, length, seed) in enumerate(zip(rows, lengths, seeds)):
         if seed and length:
