@@ -4,16 +4,20 @@ round (the first round is a warm-up, left out of the means).
 
     python scripts/batch_scheduler.py --limit 32 --rounds 3 --budgets 16,15,8,4
     python scripts/batch_scheduler.py --limit 32 --rounds 7 --budgets 4 --cut-after
+    python scripts/batch_scheduler.py --limit 64 --rounds 4 --budgets 4 --own-prefills
 
 Each client thread sends its share of the prompts (HumanEval's first --limit) one after another, temperature 0,
 --max-tokens each, `opt:recycling+lookup` on the shipped pair; prints the wall seconds of every round, the mean's
 speedup over one request at a time, the median request latency, and per request and step its drafting ms (its
-share of the step's drafting, the cut and its source's learning) and the tokens it gained.
+share of the step's drafting, the cut and its source's learning) and the tokens it gained; and where the scheduler's
+time went: the share of the wall spent joining requests (their prefills and the batch's cache stacked anew) and
+in steps, and the mean rows a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -24,6 +28,28 @@ import opttree
 from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.server.app import CompletionRequest, Server
+from opttree.server.batcher import Lane
+
+SPENT: dict[str, list[float]] = {"join": [], "step": []}  # seconds of each call, this round
+ROWS: list[int] = []  # rows of each step, this round
+
+
+def timed(name: str):
+    """Lane.join / Lane.step, each call's seconds (and a step's rows) recorded."""
+    method = getattr(Lane, name)
+
+    def run(lane, *args, **kwargs):
+        if name == "step":
+            ROWS.append(len(lane.jobs))
+        began = time.perf_counter()
+        try:
+            return method(lane, *args, **kwargs)
+        finally:
+            SPENT[name].append(time.perf_counter() - began)
+    return run
+
+
+Lane.join, Lane.step = timed("join"), timed("step")
 
 
 def main() -> None:
@@ -38,6 +64,9 @@ def main() -> None:
     parser.add_argument("--cut-after", action="store_true",
                         help="also the sized trees drafted at the request's budget and cut afterwards (as before "
                              "rows drafted at the batch's size)")
+    parser.add_argument("--own-prefills", action="store_true",
+                        help="also the sized trees with each joining request prefilled in a forward of its own "
+                             "(OPTTREE_RIDE=0) instead of in the next step's")
     args = parser.parse_args()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
@@ -58,11 +87,15 @@ def main() -> None:
     servers = {"one at a time (16)": server(16, 1), "sized (16)": server(16, args.clients, SizedBudget)}
     if args.cut_after:
         servers["sized (16), cut after drafting"] = server(16, args.clients, CutAfter)
+    if args.own_prefills:
+        servers["sized (16), prefills of their own"] = server(16, args.clients, SizedBudget)
     servers.update({f"budget {b} each": server(int(b), args.clients) for b in args.budgets.split(",")})
 
-    def load(srv: Server) -> tuple[float, list[float], list]:
+    def load(srv: Server) -> tuple[float, list[float], list, tuple[float, float, float]]:
         latencies: list[float] = []
         stats: list = []
+        for spent in (*SPENT.values(), ROWS):
+            spent.clear()
 
         def client(mine: list[str]) -> None:
             for prompt in mine:
@@ -74,29 +107,33 @@ def main() -> None:
 
         threads = [threading.Thread(target=client, args=(prompts[i::args.clients],)) for i in range(args.clients)]
         began = time.perf_counter()
+        os.environ["OPTTREE_RIDE"] = "0" if srv is servers.get("sized (16), prefills of their own") else "1"
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        return time.perf_counter() - began, latencies, stats
+        wall = time.perf_counter() - began
+        return wall, latencies, stats, (sum(SPENT["join"]) / wall, sum(SPENT["step"]) / wall, statistics.fmean(ROWS))
 
-    runs: dict[str, list[tuple[float, list[float], list]]] = {name: [] for name in servers}
+    runs: dict[str, list[tuple[float, list[float], list, tuple]]] = {name: [] for name in servers}
     for _ in range(args.rounds):
         for name, srv in servers.items():
             runs[name].append(load(srv))
     timed = {name: r[1:] or r for name, r in runs.items()}  # the first round warms up
-    base = statistics.fmean(wall for wall, _, _ in timed["one at a time (16)"])
+    base = statistics.fmean(wall for wall, *_ in timed["one at a time (16)"])
     print(f"{len(prompts)} requests x {args.max_tokens} tokens from {args.clients} clients, {args.dtype}")
     print("| scheduler | wall s by round | speedup | p50 latency s | drafting ms a request a step | tokens a request "
-          "a step |\n|---|---|---:|---:|---:|---:|")
+          "a step | joining, % of wall | steps, % of wall | rows a step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, rounds in timed.items():
-        wall = statistics.fmean(w for w, _, _ in rounds)
-        p50 = statistics.median(x for _, lat, _ in rounds for x in lat)
-        every = [st for _, _, stats in rounds for st in stats]
+        wall = statistics.fmean(w for w, *_ in rounds)
+        p50 = statistics.median(x for _, lat, _, _ in rounds for x in lat)
+        every = [st for _, _, stats, _ in rounds for st in stats]
         steps = sum(st.steps for st in every)
         drafting, tokens = 1e3 * sum(st.draft_s for st in every) / steps, sum(st.new_tokens for st in every) / steps
-        print(f"| {name} | {', '.join(f'{w:.2f}' for w, _, _ in runs[name])} | {base / wall:.2f}x | {p50:.2f} | "
-              f"{drafting:.2f} | {tokens:.2f} |")
+        joining, stepping, rows = (statistics.fmean(r[3][i] for r in rounds) for i in range(3))
+        print(f"| {name} | {', '.join(f'{w:.2f}' for w, *_ in runs[name])} | {base / wall:.2f}x | {p50:.2f} | "
+              f"{drafting:.2f} | {tokens:.2f} | {100 * joining:.0f} | {100 * stepping:.0f} | {rows:.2f} |")
 
 
 if __name__ == "__main__":

@@ -331,12 +331,20 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
         check_rows(target, batch, speculator.generate([opttree.Request(prompt) for prompt in batch]))
 
 
-def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_the_batch_as_it_was(monkeypatch):
+@pytest.mark.parametrize("ride", ["1", "0"])
+def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_the_batch_as_it_was(monkeypatch, ride):
     """`Generation.admit_all`: arrivals join a running batch in one prefill forward per group of similar lengths
     (`engine.prefill_groups`) and decode exactly; if a prefill raises, none of them joins and the running rows go on
-    unharmed."""
+    unharmed. By default (`OPTTREE_RIDE`) those prefills ride the next step's forward, a rider a group
+    (`lean.Rider`); with OPTTREE_RIDE=0 each is a forward of its own."""
     import opttree.engine as engine
+    from opttree.step import lean
 
+    monkeypatch.setenv("OPTTREE_RIDE", ride)
+    rides = []  # riders of each lean forward
+    forward = lean.LeanForward.forward
+    monkeypatch.setattr(lean.LeanForward, "forward",
+                        lambda self, *a, **k: (rides.append(len(k.get("riders", ()))), forward(self, *a, **k))[1])
     target = tiny("llama", seed=1)
     speculator = opttree.Speculator(target, budget=6, eos_token_id=[], max_new_tokens=NEW)
     first, later = prompts([9, 30], seed=41), prompts([15, 60, 17], seed=42)
@@ -352,8 +360,75 @@ def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_th
     assert len(run.rows) == 2 and run.active == [0, 1]
     assert run.admit_all([speculator.row(opttree.Request(p)) for p in later]) == [2, 3, 4]
     # 15 and 17 tokens in one forward, 60 in one of its own: the failed try (60's prefill raised), then the admission
-    assert prefills == [2, 1, 2, 1]
+    assert prefills == ([2, 1, 2, 1] if ride == "0" else [])  # riding: the two groups' drafters started, none prefilled
     for b, chunk in run:
         chunks.setdefault(b, []).extend(chunk.tolist())
+    assert max(rides) == (2 if ride == "1" else 0)  # the two groups rode one step's forward
     for b, prompt in enumerate(first + later):
         assert chunks[b] == hf_greedy(target, prompt[None], NEW)[0, prompt.shape[0]:].tolist(), b
+
+
+@pytest.mark.parametrize("drafter,room", [(None, 5), ("draft", 5), (None, 2)])
+def test_joining_prompts_ride_the_steps_in_chunks_and_finish_alone_when_the_batch_empties(monkeypatch, drafter, room):
+    """Riding prefills (`lean.Rider`, `Generation._chunks`) a few positions a step, where the target's packed products
+    leave little room (a stand-in pack that allows the step's rows and 5 more): arrivals of 21 and 58 tokens ride
+    several steps, one group after another, and then decode as their prompts' own greedy output (with room for less
+    than RIDE_MIN positions, whole prompts ride, one step each); a request cancelled
+    while waiting to ride leaves the others unharmed; a request that arrives as the running row's last steps begin
+    finishes its prefill in a forward of its own (no step is left to ride), exactly too."""
+    import opttree.engine as engine
+    from opttree.step import lean
+
+    class Pack:  # the step's rows + `room`
+        rows = 0
+
+        def most_rows(self):
+            return Pack.rows + room
+
+    chunks_of = engine.Generation._chunks
+    monkeypatch.setattr(engine.Generation, "_chunks",
+                        lambda self, riders, rows, width: (setattr(Pack, "rows", rows * width),
+                                                           chunks_of(self, riders, rows, width))[1])
+    monkeypatch.setattr(engine, "active_pack", lambda model: Pack())
+    monkeypatch.setattr(engine, "RIDE_MIN", 3)
+    rides, alone = [], []
+    forward = lean.LeanForward.forward
+    monkeypatch.setattr(lean.LeanForward, "forward",
+                        lambda self, *a, **k: (rides.append([r.size for r in k.get("riders", ())]),
+                                               forward(self, *a, **k))[1])
+    alone_of = lean.Rider.alone
+    monkeypatch.setattr(lean.Rider, "alone", lambda self, model: (alone.append(self.done), alone_of(self, model))[1])
+    target = tiny("llama", seed=1)
+    draft = tiny("llama", seed=2) if drafter else None
+    speculator = opttree.Speculator(target, draft, budget=4, eos_token_id=[], max_new_tokens=NEW)
+    first, later = prompts([12], seed=51), prompts([21, 58, 20], seed=52)
+
+    def run_to_end(run, chunks):
+        while not run.ended:
+            for b, chunk in run.step():
+                chunks.setdefault(b, []).extend(chunk.tolist())
+        return chunks
+
+    run = speculator.stream([opttree.Request(first[0], max_new_tokens=40)])
+    chunks = {b: list(chunk) for b, chunk in run.step()}
+    assert run.admit_all([speculator.row(opttree.Request(p)) for p in later[:2]]) == [1, 2]  # two groups
+    assert run.admit(speculator.row(opttree.Request(later[2]))) == 3
+    run.cancel(3)  # cancelled while waiting: it never rides
+    run_to_end(run, chunks)
+    ridden = [sizes for sizes in rides if sizes]
+    if room == 5:
+        assert len(ridden) >= 16 and max(map(max, ridden)) == 5, ridden  # 20 + 57 positions, 5 a step
+    else:
+        assert ridden == [[20, 57]], ridden  # whole, together
+    assert 3 not in chunks and run.rows[3].finished
+    expected = {0: (first[0], 40), 1: (later[0], NEW), 2: (later[1], NEW)}
+    # a lone row with 3 tokens to go and an arrival of 58 positions: the batch empties while it rides
+    run = speculator.stream([opttree.Request(first[0], max_new_tokens=4)])
+    tail = {b: list(chunk) for b, chunk in run.step()}
+    assert run.admit(speculator.row(opttree.Request(later[1]))) == 1
+    alone.clear()
+    run_to_end(run, tail)
+    assert len(alone) == (room == 5) and all(0 < done < 57 for done in alone), alone  # rode part way: the rest alone
+    for got, want in ((chunks, expected), (tail, {0: (first[0], 4), 1: (later[1], NEW)})):
+        for b, (prompt, new) in want.items():
+            assert got[b] == hf_greedy(target, prompt[None], new)[0, prompt.shape[0]:].tolist(), b

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -14,7 +15,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .batch_sizing import by_length
 from .device import PhaseClock, host_tensor, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
-from .packed import PackedLinears, entered, packed_linears
+from .packed import PackedLinears, active_pack, entered, packed_linears
 from .parallel import lockstep_for
 from .settings.config import SpecConfig
 from .stats import GenerationStats, RowCost
@@ -33,7 +34,7 @@ from .step.chains import ChainVerifier, state_cache, verified_as_chains
 from .step.depth import DepthControl
 from .step.drafters import Drafter
 from .step.drafters.together import Round
-from .step.lean import float32_attention, lean_forward
+from .step.lean import Rider, float32_attention, lean_forward
 from .step.policies import TreePolicy
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
@@ -61,6 +62,7 @@ class Allocator(Protocol):
 # the rows' threads running their ops without OpenMP teams of their own (`threads.single_threaded_ops`), 0.95x.
 DRAFT_ALONE_ON = frozenset({"cpu"})
 MEASURED_AFTER = 2  # a row's drafting steps before its tokens and drafting time per step count (`Row.cost`)
+RIDE_MIN = 16  # fewer rows of room within the packed products: joining prompts ride whole (`Generation._chunks`)
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")
 
@@ -238,13 +240,27 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
     Several rows: their prefixes right-padded to the longest, at positions 0.. each. A row's tokens attend
     only to earlier positions of its own row, all real, so each row's keys, values and logits are what
     its forward alone gives; its padding lies after its end, where no tree mask reaches."""
+    inputs = prompt_inputs(rows)
+    if inputs is None:
+        return
+    ids, positions, kept = inputs
+    hidden = any(row.wants_hidden for row in rows)
+    forward = lean_forward(target, None) or target  # the model's own forward, without its wrapping where that applies
+    out = forward(input_ids=ids, position_ids=positions, **{cache_argument(target): cache},
+                  output_hidden_states=hidden, **last_logits_only(target, kept))
+    prompt_outputs(rows, out.logits[:, -kept:], out.hidden_states if hidden else None)
+
+
+def prompt_inputs(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """The rows' drafters start; their prefill's (B, P) ids and positions and the last positions whose logits it
+    keeps (`prefill`); None when no row has a token to prefill."""
     for row in rows:
         if row.drafter is not None:
             row.drafter.start(row.committed)
     lengths = [row.prompt_len - 1 for row in rows]  # P_b
     longest = max(lengths)
     if longest == 0:
-        return
+        return None
     device = rows[0].committed.device
     ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (B, P)
     for b, (row, length) in enumerate(zip(rows, lengths)):
@@ -252,20 +268,24 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
     seeds = [row.drafter.prompt_rows if row.drafter is not None else 0 for row in rows]  # rows of logits each wants
     wanted = max(longest - length + min(seed, length) for length, seed in zip(lengths, seeds))
     kept = max(wanted, 1)  # the last `kept` positions' logits (one at least: the least a model can be asked)
-    hidden = any(row.wants_hidden for row in rows)
-    forward = lean_forward(target, None) or target  # the model's own forward, without its wrapping where that applies
-    out = forward(input_ids=ids, position_ids=torch.arange(longest, device=device).expand(len(rows), -1),
-                  **{cache_argument(target): cache}, output_hidden_states=hidden, **last_logits_only(target, kept))
-    logits = out.logits[:, -kept:]  # (B, kept, V): positions longest - kept ..
-    for b, (row, length, seed) in enumerate(zip(rows, lengths, seeds)):
+    return ids, torch.arange(longest, device=device).expand(len(rows), -1), kept
+
+
+def prompt_outputs(rows: list[Row], logits: torch.Tensor, hidden_states: tuple | None) -> None:
+    """What the rows' drafters and depth controls hear of their prefill: logits (B, kept, V) at its last positions,
+    and the model's hidden states where a row asks for them ((B, P, H) per layer)."""
+    lengths = [row.prompt_len - 1 for row in rows]
+    longest, kept = max(lengths), logits.shape[1]
+    for b, (row, length) in enumerate(zip(rows, lengths)):
+        seed = row.drafter.prompt_rows if row.drafter is not None else 0
         if seed and length:
             take = min(seed, length)
             end = kept - (longest - length)  # the row's last real position, in `logits`
             row.drafter.seed(row.committed[length - take:length], logits[b, end - take:end])  # (take,), (take, V)
         if row.drafter_reads and length:
-            row.drafter.seed_hidden(tuple(h[b, :length] for h in out.hidden_states))  # ((P_b, H),) per layer
+            row.drafter.seed_hidden(tuple(h[b, :length] for h in hidden_states))  # ((P_b, H),) per layer
         if row.wants_hidden and length:
-            row.feature = out.hidden_states[-1][b, length - 1]  # (H,)
+            row.feature = hidden_states[-1][b, length - 1]  # (H,)
 
 
 class Generation:
@@ -299,6 +319,10 @@ class Generation:
             check_batchable(self, rows)
         self.cache: Cache | None = None  # the target's cache: one row per running sequence, in `active` order
         self.active: list[int] = []  # the rows still running (indices into `rows`), in the cache's order
+        # rows admitted while running, whose prompts ride the next step's forward: groups of rows and their rider (None:
+        # nothing to prefill); then those that rode it, until seated in the cache
+        self.pending: list[tuple[list[int], Rider | None]] = []
+        self.boarded: list[tuple[list[int], Rider | None]] = []
         self.phases = PhaseClock(self.device)
         self.started = False  # the rows given at the start are prefilled (the first step is under way)
         self.ended = False  # every row has finished: nothing more runs
@@ -374,7 +398,7 @@ class Generation:
         and (chunk, finished, what the depth control observes) each."""
         running = list(self.active)
         with torch.inference_mode(), entered(self.packed):
-            results = self._step(self.cache, [self.rows[b] for b in running], self.phases)
+            results = self._step(self.cache, [self.rows[b] for b in running], self.phases, self._board())
         now = time.perf_counter()  # the step has synchronised (its readout)
         for b in running:
             self.rows[b].stats.time_s = now - self.rows[b].began
@@ -408,7 +432,14 @@ class Generation:
         self.rows += rows
         new = list(range(first, len(self.rows)))
         self.packed += [pack for pack in packs([], rows) if pack not in self.packed]  # before their prefill
-        if self.started:  # running: they join now; before the start, the first prefill takes them
+        if self.started and self._rides(rows):  # running: their prefill rides the next step's forward
+            try:
+                pending = self._boarding(new)
+            except BaseException:
+                del self.rows[first:]
+                raise
+            self.pending += pending
+        elif self.started:  # running: they join now; before the start, the first prefill takes them
             try:
                 with torch.inference_mode(), entered(self.packed):
                     self._join(new)
@@ -424,9 +455,73 @@ class Generation:
         self.rows[b].finished = True
         self._leave()
 
+    def _rides(self, rows: list[Row]) -> bool:
+        """Whether rows admitted now are prefilled in the next step's forward (`lean.Rider`: the weights read once
+        for the step and the prompts, where a prefill of their own would stall every running row for a forward):
+        while rows run, over the lean forward, for rows that hear no hidden states. `OPTTREE_RIDE=0`: never."""
+        return os.environ.get("OPTTREE_RIDE", "1") != "0" and bool(self.active) and not self.static \
+            and isinstance(self.verifier, TreeVerifier) and lean_forward(self.target, None) is not None \
+            and not any(row.wants_hidden or row.drafter_reads for row in rows)
+
+    def _boarding(self, new: list[int]) -> list[tuple[list[int], Rider | None]]:
+        """Rows `new`, admitted, in groups of similar lengths (`prefill_groups`): their drafters start, and each group's
+        prompts become a rider (into a cache of its own) of the next step's forward."""
+        now = time.perf_counter()
+        boarding = []
+        for group in prefill_groups([self.rows[b].prompt_len for b in new]):
+            rows = [new[i] for i in group]
+            inputs = prompt_inputs([self.rows[b] for b in rows])
+            boarding.append((rows, None if inputs is None else Rider(inputs[0], inputs[2],
+                                                                    self._new_cache(self.rows[rows[0]]))))
+        for b in new:
+            self.rows[b].began = now
+        return boarding
+
+    def _board(self) -> tuple[Rider, ...]:
+        """The pending groups with a row still wanted ride this step's forward (`boarded` until `_seat`)."""
+        self.boarded = [(rows, rider) for rows, rider in self.pending if not all(self.rows[b].finished for b in rows)]
+        self.pending = []
+        return tuple(rider for _, rider in self.boarded if rider is not None)
+
+    def _chunks(self, riders: tuple[Rider, ...], rows: int, width: int) -> tuple[Rider, ...]:
+        """Each rider's positions this step (`Rider.take`): as many as keep the forward's (rows x width) and theirs
+        within the rows the target's packed products were checked for (`PackedLinears.most_rows`), the first rider
+        first; whole prompts where there are no packed products, or less room than RIDE_MIN (the step runs past
+        them anyway). Returns the riders that take any."""
+        pack = active_pack(self.target)
+        room = pack.most_rows() - rows * width if pack is not None else None
+        whole = room is None or room < RIDE_MIN
+        for i, rider in enumerate(riders):
+            count = rider.prompt_ids.shape[0]  # prompts of its group: each takes the chunk
+            rider.take(rider.prompt_ids.shape[1] if whole else max(room // count, 1 if i == 0 else 0))
+            room = None if whole else room - rider.size * count
+        return tuple(rider for rider in riders if rider.size)
+
+    def _seat(self) -> None:
+        """The rows that rode the last step with their prompts whole in their caches join the running ones: their
+        drafters hear their prompts' logits, their caches are stacked with the batch's; they step from the next
+        step. The others ride again."""
+        done = [(rows, rider) for rows, rider in self.boarded if rider is None or rider.finished]
+        self.pending = [(rows, rider) for rows, rider in self.boarded if rider is not None and not rider.finished] \
+            + self.pending
+        self.boarded = []
+        if not done:
+            return
+        parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
+        for rows, rider in done:
+            if rider is not None:
+                prompt_outputs([self.rows[b] for b in rows], rider.logits, None)
+            parts.append((rider.cache if rider is not None else self._new_cache(self.rows[rows[0]]),
+                          [self.rows[b].prefix_len for b in rows]))
+        seated = [b for rows, _ in done for b in rows]
+        self._stack(parts, seated)
+        now = time.perf_counter()
+        for b in seated:
+            self.rows[b].stats.prefill_s = now - self.rows[b].began  # from its admission
+
     def _join(self, new: list[int]) -> None:
         """Rows `new` start: prefilled together, in groups of similar lengths (`prefill_groups`), into caches of
-        their own, then one cache of all running rows (`stack_rows`)."""
+        their own, then one cache of all running rows (`_stack`)."""
         start = _clock(self.device)
         groups = [[new[i] for i in group] for group in prefill_groups([self.rows[b].prompt_len for b in new])]
         parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
@@ -434,19 +529,24 @@ class Generation:
             cache = self._new_cache(self.rows[group[0]])  # several rows: the dynamic path (`check_batchable`)
             prefill(self.target, cache, [self.rows[b] for b in group])
             parts.append((cache, [self.rows[b].prefix_len for b in group]))
-        running = self.active + [b for group in groups for b in group]
+        self._stack(parts, [b for group in groups for b in group])
+        prefill_s = _clock(self.device) - start
+        for b in new:
+            self.rows[b].began, self.rows[b].stats.prefill_s = start, prefill_s
+
+    def _stack(self, parts: list[tuple[Cache, list[int]]], new: list[int]) -> None:
+        """One cache of the running rows and the rows `new` (`parts`: caches and their rows' lengths, the running
+        rows' first), in that order (`stack_rows`)."""
+        running = self.active + new
         positions = len(running) * max(self.rows[b].prefix_len + self.rows[b].stopper.remaining for b in running)
         attention = torch.float32 if self.float32_attention(running, positions) else None
         self.cache = parts[0][0] if len(parts) == 1 and attention is None else stack_rows(parts, attention)
-        self.active += [b for group in groups for b in group]
+        self.active += new
         row = self.rows[new[0]]
         if self.rope_switch is not None:  # one sequence (`check_batchable`)
             self.long_keys = row.prefix_len > self.rope_switch
         if row.self_drafts:  # a self-drafter runs the target's first layers (one sequence: `check_batchable`)
             row.drafter.share_target_cache(self.cache)
-        prefill_s = _clock(self.device) - start
-        for b in new:
-            self.rows[b].began, self.rows[b].stats.prefill_s = start, prefill_s
 
     def float32_attention(self, running: list[int], positions: int) -> bool:
         """Whether the running rows' cache is kept in float32 after the prefill (`lean.float32_attention`): where
@@ -462,6 +562,18 @@ class Generation:
             with torch.inference_mode():
                 select_rows(self.cache, kept, [self.rows[self.active[k]].prefix_len for k in kept])
         self.active = [self.active[k] for k in kept]
+        if not self.active:
+            self.cache = None
+        if self.boarded:  # the rows that rode the step, their prompts whole, join the running ones (the others wait)
+            with torch.inference_mode(), entered(self.packed):
+                self._seat()
+        if not self.active and self.pending:  # no step left to ride: the rest of each prefill in a forward of its own
+            self._board()
+            with torch.inference_mode(), entered(self.packed):
+                for _, rider in self.boarded:
+                    if rider is not None and not rider.finished:
+                        rider.alone(self.target)
+                self._seat()
         if not self.active:  # every row has finished: the batch has ended and admits no more
             self.ended, self.cache = True, None
 
@@ -520,9 +632,10 @@ class Generation:
                 trees[i], spans[i] = tree, (start, end, 1 / len(together))
         return trees, spans
 
-    def _step(self, cache: Cache, rows: list[Row], phases: PhaseClock) -> list[tuple]:
+    def _step(self, cache: Cache, rows: list[Row], phases: PhaseClock, riders: tuple[Rider, ...] = ()) -> list[tuple]:
         """One speculative step of every row; returns per row (the emitted chunk (C,), whether the row ends
-        with it, what its depth control observes: (accepted, drafted depth, draft seconds, verify seconds))."""
+        with it, what its depth control observes: (accepted, drafted depth, draft seconds, verify seconds)).
+        `riders`: prompts of rows that join the batch, prefilled in the step's forward (`lean.Rider`)."""
         prefix_lens, roots = [row.prefix_len for row in rows], [row.committed[-1] for row in rows]
         # 1. draft: each row's tree, from its own drafter and policy, of the most nodes its batch gives it
         nodes = self.allocator.nodes([row.cost() for row in rows]) if self.allocator is not None and len(rows) > 1 \
@@ -533,7 +646,9 @@ class Generation:
             trees = self.allocator(trees, nodes)
         t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
-        outputs = self.verifier.logits(cache, roots, trees, prefix_lens)
+        riders = self._chunks(riders, len(rows), max(map(len, trees)) + 1) if riders else ()
+        outputs = self.verifier.logits(cache, roots, trees, prefix_lens, riders) if riders else \
+            self.verifier.logits(cache, roots, trees, prefix_lens)
         t_verified = phases.mark()
         # 3. accept: per row, the longest branch the target agrees with plus its bonus; the step's one host
         #    sync reads what the host needs of every row (how many were accepted, the emitted tokens, the depth)

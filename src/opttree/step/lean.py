@@ -29,6 +29,7 @@ import os
 import statistics
 import time
 import weakref
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -41,6 +42,62 @@ from transformers.utils import output_capturing
 
 from ..packed import MEMORY_SHARE, active_pack, available_bytes, register_shared_inputs
 from .attention import mask_layout
+from .cache import cache_argument, last_logits_only
+
+
+@dataclass
+class Rider:
+    """Prompts prefilled in other forwards' products (`_decode`'s riders): their own cache and causal masks, the
+    weights read once for a forward's rows and theirs. A chunk a forward (`take`), so that a forward's rows can stay
+    within the packed kernels' checked rows (`opttree.packed`); `logits` (B, kept, V) at the prompts' last `kept`
+    positions once every position is in the cache. A batch's joining requests ride its steps (`engine.Generation`)."""
+
+    prompt_ids: torch.Tensor  # (B, P), right-padded to the longest
+    kept: int  # the last positions whose logits are wanted (at least one)
+    cache: object  # a cache of their own (empty at first)
+    done: int = 0  # positions in the cache
+    size: int = 0  # positions the next forward takes
+    logits: torch.Tensor | None = None
+    _parts: list = field(default_factory=list)  # (B, k, V) logits of the wanted positions so far
+
+    @property
+    def finished(self) -> bool:
+        return self.done == self.prompt_ids.shape[1]
+
+    def take(self, positions: int) -> None:
+        """The next forward takes (at most) this many positions of each prompt."""
+        self.size = min(positions, self.prompt_ids.shape[1] - self.done)
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, size)
+        return self.prompt_ids[:, self.done:self.done + self.size]
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # (B, size)
+        positions = torch.arange(self.done, self.done + self.size, device=self.prompt_ids.device)
+        return positions.expand(self.prompt_ids.shape[0], -1)
+
+    @property
+    def keep(self) -> int:
+        """How many of the chunk's last positions are among the prompts' last `kept`."""
+        end = self.done + self.size
+        return max(0, end - max(self.done, self.prompt_ids.shape[1] - self.kept))
+
+    def heard(self, logits: torch.Tensor | None) -> None:
+        """The chunk is in the cache, its wanted positions' logits (B, keep, V) (None: none wanted)."""
+        if logits is not None:
+            self._parts.append(logits)
+        self.done, self.size = self.done + self.size, 0
+        if self.finished:
+            self.logits, self._parts = torch.cat(self._parts, dim=1), []
+
+    def alone(self, model) -> None:
+        """The rest of the prefill in a forward of its own (where no forward it could ride runs)."""
+        self.take(self.prompt_ids.shape[1])
+        forward = lean_forward(model, None) or model
+        logits = forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
+                         **{cache_argument(model): self.cache}, **last_logits_only(model, max(self.keep, 1))).logits
+        self.heard(logits[:, logits.shape[1] - self.keep:] if self.keep else None)
 
 
 def _llama_masks(model, **arguments) -> list:
@@ -96,10 +153,11 @@ class LeanForward(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache=None, past_key_values=None, use_cache: bool = True, output_hidden_states: bool = False,
-                logits_to_keep: int = 0):
+                logits_to_keep: int = 0, riders: tuple[Rider, ...] = ()):
         model = self._model()
         logits, hidden = _decode(model, *self.architecture, input_ids, position_ids, attention_mask,
-                                 cache if cache is not None else past_key_values, output_hidden_states, logits_to_keep)
+                                 cache if cache is not None else past_key_values, output_hidden_states, logits_to_keep,
+                                 riders)
         return SimpleNamespace(logits=logits, hidden_states=hidden)
 
 
@@ -231,37 +289,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            mask: torch.Tensor | None, cache, hidden_states: bool = False, logits_to_keep: int = 0
-            ) -> tuple[torch.Tensor, tuple | None]:
+            mask: torch.Tensor | None, cache, hidden_states: bool = False, logits_to_keep: int = 0,
+            riders: tuple[Rider, ...] = ()) -> tuple[torch.Tensor, tuple | None]:
     """LlamaForCausalLM.forward's computation (transformers 5.x; Qwen2's and Mistral's are the same with
     `attention_options`): (B, Q) ids -> (B, Q, V) logits, and with `hidden_states` the model's: the
     embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each). `mask` None:
     the model's own masks (`own_masks`, made as its forward makes them, before the cache grows).
-    `logits_to_keep`: the model's argument (the last positions' logits only)."""
+    `logits_to_keep`: the model's argument (the last positions' logits only).
+    `riders`: prompts prefilled in the same forward (`Rider`, a chunk each): every position's norms, products and MLP
+    as one (N, H) block of the forward's rows and theirs (the weights read once), attention apart, each over its own
+    cache under its own mask; each rider hears its chunk's logits. Without riders every op is the model's, as above."""
     inner, config = model.model, model.config
-    hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
+    segments = [_Segment(inner, own_masks, model, input_ids, position_ids, mask, cache)]
+    segments += [_Segment(inner, own_masks, model, r.input_ids, r.position_ids, None, r.cache) for r in riders]
+    hidden = segments[0].hidden if not riders else torch.cat([seg.hidden.flatten(0, 1) for seg in segments])
+    sizes = [seg.rows for seg in segments]  # each segment's rows of `hidden` (B * Q each), with riders
     kept = [hidden] if hidden_states else None
-    masks = own_masks(model, inputs_embeds=hidden, attention_mask=None, cache=cache, position_ids=position_ids) \
-        if mask is None else [mask] * config.num_hidden_layers
-    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)  # (B, Q, Dh) each
-    cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # (B, 1, Q, Dh): `apply_rotary`'s operands
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, modeling.eager_attention_forward)
-    extra = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention
     pack = active_pack(model)  # the model's packed linears, while a generation runs them
-    for layer, mask in zip(inner.layers[: config.num_hidden_layers], masks):
+    for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):
         attention, mlp = layer.self_attn, layer.mlp
         residual = hidden
         hidden = layer.input_layernorm(hidden)
-        shape = (*hidden.shape[:-1], -1, attention.head_dim)
-        query, key, value = (out.view(shape).transpose(1, 2) for out in _products(  # (B, heads, Q, Dh) each
-            pack, (attention.q_proj, attention.k_proj, attention.v_proj), hidden))
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        if cache is not None:
-            key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
-        # (B, Q, heads, Dh); a cache kept in float32 (`float32_attention`): the queries cast to it, the output back
-        out, _ = attend(attention, query.to(key.dtype), key, value, mask, dropout=0.0, scaling=attention.scaling,
-                        **attention_options(attention), **extra)
-        hidden = residual + attention.o_proj(out.reshape(*hidden.shape[:-1], -1).to(hidden.dtype).contiguous())
+        products = _products(pack, (attention.q_proj, attention.k_proj, attention.v_proj), hidden)
+        outs = []
+        for seg, (query, key, value) in zip(segments, zip(*(p.split(sizes) for p in products)) if riders else
+                                            [products]):
+            shape = (*seg.hidden.shape[:-1], -1, attention.head_dim)
+            query, key, value = (out.view(shape).transpose(1, 2) for out in (query, key, value))  # (B, heads, Q, Dh)
+            query, key = apply_rotary(query, seg.cos, seg.sin), apply_rotary(key, seg.cos, seg.sin)
+            if seg.cache is not None:
+                key, value = seg.cache.update(key, value, attention.layer_idx, kwargs=seg.extra)
+            # (B, Q, heads, Dh); a cache kept in float32 (`float32_attention`): the queries cast to it, the output back
+            out, _ = attend(attention, query.to(key.dtype), key, value, seg.masks[i], dropout=0.0,
+                            scaling=attention.scaling, **attention_options(attention), **seg.extra)
+            outs.append(out.reshape(*seg.hidden.shape[:-1], -1) if not riders else
+                        out.reshape(seg.rows, -1).to(hidden.dtype))
+        out = outs[0] if not riders else torch.cat(outs)
+        hidden = residual + attention.o_proj(out.to(hidden.dtype).contiguous())
         residual = hidden
         gate, up = _products(pack, (mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm(hidden))
         hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)  # the MLP's forward
@@ -270,4 +335,30 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
     hidden = inner.norm(hidden)
     if kept is not None:
         kept[-1] = hidden
-    return model.lm_head(slice_logits_to_keep(hidden, logits_to_keep)), tuple(kept) if kept is not None else None
+    if not riders:
+        return model.lm_head(slice_logits_to_keep(hidden, logits_to_keep)), tuple(kept) if kept is not None else None
+    # one vocabulary product for the forward's rows and the riders' kept ones
+    parts = [seg_hidden.view(seg.hidden.shape) for seg_hidden, seg in zip(hidden.split(sizes), segments)]
+    wanted = [slice_logits_to_keep(parts[0], logits_to_keep)] + [part[:, part.shape[1] - r.keep:] for part, r in
+                                                                  zip(parts[1:], riders)]  # (B, K, H) each
+    logits = model.lm_head(torch.cat([w.flatten(0, 1) for w in wanted]))
+    logits = logits.split([w.shape[0] * w.shape[1] for w in wanted])
+    for rider, rows, w in zip(riders, logits[1:], wanted[1:]):
+        rider.heard(rows.view(*w.shape[:2], -1) if rider.keep else None)
+    first = segments[0]
+    states = tuple(h[: first.rows].view(first.hidden.shape) for h in kept) if kept is not None else None
+    return logits[0].view(*wanted[0].shape[:2], -1), states
+
+
+class _Segment:
+    """One set of rows of `_decode`: its embeddings (B, Q, H), rotary operands, per-layer masks and cache."""
+
+    def __init__(self, inner, own_masks, model, input_ids, position_ids, mask, cache):
+        self.hidden = inner.embed_tokens(input_ids)  # (B, Q, H)
+        self.rows = input_ids.numel()
+        self.cache = cache
+        self.masks = own_masks(model, inputs_embeds=self.hidden, attention_mask=None, cache=cache,
+                               position_ids=position_ids) if mask is None else [mask] * model.config.num_hidden_layers
+        cos, sin = inner.rotary_emb(self.hidden, position_ids=position_ids)  # (B, Q, Dh) each
+        self.cos, self.sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # (B, 1, Q, Dh): `apply_rotary`'s operands
+        self.extra = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention

@@ -16,7 +16,7 @@ from ..device import static_step
 from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
-from .lean import lean_forward
+from .lean import LeanForward, Rider, lean_forward
 from .sampling import PositionNoise, as_float32, inverse_cdf, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
 
@@ -146,6 +146,7 @@ def masked_forward(
     hidden: bool = False,
     forward=None,
     keys: Callable[[], torch.Tensor] | None = None,
+    riders: tuple[Rider, ...] = (),
 ):
     """Run `model` on new tokens with an explicit attention pattern, appending them to `cache`.
 
@@ -155,6 +156,7 @@ def masked_forward(
     `lean.lean_forward` reproduces it). `keys`: returns the (K,) positions of the keys, for layers with a
     window (`opttree.step.attention`); default: the cache holds positions 0..K-Q-1 and the new rows follow.
     A batch: input_ids and positions (B, Q), allowed (B, Q, K), `keys` returns (B, K).
+    `riders`: prompts prefilled in the same forward where the lean one runs it (`lean.Rider`), else in their own.
     Returns logits (Q, V); with `hidden`, (logits, every layer's hidden states ((Q, H), ...)); a batch
     keeps its batch axis: (B, Q, V), ((B, Q, H), ...).
     """
@@ -171,14 +173,20 @@ def masked_forward(
         else:
             row_keys = [keys] * count
         bias = _stack([attention_bias(model, allowed[b], where[b], row_keys[b]) for b in range(count)])
+    run = forward or lean_forward(model, bias) or model
+    if riders and not isinstance(run, LeanForward):
+        for rider in riders:
+            rider.alone(model)
+        riders = ()
     with masked_attention_kernels(ids.device):
-        out = (forward or lean_forward(model, bias) or model)(
+        out = run(
             input_ids=ids,
             position_ids=where,
             attention_mask=bias,
             **{cache_argument(model): cache},
             use_cache=True,
             output_hidden_states=hidden,
+            **({"riders": riders} if riders else {}),
         )
     if batched:
         return (out.logits, out.hidden_states) if hidden else out.logits  # (B, Q, V), ((B, Q, H),)
@@ -240,14 +248,15 @@ def verify_tree(
 
 def verify_trees(
     target: PreTrainedModel, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int],
-    hidden: bool = False, width: int = 0, compiled: bool = True,
+    hidden: bool = False, width: int = 0, compiled: bool = True, riders: tuple[Rider, ...] = (),
 ) -> list:
     """One target forward over a batch of [root] + tree, one row per sequence: row b's cache holds its
     `prefix_lens[b]` committed tokens (the cache itself is as long as the longest). Every tree is padded
     to the widest (padding rows attend to themselves only and are never read) and lands after the
     longest prefix; a row attends to its own prefix and its own tree's ancestors, nothing else, at
     positions prefix_len + depth. Returns per row the logits (N_b + 1, V), row 0 = root; with `hidden`,
-    (logits, every layer's hidden states ((N_b + 1, H), ...)).
+    (logits, every layer's hidden states ((N_b + 1, H), ...)). `riders`: prompts prefilled in the same forward
+    (`masked_forward`).
 
     Over a static cache (`opttree.step.cache.static_cache`, one sequence) the forward has one shape per
     `width`: the tree is padded to `width` nodes and the keys span the cache's whole capacity; it runs
@@ -258,7 +267,7 @@ def verify_trees(
     width = max(width, *sizes) if static else max(sizes)  # a tree past the static width gets a shape of its own
     keys = capacity(cache) if static else start + width + 1
     if not static and len(trees) == 1:  # one sequence: its own shapes, no batch axis to make and take apart
-        return [_verify_one(target, cache, roots[0], trees[0], start, hidden)]
+        return [_verify_one(target, cache, roots[0], trees[0], start, hidden, riders)]
     tokens = torch.stack([pad_nodes(torch.cat([root.view(1), tree.tokens]), width, 0)
                           for root, tree in zip(roots, trees)])  # (B, W+1)
     positions = torch.stack([pad_nodes(position_ids(tree.depths, p), width, p)
@@ -270,7 +279,8 @@ def verify_trees(
                                for tree, p in zip(trees, prefix_lens)])  # (B, W+1, K)
     forward = static_step(target) if static and compiled and cache.is_initialized else None  # a first forward allocates
     out = masked_forward(target, cache, tokens, positions, allowed, hidden, forward,
-                         keys=lambda: torch.stack([key_positions(start, row, keys) for row in positions]))
+                         keys=lambda: torch.stack([key_positions(start, row, keys) for row in positions]),
+                         riders=riders)
     logits, states = out if hidden else (out, None)  # (B, W+1, V), ((B, W+1, H),)
     if not hidden:
         return [logits[b, : n + 1] for b, n in enumerate(sizes)]
@@ -278,7 +288,7 @@ def verify_trees(
 
 
 def _verify_one(target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree: DraftTree, prefix_len: int,
-                hidden: bool):
+                hidden: bool, riders: tuple[Rider, ...] = ()):
     """`verify_trees` of one sequence over a dynamic cache: logits (N + 1, V), with `hidden` and the hidden states."""
     tokens = torch.cat([root.view(1), tree.tokens])  # (N+1,)
     positions = position_ids(tree.depths, prefix_len)  # (N+1,)
@@ -290,7 +300,7 @@ def _verify_one(target: PreTrainedModel, cache: Cache, root: torch.Tensor, tree:
     else:
         allowed = tree_attention_mask(tree.parents, prefix_len, tree.block)  # (N+1, K)
     return masked_forward(target, cache, tokens, positions, allowed, hidden,
-                          keys=lambda: key_positions(prefix_len, positions, keys))
+                          keys=lambda: key_positions(prefix_len, positions, keys), riders=riders)
 
 
 class TreeVerifier:
@@ -303,9 +313,11 @@ class TreeVerifier:
     def __init__(self, target: PreTrainedModel, hidden: bool = False, width: int = 0):
         self.target, self.hidden, self.width = target, hidden, width
 
-    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]) -> list:
-        """Per row, (N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states)."""
-        return verify_trees(self.target, cache, roots, trees, prefix_lens, self.hidden, self.width)
+    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int],
+               riders: tuple[Rider, ...] = ()) -> list:
+        """Per row, (N + 1, V) logits at [root] + nodes; with `hidden`, (logits, every layer's (N + 1, H) states).
+        `riders`: prompts prefilled in the same forward (`lean.Rider`)."""
+        return verify_trees(self.target, cache, roots, trees, prefix_lens, self.hidden, self.width, riders=riders)
 
     def commit(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], accepted: list[torch.Tensor],
                prefix_lens: list[int], firsts: list[bool] | None = None) -> None:
