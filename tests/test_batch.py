@@ -368,40 +368,25 @@ def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_th
         assert chunks[b] == hf_greedy(target, prompt[None], NEW)[0, prompt.shape[0]:].tolist(), b
 
 
-@pytest.mark.parametrize("drafter,room", [(None, 5), ("draft", 5), (None, 2)])
-def test_joining_prompts_ride_the_steps_in_chunks_and_finish_alone_when_the_batch_empties(monkeypatch, drafter, room):
-    """Riding prefills (`lean.Rider`, `Generation._chunks`) a few positions a step, where the target's packed products
-    leave little room (a stand-in pack that allows the step's rows and 5 more): arrivals of 21 and 58 tokens ride
-    several steps, one group after another, and then decode as their prompts' own greedy output (with room for less
-    than RIDE_MIN positions, whole prompts ride, one step each); a request cancelled
-    while waiting to ride leaves the others unharmed; a request that arrives as the running row's last steps begin
-    finishes its prefill in a forward of its own (no step is left to ride), exactly too."""
-    import opttree.engine as engine
+@pytest.mark.parametrize("drafter", [None, "draft"])
+def test_joining_prompts_ride_the_next_step_and_are_prefilled_alone_when_no_step_is_left(monkeypatch, drafter):
+    """Riding prefills (`lean.Rider`): arrivals of 21 and 58 tokens (two groups) ride one step's forward together and
+    then decode as their prompts' own greedy output; a request cancelled while waiting never rides; arrivals whose
+    batch is cancelled whole before they ride are prefilled in forwards of their own, and decode exactly too."""
     from opttree.step import lean
 
-    class Pack:  # the step's rows + `room`
-        rows = 0
-
-        def most_rows(self):
-            return Pack.rows + room
-
-    chunks_of = engine.Generation._chunks
-    monkeypatch.setattr(engine.Generation, "_chunks",
-                        lambda self, riders, rows, width: (setattr(Pack, "rows", rows * width),
-                                                           chunks_of(self, riders, rows, width))[1])
-    monkeypatch.setattr(engine, "active_pack", lambda model: Pack())
-    monkeypatch.setattr(engine, "RIDE_MIN", 3)
     rides, alone = [], []
     forward = lean.LeanForward.forward
     monkeypatch.setattr(lean.LeanForward, "forward",
-                        lambda self, *a, **k: (rides.append([r.size for r in k.get("riders", ())]),
+                        lambda self, *a, **k: (rides.append([r.input_ids.shape[1] for r in k.get("riders", ())]),
                                                forward(self, *a, **k))[1])
     alone_of = lean.Rider.alone
-    monkeypatch.setattr(lean.Rider, "alone", lambda self, model: (alone.append(self.done), alone_of(self, model))[1])
+    monkeypatch.setattr(lean.Rider, "alone", lambda self, model: (alone.append(self.input_ids.shape),
+                                                                  alone_of(self, model))[1])
     target = tiny("llama", seed=1)
     draft = tiny("llama", seed=2) if drafter else None
     speculator = opttree.Speculator(target, draft, budget=4, eos_token_id=[], max_new_tokens=NEW)
-    first, later = prompts([12], seed=51), prompts([21, 58, 20], seed=52)
+    first, later = prompts([12, 9], seed=51), prompts([21, 58, 20], seed=52)
 
     def run_to_end(run, chunks):
         while not run.ended:
@@ -415,20 +400,17 @@ def test_joining_prompts_ride_the_steps_in_chunks_and_finish_alone_when_the_batc
     assert run.admit(speculator.row(opttree.Request(later[2]))) == 3
     run.cancel(3)  # cancelled while waiting: it never rides
     run_to_end(run, chunks)
-    ridden = [sizes for sizes in rides if sizes]
-    if room == 5:
-        assert len(ridden) >= 16 and max(map(max, ridden)) == 5, ridden  # 20 + 57 positions, 5 a step
-    else:
-        assert ridden == [[20, 57]], ridden  # whole, together
+    assert [sizes for sizes in rides if sizes] == [[20, 57]] and not alone  # one step carried both groups
     assert 3 not in chunks and run.rows[3].finished
-    expected = {0: (first[0], 40), 1: (later[0], NEW), 2: (later[1], NEW)}
-    # a lone row with 3 tokens to go and an arrival of 58 positions: the batch empties while it rides
-    run = speculator.stream([opttree.Request(first[0], max_new_tokens=4)])
+    # the running rows cancelled before the arrivals' step: no step is left to ride
+    run = speculator.stream([opttree.Request(p) for p in first])
     tail = {b: list(chunk) for b, chunk in run.step()}
-    assert run.admit(speculator.row(opttree.Request(later[1]))) == 1
-    alone.clear()
+    assert run.admit_all([speculator.row(opttree.Request(p)) for p in later[:2]]) == [2, 3]
+    run.cancel(0)
+    run.cancel(1)
     run_to_end(run, tail)
-    assert len(alone) == (room == 5) and all(0 < done < 57 for done in alone), alone  # rode part way: the rest alone
-    for got, want in ((chunks, expected), (tail, {0: (first[0], 4), 1: (later[1], NEW)})):
+    assert sorted(alone) == [(1, 20), (1, 57)], alone
+    for got, want in ((chunks, {0: (first[0], 40), 1: (later[0], NEW), 2: (later[1], NEW)}),
+                      (tail, {2: (later[0], NEW), 3: (later[1], NEW)})):
         for b, (prompt, new) in want.items():
             assert got[b] == hf_greedy(target, prompt[None], new)[0, prompt.shape[0]:].tolist(), b

@@ -133,9 +133,9 @@ def test_the_rotary_embedding_in_four_ops_is_the_models_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_riders_get_the_logits_and_cache_of_their_own_forwards(dtype, tolerance, arch):
-    """Prompts prefilled in a tree forward's products (`lean.Rider`), two chunks each: the tree's logits and cache
-    and the riders' kept logits and caches are those of forwards of their own, up to the rounding of products over
-    more rows; the hidden states of the tree's rows too."""
+    """Prompts prefilled in a tree forward's products (`lean.Rider`): the tree's logits, hidden states and cache and
+    the riders' kept logits and caches are those of forwards of their own, up to the rounding of products over more
+    rows."""
     from opttree.step.lean import Rider
 
     model = tiny_model(arch, seed=4).to(dtype)
@@ -143,7 +143,8 @@ def test_riders_get_the_logits_and_cache_of_their_own_forwards(dtype, tolerance,
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (1, 11), generator=g), torch.randint(0, 96, (2, 6), generator=g)]
     caches = [new_cache(), new_cache()]
-    riders = [Rider(p, kept, new_cache()) for p, kept in zip(prompts, (4, 6))]
+    riders = [Rider(p, torch.arange(p.shape[1]).expand(p.shape[0], -1), new_cache(), keep)
+              for p, keep in zip(prompts, (4, 6))]
     alone = [new_cache() for _ in prompts]
     with torch.inference_mode():
         for cache in caches:
@@ -152,20 +153,14 @@ def test_riders_get_the_logits_and_cache_of_their_own_forwards(dtype, tolerance,
         kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       output_hidden_states=True)
         want = runner(**kwargs, **{cache_argument(model): caches[0]})
-        for rider in riders:  # the first 5 positions with a forward of one token, the rest with the tree
-            rider.take(5)
-        runner(input_ids=tokens[:, :1], position_ids=torch.zeros_like(positions[:, :1]),
-               **{cache_argument(model): new_cache()}, riders=riders)
-        for rider in riders:
-            rider.take(50)
         got = runner(**kwargs, **{cache_argument(model): caches[1]}, riders=riders)
         theirs = [model(input_ids=p, position_ids=torch.arange(p.shape[1]).expand(p.shape[0], -1),
                         **{cache_argument(model): cache}).logits for p, cache in zip(prompts, alone)]
     close = lambda a, b: torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance)  # noqa: E731
     assert close(got.logits, want.logits) and all(map(close, got.hidden_states, want.hidden_states))
     for rider, logits, cache in zip(riders, theirs, alone):
-        assert rider.finished and rider.logits.shape == (logits.shape[0], rider.kept, logits.shape[2])
-        assert close(rider.logits, logits[:, -rider.kept:])
+        assert rider.logits.shape == (logits.shape[0], rider.keep, logits.shape[2])
+        assert close(rider.logits, logits[:, -rider.keep:])
         for mine, own in zip(rider.cache.layers, cache.layers, strict=True):
             assert close(mine.keys, own.keys) and close(mine.values, own.values)
     for mine, theirs_ in zip(caches[1].layers, caches[0].layers, strict=True):

@@ -15,7 +15,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .batch_sizing import by_length
 from .device import PhaseClock, host_tensor, model_device, seeded_generator, synchronize
 from .genconfig import shape_logits
-from .packed import PackedLinears, active_pack, entered, packed_linears
+from .packed import PackedLinears, entered, packed_linears
 from .parallel import lockstep_for
 from .settings.config import SpecConfig
 from .stats import GenerationStats, RowCost
@@ -62,7 +62,6 @@ class Allocator(Protocol):
 # the rows' threads running their ops without OpenMP teams of their own (`threads.single_threaded_ops`), 0.95x.
 DRAFT_ALONE_ON = frozenset({"cpu"})
 MEASURED_AFTER = 2  # a row's drafting steps before its tokens and drafting time per step count (`Row.cost`)
-RIDE_MIN = 16  # fewer rows of room within the packed products: joining prompts ride whole (`Generation._chunks`)
 CHAINED = ("a target verified as chains (recurrent / convolution state layers, or attention on key indices: ALiBi, "
            "GPT-Neo's local layers, positions from the cache length)")
 
@@ -471,8 +470,8 @@ class Generation:
         for group in prefill_groups([self.rows[b].prompt_len for b in new]):
             rows = [new[i] for i in group]
             inputs = prompt_inputs([self.rows[b] for b in rows])
-            boarding.append((rows, None if inputs is None else Rider(inputs[0], inputs[2],
-                                                                    self._new_cache(self.rows[rows[0]]))))
+            boarding.append((rows, None if inputs is None else Rider(*inputs[:2], self._new_cache(self.rows[rows[0]]),
+                                                                    inputs[2])))
         for b in new:
             self.rows[b].began = now
         return boarding
@@ -483,30 +482,10 @@ class Generation:
         self.pending = []
         return tuple(rider for _, rider in self.boarded if rider is not None)
 
-    def _chunks(self, riders: tuple[Rider, ...], rows: int, width: int) -> tuple[Rider, ...]:
-        """Each rider's positions this step (`Rider.take`): as many as keep the forward's (rows x width) and theirs
-        within the rows the target's packed products were checked for (`PackedLinears.most_rows`), the first rider
-        first; whole prompts where there are no packed products, or less room than RIDE_MIN (the step runs past
-        them anyway). Returns the riders that take any."""
-        pack = active_pack(self.target)
-        room = pack.most_rows() - rows * width if pack is not None else None
-        whole = room is None or room < RIDE_MIN
-        for i, rider in enumerate(riders):
-            count = rider.prompt_ids.shape[0]  # prompts of its group: each takes the chunk
-            rider.take(rider.prompt_ids.shape[1] if whole else max(room // count, 1 if i == 0 else 0))
-            room = None if whole else room - rider.size * count
-        return tuple(rider for rider in riders if rider.size)
-
     def _seat(self) -> None:
-        """The rows that rode the last step with their prompts whole in their caches join the running ones: their
-        drafters hear their prompts' logits, their caches are stacked with the batch's; they step from the next
-        step. The others ride again."""
-        done = [(rows, rider) for rows, rider in self.boarded if rider is None or rider.finished]
-        self.pending = [(rows, rider) for rows, rider in self.boarded if rider is not None and not rider.finished] \
-            + self.pending
-        self.boarded = []
-        if not done:
-            return
+        """The rows that rode the last step join the running ones: their drafters hear their prompts' logits, their
+        caches are stacked with the batch's; they step from the next step."""
+        done, self.boarded = self.boarded, []
         parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
         for rows, rider in done:
             if rider is not None:
@@ -564,15 +543,12 @@ class Generation:
         self.active = [self.active[k] for k in kept]
         if not self.active:
             self.cache = None
-        if self.boarded:  # the rows that rode the step, their prompts whole, join the running ones (the others wait)
+        if not self.active and not self.boarded and self.pending:  # no step left to ride: forwards of their own
+            for rider in self._board():
+                with torch.inference_mode(), entered(self.packed):
+                    rider.alone(self.target)
+        if self.boarded:  # the rows that rode the step (or their own forwards) join the running ones
             with torch.inference_mode(), entered(self.packed):
-                self._seat()
-        if not self.active and self.pending:  # no step left to ride: the rest of each prefill in a forward of its own
-            self._board()
-            with torch.inference_mode(), entered(self.packed):
-                for _, rider in self.boarded:
-                    if rider is not None and not rider.finished:
-                        rider.alone(self.target)
                 self._seat()
         if not self.active:  # every row has finished: the batch has ended and admits no more
             self.ended, self.cache = True, None
@@ -646,7 +622,6 @@ class Generation:
             trees = self.allocator(trees, nodes)
         t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
-        riders = self._chunks(riders, len(rows), max(map(len, trees)) + 1) if riders else ()
         outputs = self.verifier.logits(cache, roots, trees, prefix_lens, riders) if riders else \
             self.verifier.logits(cache, roots, trees, prefix_lens)
         t_verified = phases.mark()

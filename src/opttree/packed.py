@@ -166,11 +166,6 @@ class PackedLinears:
                           for layer, packed, rows in self.layers]
         self._ours = {id(layer): forward for (layer, _, _), forward in zip(self.layers, self._forwards)}
 
-    def most_rows(self) -> int:
-        """The most rows a call may have with every product of these layers still run packed (0: none packed)."""
-        ranges = [rows for _, _, rows in self.layers] + [group.rows for group in self.groups.values()]
-        return min((rows[-1] for rows in ranges if len(rows)), default=0)
-
     def stale(self) -> bool:
         """Whether a weight changed since it was packed (in place: trained, loaded; or replaced: `.to()`), or a
         forward declared groups of layers since (`register_shared_inputs`)."""

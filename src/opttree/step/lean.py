@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -47,57 +47,23 @@ from .cache import cache_argument, last_logits_only
 
 @dataclass
 class Rider:
-    """Prompts prefilled in other forwards' products (`_decode`'s riders): their own cache and causal masks, the
-    weights read once for a forward's rows and theirs. A chunk a forward (`take`), so that a forward's rows can stay
-    within the packed kernels' checked rows (`opttree.packed`); `logits` (B, kept, V) at the prompts' last `kept`
-    positions once every position is in the cache. A batch's joining requests ride its steps (`engine.Generation`)."""
+    """Prompts prefilled in another forward's products (`_decode`'s riders): their own cache and causal masks, the
+    weights read once for that forward's rows and theirs. A batch's joining requests ride its next step
+    (`engine.Generation`). `keep`: the last positions whose logits are wanted (at least one); `logits` (B, keep, V)
+    once the forward ran."""
 
-    prompt_ids: torch.Tensor  # (B, P), right-padded to the longest
-    kept: int  # the last positions whose logits are wanted (at least one)
-    cache: object  # a cache of their own (empty at first)
-    done: int = 0  # positions in the cache
-    size: int = 0  # positions the next forward takes
+    input_ids: torch.Tensor  # (B, P), right-padded to the longest
+    position_ids: torch.Tensor  # (B, P)
+    cache: object  # a cache of their own (empty)
+    keep: int
     logits: torch.Tensor | None = None
-    _parts: list = field(default_factory=list)  # (B, k, V) logits of the wanted positions so far
-
-    @property
-    def finished(self) -> bool:
-        return self.done == self.prompt_ids.shape[1]
-
-    def take(self, positions: int) -> None:
-        """The next forward takes (at most) this many positions of each prompt."""
-        self.size = min(positions, self.prompt_ids.shape[1] - self.done)
-
-    @property
-    def input_ids(self) -> torch.Tensor:  # (B, size)
-        return self.prompt_ids[:, self.done:self.done + self.size]
-
-    @property
-    def position_ids(self) -> torch.Tensor:  # (B, size)
-        positions = torch.arange(self.done, self.done + self.size, device=self.prompt_ids.device)
-        return positions.expand(self.prompt_ids.shape[0], -1)
-
-    @property
-    def keep(self) -> int:
-        """How many of the chunk's last positions are among the prompts' last `kept`."""
-        end = self.done + self.size
-        return max(0, end - max(self.done, self.prompt_ids.shape[1] - self.kept))
-
-    def heard(self, logits: torch.Tensor | None) -> None:
-        """The chunk is in the cache, its wanted positions' logits (B, keep, V) (None: none wanted)."""
-        if logits is not None:
-            self._parts.append(logits)
-        self.done, self.size = self.done + self.size, 0
-        if self.finished:
-            self.logits, self._parts = torch.cat(self._parts, dim=1), []
 
     def alone(self, model) -> None:
-        """The rest of the prefill in a forward of its own (where no forward it could ride runs)."""
-        self.take(self.prompt_ids.shape[1])
+        """The same prefill in a forward of its own (where no forward it could ride runs)."""
         forward = lean_forward(model, None) or model
         logits = forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
-                         **{cache_argument(model): self.cache}, **last_logits_only(model, max(self.keep, 1))).logits
-        self.heard(logits[:, logits.shape[1] - self.keep:] if self.keep else None)
+                         **{cache_argument(model): self.cache}, **last_logits_only(model, self.keep)).logits
+        self.logits = logits[:, -self.keep:]
 
 
 def _llama_masks(model, **arguments) -> list:
@@ -296,9 +262,9 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
     embeddings, each layer's output but the last, and the last one normed ((B, Q, H) each). `mask` None:
     the model's own masks (`own_masks`, made as its forward makes them, before the cache grows).
     `logits_to_keep`: the model's argument (the last positions' logits only).
-    `riders`: prompts prefilled in the same forward (`Rider`, a chunk each): every position's norms, products and MLP
-    as one (N, H) block of the forward's rows and theirs (the weights read once), attention apart, each over its own
-    cache under its own mask; each rider hears its chunk's logits. Without riders every op is the model's, as above."""
+    `riders`: prompts prefilled in the same forward (`Rider`): every position's norms, products and MLP as one
+    (N, H) block of the forward's rows and theirs (the weights read once), attention apart, each over its own
+    cache under its own mask; each rider's logits set on it. Without riders every op is the model's, as above."""
     inner, config = model.model, model.config
     segments = [_Segment(inner, own_masks, model, input_ids, position_ids, mask, cache)]
     segments += [_Segment(inner, own_masks, model, r.input_ids, r.position_ids, None, r.cache) for r in riders]
@@ -344,7 +310,7 @@ def _decode(model, modeling, attention_options, own_masks, input_ids: torch.Tens
     logits = model.lm_head(torch.cat([w.flatten(0, 1) for w in wanted]))
     logits = logits.split([w.shape[0] * w.shape[1] for w in wanted])
     for rider, rows, w in zip(riders, logits[1:], wanted[1:]):
-        rider.heard(rows.view(*w.shape[:2], -1) if rider.keep else None)
+        rider.logits = rows.view(*w.shape[:2], -1)
     first = segments[0]
     states = tuple(h[: first.rows].view(first.hidden.shape) for h in kept) if kept is not None else None
     return logits[0].view(*wanted[0].shape[:2], -1), states

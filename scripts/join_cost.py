@@ -1,0 +1,80 @@
+"""What a request joining a running batch costs the batch: its prompt prefilled in a forward of its own
+(`OPTTREE_RIDE=0`) against riding the next step's forward (`lean.Rider`), measured in one process, the order
+alternated.
+
+    python scripts/join_cost.py                      # 8 rows of budget 4 (a sized batch's trees at 8 rows)
+    python scripts/join_cost.py --budget 16 --joins 24
+
+A batch of 8 HumanEval prompts (`opt:recycling+lookup`, bf16, the shipped pair) runs; each round times a plain step,
+then for each way a joining prompt (the next HumanEval prompt) is admitted: the admission and every step until it
+is in the batch's cache, less as many plain steps (the median of the last five), is its cost; it is then cancelled,
+so the batch keeps 8 rows (the batch starts afresh before a row nears its end). Prints the median cost of each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import opttree
+from opttree.bench.prompts import load_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", default="../shared/data/humaneval.jsonl")
+    parser.add_argument("--budget", type=int, default=4)
+    parser.add_argument("--joins", type=int, default=40, help="joins timed each way")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
+    ids = [tok(p.text, return_tensors="pt").input_ids[0] for p in load_prompts(args.prompts, limit=40)]
+    speculator = opttree.Speculator(target, None, drafter="recycling+lookup", budget=args.budget, eos_token_id=[],
+                                    max_new_tokens=220)
+
+    def fresh():
+        run = speculator.stream([opttree.Request(p) for p in ids[:8]])
+        for _ in range(5):
+            run.step()
+        return run
+
+    def timed(run) -> float:
+        began = time.perf_counter()
+        run.step()
+        return time.perf_counter() - began
+
+    ways = {"plain step": None, "a forward of its own": "0", "riding the next step": "1"}
+    spent: dict[str, list[float]] = {way: [] for way in ways}
+    run = fresh()
+    for i in range(args.joins):
+        if any(run.rows[b].stopper.remaining < 120 for b in run.active):
+            run = fresh()
+        prompt = ids[8 + i % (len(ids) - 8)]
+        for way in (list(ways) if i % 2 else list(ways)[::-1]):
+            if ways[way] is None:
+                spent[way].append(timed(run))
+                continue
+            os.environ["OPTTREE_RIDE"] = ways[way]
+            plain = statistics.median(spent["plain step"][-5:]) if spent["plain step"] else 0.0
+            began = time.perf_counter()
+            b = speculator.admit(run, opttree.Request(prompt))
+            cost, steps = time.perf_counter() - began, 0
+            while b not in run.active:
+                cost, steps = cost + timed(run), steps + 1
+            spent[way].append(cost - steps * plain)
+            run.cancel(b)
+            timed(run)
+    os.environ.pop("OPTTREE_RIDE")
+    print(f"8 rows, budget {args.budget}, {args.dtype}, {args.joins} joins each way")
+    print("| | ms (median) |\n|---|---:|")
+    for way, seconds in spent.items():
+        print(f"| {way}{' (its time)' if way == 'plain step' else ' (beyond plain steps)'} | "
+              f"{1e3 * statistics.median(seconds):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
