@@ -8,7 +8,8 @@
 #   scripts/gpu_figures.sh compiled OUT_DIR  # HumanEval bench, --compile (target's and draft's steps in CUDA graphs) vs hf-compiled, 1B
 #   scripts/gpu_figures.sh batch   OUT_DIR   # a batch of BATCH prompts against one at a time and transformers' batched generate, 1B
 #   scripts/gpu_figures.sh defaults OUT_DIR  # no flags (first-use choices on this GPU), shipped pair
-#   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target
+#   scripts/gpu_figures.sh serve   OUT_DIR   # opttree serve under 1, 8 and 32 clients, batched or not, 1B target;
+#                                            # a join's cost, prefilled alone or riding a step (scripts/join_cost.py)
 #   scripts/gpu_figures.sh long    OUT_DIR   # decoding by prompt length: the KV cache written in place vs concatenated
 #   scripts/gpu_figures.sh all     OUT_DIR   # check, curves, calibrate, bench, in that order
 #   scripts/gpu_figures.sh short   OUT_DIR   # check, profile, compiled: each under a time limit, for a 15-minute lease
@@ -139,6 +140,7 @@ serve)
     python3 scripts/serve_throughput.py --target $big --draft $shipped_draft --device cuda --dtype bfloat16 \
         --prompts "$humaneval" --limit 32 --max-tokens 128 --clients 1,8,32 --batches 1,32 \
         --batch-budgets off,sized,auto --rounds 1 | tee "$out/serve.txt"
+    python3 scripts/join_cost.py --target $big --device cuda --budget 16 --joins 16 | tee "$out/join.txt"
     ;;
 defaults)  # what a user gets with no flags: the first-use choices made on this GPU (an empty cache)
     OPTTREE_CACHE_DIR=/tmp/opttree-empty-cache opttree bench --device cuda --prompts "$humaneval" \

@@ -4,6 +4,7 @@ alternated.
 
     python scripts/join_cost.py                      # 8 rows of budget 4 (a sized batch's trees at 8 rows)
     python scripts/join_cost.py --budget 16 --joins 24
+    python scripts/join_cost.py --target /tmp/opttree-target-1b --device cuda --budget 16    # another target
 
 A batch of 8 HumanEval prompts (`opt:recycling+lookup`, bf16, the shipped pair) runs; each round times a plain step,
 then for each way a joining prompt (the next HumanEval prompt) is admitted: the admission and every step until it
@@ -19,6 +20,7 @@ import statistics
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import opttree
 from opttree.bench.prompts import load_prompts
@@ -30,9 +32,14 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=4)
     parser.add_argument("--joins", type=int, default=40, help="joins timed each way")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--target", help="a model folder of the shipped tokenizer's vocabulary (default: shipped)")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
-    ids = [tok(p.text, return_tensors="pt").input_ids[0] for p in load_prompts(args.prompts, limit=40)]
+    if args.target:
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
+    target = target.to(args.device)
+    ids = [tok(p.text, return_tensors="pt").input_ids[0].to(args.device) for p in load_prompts(args.prompts, limit=40)]
     speculator = opttree.Speculator(target, None, drafter="recycling+lookup", budget=args.budget, eos_token_id=[],
                                     max_new_tokens=220)
 
@@ -44,7 +51,7 @@ def main() -> None:
 
     def timed(run) -> float:
         began = time.perf_counter()
-        run.step()
+        run.step()  # (its tokens read on the host: synchronised)
         return time.perf_counter() - began
 
     ways = {"plain step": None, "a forward of its own": "0", "riding the next step": "1"}
@@ -69,7 +76,7 @@ def main() -> None:
             run.cancel(b)
             timed(run)
     os.environ.pop("OPTTREE_RIDE")
-    print(f"8 rows, budget {args.budget}, {args.dtype}, {args.joins} joins each way")
+    print(f"8 rows, budget {args.budget}, {args.dtype}, {args.device}, {args.joins} joins each way")
     print("| | ms (median) |\n|---|---:|")
     for way, seconds in spent.items():
         print(f"| {way}{' (its time)' if way == 'plain step' else ' (beyond plain steps)'} | "

@@ -541,11 +541,11 @@ class Generation:
             with torch.inference_mode():
                 select_rows(self.cache, kept, [self.rows[self.active[k]].prefix_len for k in kept])
         self.active = [self.active[k] for k in kept]
-        if not self.active:
+        if not self.active:  # (the cache still holds the rows that left: nothing of it is kept)
             self.cache = None
         if not self.active and not self.boarded and self.pending:  # no step left to ride: forwards of their own
-            for rider in self._board():
-                with torch.inference_mode(), entered(self.packed):
+            with torch.inference_mode(), entered(self.packed):
+                for rider in self._board():
                     rider.alone(self.target)
         if self.boarded:  # the rows that rode the step (or their own forwards) join the running ones
             with torch.inference_mode(), entered(self.packed):
@@ -622,8 +622,7 @@ class Generation:
             trees = self.allocator(trees, nodes)
         t_allocated = phases.mark()
         # 2. verify: one target forward over every row's [root] + tree
-        outputs = self.verifier.logits(cache, roots, trees, prefix_lens, riders) if riders else \
-            self.verifier.logits(cache, roots, trees, prefix_lens)
+        outputs = self.verifier.logits(cache, roots, trees, prefix_lens, riders)
         t_verified = phases.mark()
         # 3. accept: per row, the longest branch the target agrees with plus its bonus; the step's one host
         #    sync reads what the host needs of every row (how many were accepted, the emitted tokens, the depth)

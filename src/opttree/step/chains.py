@@ -91,10 +91,11 @@ class ChainVerifier:
         self.saved: list[dict] | None = None
         self.chain_of: torch.Tensor | None = None  # (N,) a chain through each node of the step's tree
 
-    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int]
-               ) -> list[torch.Tensor]:
+    def logits(self, cache: Cache, roots: list[torch.Tensor], trees: list[DraftTree], prefix_lens: list[int],
+               riders: tuple = ()) -> list[torch.Tensor]:
         """[(N + 1, V)] the target's logits at [root] + nodes of the one row; the cache is replicated and
-        extended (and restored by `commit`)."""
+        extended (and restored by `commit`). One sequence: no prompt rides it (`riders` empty)."""
+        assert not riders, "a target verified as chains runs one sequence: no prompt rides its forward"
         (root,), (tree,), (prefix_len,) = roots, trees, prefix_lens
         return [self._logits(cache, root, tree, prefix_len)]
 
