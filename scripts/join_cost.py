@@ -5,11 +5,14 @@ alternated.
     python scripts/join_cost.py                      # 8 rows of budget 4 (a sized batch's trees at 8 rows)
     python scripts/join_cost.py --budget 16 --joins 24
     python scripts/join_cost.py --target /tmp/opttree-target-1b --device cuda --budget 16    # another target
+    python scripts/join_cost.py --stack              # the cache stacked anew as a row joins (`cache.stack_rows`)
 
 A batch of 8 HumanEval prompts (`opt:recycling+lookup`, bf16, the shipped pair) runs; each round times a plain step,
 then for each way a joining prompt (the next HumanEval prompt) is admitted: the admission and every step until it
 is in the batch's cache, less as many plain steps (the median of the last five), is its cost; it is then cancelled,
 so the batch keeps 8 rows (the batch starts afresh before a row nears its end). Prints the median cost of each way.
+`--stack`: the part of a join that stacks the batch's cache anew, alone: 8 rows of 180-229 positions and a joining
+row of 120, in float32 (as a batch of bf16 rows attends on this kind of CPU), the median of 30 calls.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import opttree
 from opttree.bench.prompts import load_prompts
+from opttree.step.cache import cache_argument, new_cache, stack_rows
 
 
 def main() -> None:
@@ -34,11 +38,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--target", help="a model folder of the shipped tokenizer's vocabulary (default: shipped)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--stack", action="store_true", help="time the batch's cache stacked anew, alone")
     args = parser.parse_args()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
     if args.target:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
     target = target.to(args.device)
+    if args.stack:
+        return stack_cost(target)
     ids = [tok(p.text, return_tensors="pt").input_ids[0].to(args.device) for p in load_prompts(args.prompts, limit=40)]
     speculator = opttree.Speculator(target, None, drafter="recycling+lookup", budget=args.budget, eos_token_id=[],
                                     max_new_tokens=220)
@@ -81,6 +88,26 @@ def main() -> None:
     for way, seconds in spent.items():
         print(f"| {way}{' (its time)' if way == 'plain step' else ' (beyond plain steps)'} | "
               f"{1e3 * statistics.median(seconds):.1f} |")
+
+
+def stack_cost(target) -> None:
+    """`stack_rows` of 8 prefilled rows and a joining one, as `Generation` makes a batch's cache when a row joins."""
+    def prefilled(length: int):
+        cache = new_cache(target)
+        target(input_ids=torch.randint(10, 1000, (1, length), device=target.device), **{cache_argument(target): cache})
+        return cache
+
+    with torch.inference_mode():
+        lengths = [180 + 7 * i for i in range(8)]
+        batch = stack_rows([(prefilled(n), [n]) for n in lengths], torch.float32)
+        joining = prefilled(120)
+        seconds = []
+        for _ in range(31):
+            began = time.perf_counter()
+            stack_rows([(batch, lengths), (joining, [120])], torch.float32)
+            seconds.append(time.perf_counter() - began)
+    median = 1e3 * statistics.median(seconds[1:])
+    print(f"stack_rows, 8 rows of 180-229 positions and one of 120, float32: {median:.2f} ms")
 
 
 if __name__ == "__main__":

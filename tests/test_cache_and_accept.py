@@ -282,10 +282,15 @@ def test_stacked_and_selected_rows_stay_in_growing_buffers():
     with torch.inference_mode():
         for ids, cache in zip(prompts, alone):
             model(input_ids=ids, **{cache_argument(model): cache})
+        like = alone[1].layers[0].keys  # (1, H, 9, Dh); freed NaN buffers of the stack's size: memory it may reuse
+        poison = [torch.full((2, like.shape[1], GrowingLayer.room(9), like.shape[3]), float("nan"))
+                  for _ in range(4 * len(alone[1].layers))]
+        del poison
         batch = stack_rows([(cache, [ids.shape[1]]) for ids, cache in zip(prompts, alone)])
         for layer, short, long in zip(batch.layers, *(cache.layers for cache in alone)):
             assert isinstance(layer, GrowingLayer) and layer.holds_views() and layer._store[0].shape[2] > 9
             assert torch.equal(layer.keys[0, :, :5], short.keys[0]) and not layer.keys[0, :, 5:].any()
+            assert torch.equal(layer.values[0, :, :5], short.values[0]) and not layer.values[0, :, 5:].any()
             assert torch.equal(layer.keys[1], long.keys[0]) and torch.equal(layer.values[1], long.values[0])
         stores = [layer._store[0].untyped_storage().data_ptr() for layer in batch.layers]
         token = torch.randint(0, 96, (2, 1), generator=g)

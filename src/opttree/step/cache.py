@@ -436,8 +436,9 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
     """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
     length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
     to the longest with zeros; the padding is never attended to (the tree masks). Each tensor is copied
-    once, into a growing layer's buffers where the layer is one. `dtype`: the keys and values kept in it
-    (default: theirs), a growing layer's from then on (`opttree.step.lean.float32_attention`)."""
+    once, into a growing layer's buffers where the layer is one; only the positions up to the longest are written
+    (a growing layer's room past them is written by its updates before any forward reads it). `dtype`: the keys and
+    values kept in it (default: theirs), a growing layer's from then on (`opttree.step.lean.float32_attention`)."""
     longest = max(length for _, lengths in parts for length in lengths)
     filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
@@ -451,7 +452,7 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
         like = first[0].keys  # (b, H, T, Dh)
         shape = (2 * len(first), count, like.shape[1], GrowingLayer.room(longest), like.shape[3])  # (2L, B, H, R, Dh)
         if can_share(shape, dtype or like.dtype, like.device):
-            shared = like.new_zeros(shape, dtype=dtype or like.dtype)
+            shared = like.new_empty(shape, dtype=dtype or like.dtype)  # its first `longest` positions written below
     layers = []
     for i, layer in enumerate(first):
         stacked = copy.copy(layer)  # the same kind of layer; a layer that shares another's keys stays empty
@@ -463,12 +464,14 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
                 shape = [count, *like.shape[1:]]
                 shape[axis] = GrowingLayer.room(longest) if growing else longest
                 stack = shared[2 * i + (name == "values")] if shared is not None else \
-                    like.new_zeros(shape, dtype=dtype if growing and dtype is not None else like.dtype)
+                    like.new_empty(shape, dtype=dtype if growing and dtype is not None else like.dtype)
                 row = 0
                 for cache, lengths in parts:
-                    if max(lengths):
-                        states = getattr(cache.layers[i], name)
-                        stack[row:row + len(lengths)].narrow(axis, 0, states.shape[axis]).copy_(states)
+                    rows = stack[row:row + len(lengths)]
+                    written = getattr(cache.layers[i], name).shape[axis] if max(lengths) else 0
+                    if written:
+                        rows.narrow(axis, 0, written).copy_(getattr(cache.layers[i], name))
+                    rows.narrow(axis, written, longest - written).zero_()  # padding: never attended to, but finite
                     row += len(lengths)
                 stacks[name] = stack
             if growing:
