@@ -12,7 +12,7 @@ over all requests, the p50 / p99 request latency, where the scheduler's time wen
 /metrics: seconds in the batch's steps, rows a step, the mean prefill a request joined with, the draft tokens
 accepted a request a step), and whether every
 answer equals the one of the first cell (greedy in float32, and sampled with the draft model in float32: they
-must). --batch-budgets: each request its own tree (off), each tree drafted at the
+must; in bf16 or fp16 "-": a tree forward rounds unlike another, and the sources learn across rounds). --batch-budgets: each request its own tree (off), each tree drafted at the
 budget sized for the requests decoding (sized: `opttree.batch_sizing`, serve's default without --budget),
 or one node budget a step for the batch (batch-level OPT-Tree), fixed (a number) or chosen from the
 target's latency curve measured here first (auto); a --max-batch of 1 runs with the first of them only
@@ -144,7 +144,7 @@ def main() -> None:
         print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
               f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | "
               f"{accepted:.2f} | "
-              f"{all(r[2] for r in runs)} |")
+              f"{all(r[2] for r in runs) if args.dtype in ('float32', 'fp32') else '-'} |")
     for _, uv, thread in servers.values():
         uv.should_exit = True
         thread.join(10)
