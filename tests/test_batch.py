@@ -373,6 +373,7 @@ def test_joining_prompts_ride_the_next_step_and_are_prefilled_alone_when_no_step
     """Riding prefills (`lean.Rider`): arrivals of 21 and 58 tokens (two groups) ride one step's forward together and
     then decode as their prompts' own greedy output; a request cancelled while waiting never rides; arrivals whose
     batch is cancelled whole before they ride are prefilled in forwards of their own, and decode exactly too."""
+    import opttree.engine as engine
     from opttree.step import lean
 
     rides, alone = [], []
@@ -380,9 +381,14 @@ def test_joining_prompts_ride_the_next_step_and_are_prefilled_alone_when_no_step
     monkeypatch.setattr(lean.LeanForward, "forward",
                         lambda self, *a, **k: (rides.append([r.input_ids.shape[1] for r in k.get("riders", ())]),
                                                forward(self, *a, **k))[1])
+    boarded = []  # the riders of admitted rows (a prompt's own prefill runs `Rider.alone` too)
+    boarding = engine.Generation._boarding
+    monkeypatch.setattr(engine.Generation, "_boarding",
+                        lambda self, new: (lambda groups: (boarded.extend(r for _, r in groups), groups)[1])(
+                            boarding(self, new)))
     alone_of = lean.Rider.alone
-    monkeypatch.setattr(lean.Rider, "alone", lambda self, model: (alone.append(self.input_ids.shape),
-                                                                  alone_of(self, model))[1])
+    monkeypatch.setattr(lean.Rider, "alone", lambda self, model, **k: (
+        alone.append(self.input_ids.shape) if any(self is r for r in boarded) else None, alone_of(self, model, **k))[1])
     target = tiny("llama", seed=1)
     draft = tiny("llama", seed=2) if drafter else None
     speculator = opttree.Speculator(target, draft, budget=4, eos_token_id=[], max_new_tokens=NEW)

@@ -243,11 +243,9 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
     if inputs is None:
         return
     ids, positions, kept = inputs
-    hidden = any(row.wants_hidden for row in rows)
-    forward = lean_forward(target, None) or target  # the model's own forward, without its wrapping where that applies
-    out = forward(input_ids=ids, position_ids=positions, **{cache_argument(target): cache},
-                  output_hidden_states=hidden, **last_logits_only(target, kept))
-    prompt_outputs(rows, out.logits[:, -kept:], out.hidden_states if hidden else None)
+    prompt = Rider(ids, positions, cache, kept)
+    states = prompt.alone(target, hidden=any(row.wants_hidden for row in rows))
+    prompt_outputs(rows, prompt.logits, states)
 
 
 def prompt_inputs(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -551,7 +549,7 @@ class Generation:
             with torch.inference_mode(), entered(self.packed):
                 self._seat()
         if not self.active:  # every row has finished: the batch has ended and admits no more
-            self.ended, self.cache = True, None
+            self.ended = True
 
     def _agree(self, step: tuple, stop: bool = False) -> tuple[tuple, bool]:
         """A target sharded over ranks: each rank checks that the others hold its tokens, takes rank 0's

@@ -58,12 +58,15 @@ class Rider:
     keep: int
     logits: torch.Tensor | None = None
 
-    def alone(self, model) -> None:
-        """The same prefill in a forward of its own (where no forward it could ride runs)."""
-        forward = lean_forward(model, None) or model
-        logits = forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
-                         **{cache_argument(model): self.cache}, **last_logits_only(model, self.keep)).logits
-        self.logits = logits[:, -self.keep:]
+    def alone(self, model, hidden: bool = False) -> tuple | None:
+        """The same prefill in a forward of its own (a prompt's prefill; a rider where no forward it could ride
+        runs); with `hidden`, returns the model's hidden states ((B, P, H) per layer)."""
+        forward = lean_forward(model, None) or model  # the model's own forward, without its wrapping where that applies
+        out = forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
+                      **{cache_argument(model): self.cache}, output_hidden_states=hidden,
+                      **last_logits_only(model, self.keep))
+        self.logits = out.logits[:, -self.keep:]
+        return out.hidden_states if hidden else None
 
 
 def _llama_masks(model, **arguments) -> list:
