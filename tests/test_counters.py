@@ -70,6 +70,7 @@ def syncs(shipped, monkeypatch, tree, drafter, budget, temperature, stop_on_devi
     from opttree.step.policies.opt import OptTree
 
     monkeypatch.setenv("OPTTREE_MERGE", "device")  # tries merged as on a GPU (on a CPU the host unites them)
+    monkeypatch.setenv("OPTTREE_LISTED", "device")  # recycling's children from its tensors, as on a GPU
     monkeypatch.setattr(OptTree, "stop_on_device", stop_on_device)
     monkeypatch.setattr(DySpec, "grow_on_device", stop_on_device)
     target, draft, ids = shipped

@@ -244,6 +244,47 @@ def test_listed_children_are_the_best_of_the_full_rows():
     assert logq[1].tolist() == [float("-inf")]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_recycling_listed_on_the_host_builds_the_tensors_tree(seed):
+    """OPT-Tree over Token Recycling from children listed on the host (NumPy, a CPU matrix) against the same policy
+    asking the matrix's tensors: the same tree bit for bit (tokens, parents, depths, float32 scores, slots), over
+    budgets, deltas and depth limits; hit rates made distinct so that no two candidates tie (ties may go either
+    way). With rows never written (uniform children), still a tree of listed children, as many nodes."""
+    from opttree.step.drafters.recycling import RecyclingDrafter
+    from opttree.step.policies.opt import OptTree
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 40
+
+    class Target:  # the matrix is kept per target
+        pass
+
+    drafter = RecyclingDrafter(Target(), vocab)
+    matrix = drafter.matrix
+    assert drafter.lists_on_host
+    matrix.write(torch.arange(vocab), torch.stack([torch.randperm(vocab, generator=generator)[:8]
+                                                   for _ in range(vocab)]))
+    matrix.rates.update((torch.arange(8).repeat_interleave(8), torch.arange(8).repeat(8)),
+                        torch.rand(64, generator=generator) < 0.5)
+    matrix.rates.hits += torch.rand(8, 8, generator=generator)  # distinct rates: no two candidates tie
+    for budget, delta, depth in [(1, 0.0, 4), (4, 0.1, 3), (8, 0.0, 8), (16, 0.02, 6), (40, 0.0, 10), (64, 0.2, 12)]:
+        policy = OptTree(SpecConfig(budget=budget, delta=delta, max_depth=depth))
+        committed = torch.randint(0, vocab, (5,), generator=generator)
+        tensors = policy._build_stop_on_host(drafter, committed, depth)
+        host = policy._build_listed_on_host(drafter, committed, depth)
+        for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
+            assert torch.equal(getattr(host, field), getattr(tensors, field)), (budget, field)
+        assert host.host_parents == tensors.host_parents and len(host) == budget
+    matrix.filled[torch.arange(0, vocab, 2)] = False  # half the rows never written: their children are uniform
+    policy = OptTree(SpecConfig(budget=16, delta=0.0, max_depth=6))
+    host = policy._build_listed_on_host(drafter, torch.tensor([2]), 6)  # the root's row too
+    check_trie(host)
+    assert len(host) == 16 and len(policy._build_stop_on_host(drafter, torch.tensor([2]), 6)) == 16
+    parents_tokens = [2 if p < 0 else host.tokens[p].item() for p in host.parents.tolist()]
+    for parent, token in zip(parents_tokens, host.tokens.tolist()):
+        assert token in (matrix.next[parent].tolist() if matrix.filled[parent] else range(8))
+
+
 def test_rasd_pruning_keeps_branches_whose_first_token_the_draft_ranks_high():
     trie, _ = continuation_trie([[1, 2], [3, 4]], torch.zeros(2))
     logq = torch.log_softmax(torch.tensor([0.0, 5.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0]), 0)  # 3 ranks last

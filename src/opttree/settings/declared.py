@@ -24,6 +24,9 @@ class Declared:
     # with top_children: every listed row holds its k' children, none padded with -inf, so a policy need not
     # drop padding from its candidates (a shape sync: their number would depend on values)
     full_top_rows: bool = False
+    # with top_children: it also answers `host_root_top(root, k)` and `host_expand_top(tokens, depth, k)` in NumPy,
+    # the same children read on the host (opttree's own, where their state lives on the CPU: no copy)
+    lists_on_host: bool = False
     # it also answers `extend(token)`: `expand` of one node whose parent is the last node it ran this step (the root
     # when none), while every node so far is the next one's ancestor (a chain): run as plain next-token decoding,
     # no tree mask (a chain policy's layers ask this instead)
@@ -34,7 +37,7 @@ class Declared:
 
 
 DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "full_top_rows",
-            "extends_chains", "networks")
+            "lists_on_host", "extends_chains", "networks")
 
 
 def declared_by(obj: object) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...device import on
@@ -35,6 +36,10 @@ class RecyclingMatrix:
         self.rates = HitRates((DEPTHS, self.width), prior, device=device)  # P(the target's choice = M[t, r]) by depth
         self._tables: tuple[torch.Tensor, ...] = ()
         self._tables_version = -1
+        # on a CPU, M and its written rows read on the host without a copy (NumPy views of the same memory)
+        self.host = (self.next.numpy(), self.filled.numpy()) if self.next.device.type == "cpu" else None
+        self._host_tables: tuple[np.ndarray, np.ndarray] | None = None
+        self._host_tables_version = -1
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
@@ -75,6 +80,22 @@ class RecyclingMatrix:
         listed = torch.where(filled, self.next[tokens].gather(1, ranks), torch.arange(k, device=self.next.device))
         return listed, torch.where(filled, log_listed[depths, :k], -math.log(self.vocab))
 
+    def host_top(self, tokens: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`top` read on the host, for a matrix on the CPU (`host`) and rows all at one `depth`: (R,) tokens -> (R, k')
+        tokens (int64) and (R, k') log-probabilities (float32): the same values as `top`'s, in NumPy."""
+        order, log_listed = self.host_tables()
+        (nxt, filled), k, depth = self.host, min(k, self.width), min(depth, DEPTHS - 1)
+        written = filled[tokens][:, None]  # (R, 1)
+        listed = np.where(written, nxt[tokens][:, order[depth, :k]], np.arange(k))
+        return listed, np.where(written, log_listed[depth, :k], np.float32(-math.log(self.vocab)))
+
+    def host_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """`tables`' ranks by probability and their log-probabilities, (DEPTHS, k) each, as NumPy arrays."""
+        if self._host_tables_version != self.rates.version:
+            _, _, order, log_listed = self.tables()
+            self._host_tables, self._host_tables_version = (order.numpy(), log_listed.numpy()), self.rates.version
+        return self._host_tables
+
     def tables(self) -> tuple[torch.Tensor, ...]:
         """Per depth: (DEPTHS, k) each rank's probability (a written row's k listed tokens claim at most
         MAX_LISTED_MASS together), (DEPTHS, 1) each other token's, (DEPTHS, k) the ranks by probability (best
@@ -103,6 +124,7 @@ class RecyclingDrafter(Declared):
     prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`
     top_children = True  # `root_top` / `expand_top`: M[t]'s ranks by hit rate, no (K, V) rows
     full_top_rows = True  # every row lists min(k, width) tokens with their (positive) estimates
+    lists_on_host = False  # set per instance: True where M lives on the CPU (`host_root_top` / `host_expand_top`)
 
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
         self.matrix = per_model(target, f"recycling-{vocab}", lambda: RecyclingMatrix(vocab, device))
@@ -110,6 +132,7 @@ class RecyclingDrafter(Declared):
         self.no_slots = torch.empty(0, dtype=torch.long, device=self.device)  # (0,) (read only)
         self.root_depth = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,) the root's depth, 0 (read only)
         self.slot_depths = self.no_slots  # (S,) depth of each slot
+        self.lists_on_host = self.matrix.host is not None
 
     def start(self, input_ids: torch.Tensor) -> None:
         self.slot_depths = self.no_slots
@@ -130,6 +153,16 @@ class RecyclingDrafter(Declared):
 
     def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.matrix.top(*self._expand(tokens, parent_slots), k)
+
+    def host_root_top(self, root: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`root_top` of the root token `root`, on the host: (k',) tokens, (k',) log-probabilities."""
+        tokens, logq = self.matrix.host_top(np.array([root]), 0, k)
+        return tokens[0], logq[0]
+
+    def host_expand_top(self, tokens: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`expand_top` of nodes (R,) all at `depth`, on the host: (R, k') tokens, (R, k') log-probabilities
+        (no slots: a tree listed on the host is never expanded by slot)."""
+        return self.matrix.host_top(tokens, depth, k)
 
     def _root(self, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A new tree: (1,) the root token, (1,) its depth 0."""

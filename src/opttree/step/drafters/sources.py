@@ -23,6 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from ...parts import shipped_part
@@ -246,6 +247,7 @@ class Sources(Declared):
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
         self.forwards_together = first.forwards_together  # candidates batch no forwards of their own
         self.top_children, self.full_top_rows = first.top_children, first.full_top_rows
+        self.lists_on_host = first.lists_on_host
         self.extends_chains = first.extends_chains
         self.networks = tuple(net for source in [first, *candidates] for net in source.networks)
         self.root_logq: torch.Tensor | None = None
@@ -285,6 +287,13 @@ class Sources(Declared):
 
     def expand_top(self, tokens: torch.Tensor, parent_slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.first.expand_top(tokens, parent_slots, k)
+
+    def host_root_top(self, root: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        self.root_logq = None  # as `root_top`
+        return self.first.host_root_top(root, k)
+
+    def host_expand_top(self, tokens: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.first.host_expand_top(tokens, depth, k)
 
     def observe(self, result: Verification) -> None:
         for source in [self.first, *self.candidates]:
