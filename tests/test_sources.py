@@ -115,6 +115,8 @@ def test_merge_best_on_the_host_is_the_devices_bit_for_bit(seed, monkeypatch):
         results.append(merge_best(tries, n, floor))
     for name in ("tokens", "parents", "depths", "draft_slots", "scores"):
         assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
+    device, host = results
+    assert host.host_parents == tuple(host.parents.tolist()) and torch.equal(host.block, device.block)
 
 
 def test_merge_best_fills_a_fixed_size_without_reading_the_device(monkeypatch):

@@ -307,7 +307,7 @@ def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTr
     kept_tokens, kept_parents, kept_depths, kept_slots = columns.unbind(0)
     return DraftTree(kept_tokens, kept_parents, kept_depths,
                      torch.tensor([scores[i] for i in kept], dtype=first.scores.dtype, device=first.tokens.device),
-                     kept_slots)
+                     kept_slots, host_parents=tuple(new_parents[i] for i in kept))  # its verify mask made on the host
 
 
 def _read(trie: DraftTree) -> list[tuple[int, int, int, float, int]]:
