@@ -5,6 +5,7 @@ round (the first round is a warm-up, left out of the means).
     python scripts/batch_scheduler.py --limit 32 --rounds 3 --budgets 16,15,8,4
     python scripts/batch_scheduler.py --limit 32 --rounds 7 --budgets 4 --cut-after
     python scripts/batch_scheduler.py --limit 64 --rounds 4 --budgets 4 --own-prefills
+    python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --listed-on-device
 
 Each client thread sends its share of the prompts (HumanEval's first --limit) one after another, temperature 0,
 --max-tokens each, `opt:recycling+lookup` on the shipped pair; prints the wall seconds of every round, the mean's
@@ -67,6 +68,9 @@ def main() -> None:
     parser.add_argument("--own-prefills", action="store_true",
                         help="also the sized trees with each joining request prefilled in a forward of its own "
                              "(OPTTREE_RIDE=0) instead of in the next step's")
+    parser.add_argument("--listed-on-device", action="store_true",
+                        help="also the sized trees with Token Recycling's children listed by its tensors "
+                             "(OPTTREE_LISTED=device) instead of on the host")
     args = parser.parse_args()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
@@ -89,6 +93,8 @@ def main() -> None:
         servers["sized (16), cut after drafting"] = server(16, args.clients, CutAfter)
     if args.own_prefills:
         servers["sized (16), prefills of their own"] = server(16, args.clients, SizedBudget)
+    if args.listed_on_device:
+        servers["sized (16), children listed on the device"] = server(16, args.clients, SizedBudget)
     servers.update({f"budget {b} each": server(int(b), args.clients) for b in args.budgets.split(",")})
 
     def load(srv: Server) -> tuple[float, list[float], list, tuple[float, float, float]]:
@@ -108,6 +114,8 @@ def main() -> None:
         threads = [threading.Thread(target=client, args=(prompts[i::args.clients],)) for i in range(args.clients)]
         began = time.perf_counter()
         os.environ["OPTTREE_RIDE"] = "0" if srv is servers.get("sized (16), prefills of their own") else "1"
+        os.environ["OPTTREE_LISTED"] = "device" if srv is servers.get("sized (16), children listed on the device") \
+            else "host"
         for thread in threads:
             thread.start()
         for thread in threads:
