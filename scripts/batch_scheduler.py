@@ -6,13 +6,16 @@ round (the first round is a warm-up, left out of the means).
     python scripts/batch_scheduler.py --limit 32 --rounds 7 --budgets 4 --cut-after
     python scripts/batch_scheduler.py --limit 64 --rounds 4 --budgets 4 --own-prefills
     python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --listed-on-device
+    python scripts/batch_scheduler.py --limit 16 --rounds 4 --budgets 4 --split
 
 Each client thread sends its share of the prompts (HumanEval's first --limit) one after another, temperature 0,
 --max-tokens each, `opt:recycling+lookup` on the shipped pair; prints the wall seconds of every round, the mean's
 speedup over one request at a time, the median request latency, and per request and step its drafting ms (its
 share of the step's drafting, the cut and its source's learning) and the tokens it gained; and where the scheduler's
 time went: the share of the wall spent joining requests (their prefills and the batch's cache stacked anew) and
-in steps, and the mean rows a step.
+in steps, and the mean rows a step. `--split`: also each server's step split into its phases (ms a step: the verify
+forward of steps that carry joining prompts and of the others, each row's drafting, acceptance and learning, the
+cache's compaction, seating the rows that rode a step), timed around the engine's calls.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import opttree
 from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.server.app import CompletionRequest, Server
+from opttree.engine import Generation, Row
 from opttree.server.batcher import Lane
+from opttree.step.verify import TreeVerifier
 
 SPENT: dict[str, list[float]] = {"join": [], "step": []}  # seconds of each call, this round
 ROWS: list[int] = []  # rows of each step, this round
@@ -52,6 +57,34 @@ def timed(name: str):
 
 Lane.join, Lane.step = timed("join"), timed("step")
 
+PHASES: dict[str, float] = {}  # seconds in each phase of the steps, this round (`--split`)
+RIDES: list[int] = []  # steps whose forward carried joining prompts, this round
+
+
+def clock_phases() -> None:
+    """The engine's phases timed into PHASES (`--split`): wrappers around its calls."""
+    def clocked(owner, name: str, phase) -> None:
+        method = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                key = phase(*args, **kwargs) if callable(phase) else phase
+                PHASES[key] = PHASES.get(key, 0.0) + time.perf_counter() - began
+        setattr(owner, name, run)
+
+    def forward(verifier, cache, roots, trees, prefix_lens, riders=()):
+        if riders:
+            RIDES.append(1)
+        return "verify, steps with joining prompts" if riders else "verify, other steps"
+
+    clocked(TreeVerifier, "logits", forward)
+    for owner, name, phase in [(Row, "draft", "drafting"), (Row, "accept", "acceptance"), (Row, "learn", "learning"),
+                               (TreeVerifier, "commit", "compaction"), (Generation, "_leave", "seating and leaving")]:
+        clocked(owner, name, phase)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,10 +101,13 @@ def main() -> None:
     parser.add_argument("--own-prefills", action="store_true",
                         help="also the sized trees with each joining request prefilled in a forward of its own "
                              "(OPTTREE_RIDE=0) instead of in the next step's")
+    parser.add_argument("--split", action="store_true", help="also each server's step split into its phases")
     parser.add_argument("--listed-on-device", action="store_true",
                         help="also the sized trees with Token Recycling's children listed by its tensors "
                              "(OPTTREE_LISTED=device) instead of on the host")
     args = parser.parse_args()
+    if args.split:
+        clock_phases()
     target, _, tok = opttree.demo_models(getattr(torch, args.dtype))
     prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
 
@@ -100,8 +136,9 @@ def main() -> None:
     def load(srv: Server) -> tuple[float, list[float], list, tuple[float, float, float]]:
         latencies: list[float] = []
         stats: list = []
-        for spent in (*SPENT.values(), ROWS):
+        for spent in (*SPENT.values(), ROWS, RIDES):
             spent.clear()
+        PHASES.clear()
 
         def client(mine: list[str]) -> None:
             for prompt in mine:
@@ -121,7 +158,12 @@ def main() -> None:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - began
-        return wall, latencies, stats, (sum(SPENT["join"]) / wall, sum(SPENT["step"]) / wall, statistics.fmean(ROWS))
+        steps = len(SPENT["step"])
+        split = {phase: 1e3 * seconds / steps for phase, seconds in PHASES.items()}  # ms a step
+        split["steps with joining prompts"] = len(RIDES)
+        split["steps"] = steps
+        return wall, latencies, stats, (sum(SPENT["join"]) / wall, sum(SPENT["step"]) / wall, statistics.fmean(ROWS),
+                                        split)
 
     runs: dict[str, list[tuple[float, list[float], list, tuple]]] = {name: [] for name in servers}
     for _ in range(args.rounds):
@@ -142,6 +184,16 @@ def main() -> None:
         joining, stepping, rows = (statistics.fmean(r[3][i] for r in rounds) for i in range(3))
         print(f"| {name} | {', '.join(f'{w:.2f}' for w, *_ in runs[name])} | {base / wall:.2f}x | {p50:.2f} | "
               f"{drafting:.2f} | {tokens:.2f} | {100 * joining:.0f} | {100 * stepping:.0f} | {rows:.2f} |")
+    if args.split:
+        phases = ["verify, other steps", "verify, steps with joining prompts", "drafting", "acceptance", "learning",
+                  "compaction", "seating and leaving", "steps with joining prompts", "steps"]
+        print("\nThe step's phases, ms a step (the mean over all steps of a round; the last two: counts a round)")
+        print("| scheduler | " + " | ".join(phases) + " |")
+        print("|---|" + "---:|" * len(phases))
+        for name, rounds in timed.items():
+            means = [statistics.fmean(r[3][3].get(phase, 0.0) for r in rounds) for phase in phases]
+            print(f"| {name} | " + " | ".join(f"{m:.1f}" if i < len(phases) - 2 else f"{m:.0f}"
+                                             for i, m in enumerate(means)) + " |")
 
 
 if __name__ == "__main__":
