@@ -309,6 +309,79 @@ def test_stacked_and_selected_rows_stay_in_growing_buffers():
             assert layer.holds_views() and torch.allclose(layer.keys, long.keys, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_rows_join_a_cache_with_room_in_place(shared, monkeypatch):
+    """A batch's cache stacked with room for more rows (`stack_rows(rows_room=...)`, as the server's batches keep),
+    its layers' keys and values in one buffer (`Arena`) or each in its own (a large batch's on a CPU): rows joining
+    later are written into it after the running rows, which stay where they are (no copy); rows leaving move down in
+    place, keeping the room. Each row holds its own states, padded with zeros to the longest (the room's rows and
+    positions poisoned with NaN first: nothing unwritten is left where a forward reads), and every row's logits
+    equal its sequence's alone."""
+    from opttree.step import cache as caches
+    from opttree.step.cache import GrowingLayer, select_rows, stack_rows
+
+    if not shared:
+        monkeypatch.setattr(caches, "CPU_SHARED_BYTES", 0)  # the layers' own buffers, as a large batch's on a CPU
+    model = tiny_model("llama", seed=7)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (1, length), generator=g) for length in (5, 9, 7, 12)]
+    alone = [new_cache() for _ in prompts]
+
+    def buffers(batch) -> list[tuple[torch.Tensor, int]]:
+        """The buffers holding the batch's rows, with their row axis."""
+        arena = batch.layers[0]._arena
+        assert (arena is not None) == shared
+        return [(arena.buffer, 1)] if shared else [(buffer, 0) for layer in batch.layers for buffer in layer._store]
+
+    def poison(batch, rows: int) -> None:  # NaN in the rows and positions of the room past the cached ones
+        end = batch.layers[0].keys.shape[2]
+        for buffer, axis in buffers(batch):
+            shape = list(buffer.shape)
+            shape[axis] = rows
+            room = buffer.as_strided(shape, buffer.stride(), buffer.storage_offset())
+            room.narrow(axis, buffer.shape[axis], rows - buffer.shape[axis]).fill_(float("nan"))
+            buffer.narrow(axis + 2, end, buffer.shape[axis + 2] - end).fill_(float("nan"))
+
+    def check(batch, members: list[int], lengths: list[int]) -> None:
+        """Each row its sequence's states, zeros to the longest; the next token's logits as its sequence's alone."""
+        end = max(lengths)
+        for i, layer in enumerate(batch.layers):
+            assert isinstance(layer, GrowingLayer) and layer.holds_views()
+            assert layer.keys.shape[:3] == (len(members), 2, end)
+            for row, (b, length) in enumerate(zip(members, lengths)):
+                for mine, own in ((layer.keys, alone[b].layers[i].keys), (layer.values, alone[b].layers[i].values)):
+                    assert torch.equal(mine[row, :, :length], own[0, :, :length]) and not mine[row, :, length:].any()
+        token = torch.randint(0, 96, (len(members), 1), generator=g)
+        allowed = torch.zeros(len(members), 1, 1, end + 1, dtype=torch.bool)
+        for row, length in enumerate(lengths):
+            allowed[row, 0, 0, :length], allowed[row, 0, 0, end] = True, True
+        together = model(input_ids=token, position_ids=torch.tensor(lengths)[:, None], attention_mask=allowed,
+                         **{cache_argument(model): batch}).logits
+        caches.truncate(batch, end)
+        for row, b in enumerate(members):
+            own = model(input_ids=token[row:row + 1], position_ids=torch.tensor([[lengths[row]]]),
+                        **{cache_argument(model): alone[b]}).logits
+            caches.truncate(alone[b], lengths[row])
+            assert torch.allclose(together[row], own[0], atol=1e-5)
+
+    with torch.inference_mode():
+        for ids, cache in zip(prompts, alone):
+            model(input_ids=ids, **{cache_argument(model): cache})
+        batch = stack_rows([(alone[0], [5]), (alone[1], [9])], rows_room=4)
+        stores = [buffer.untyped_storage().data_ptr() for buffer, _ in buffers(batch)]
+        check(batch, [0, 1], [5, 9])
+        poison(batch, 4)
+        assert stack_rows([(batch, [5, 9]), (alone[2], [7])], rows_room=4) is batch  # joined in place
+        check(batch, [0, 1, 2], [5, 9, 7])
+        select_rows(batch, [0, 2], [5, 7])  # the row of 9 leaves: the others move down, in place
+        check(batch, [0, 2], [5, 7])
+        poison(batch, 4)
+        assert stack_rows([(batch, [5, 7]), (alone[3], [12]), (alone[1], [9])], rows_room=4) is batch  # longer now
+        check(batch, [0, 2, 3, 1], [5, 7, 12, 9])
+        assert [buffer.untyped_storage().data_ptr() for buffer, _ in buffers(batch)] == stores
+        assert stack_rows([(batch, [5, 7, 12, 9]), (alone[0], [5])], rows_room=4) is not batch  # no room: a new one
+
+
 def test_a_compiled_forward_over_growing_layers_has_no_graph_break():
     """A forward compiled with dynamic shapes (`compile_model(model, static=False)`) traces the growing
     layer's update as transformers' concatenation: one graph (fullgraph=True raises at a break), the

@@ -291,11 +291,14 @@ class Generation:
     `.sequences` fill in as it runs (`.rows[b].stats` and `.rows[b].committed` for each row of a batch)."""
 
     def __init__(self, target: PreTrainedModel, rows: list[Row], width: int, static: bool, batch: bool = False,
-                 allocator: Allocator | None = None):
+                 allocator: Allocator | None = None, rows_room: int = 0):
         """`allocator`: several rows' trees -> the trees they verify, e.g. `policies.batch.BatchBudget`
         (one node budget for the whole batch) or `batch_sizing.SizedBudget` (each row's tree sized for the
-        rows of the step); None: each row keeps its own tree."""
+        rows of the step); None: each row keeps its own tree. `rows_room`: the most rows it will run at once
+        (continuous batching: the server's --max-batch): its cache keeps room for them, so that a row joining
+        is written into it and the running rows stay where they are (`cache.stack_rows`)."""
         self.target, self.rows, self.static, self.allocator = target, rows, static, allocator
+        self.rows_room = rows_room
         # the target's and the drafters' linear layers that run from packed weights during the steps and
         # prefills, where that applies (`opttree.packed`: the same outputs, sooner)
         self.packed = packs([target], rows)
@@ -517,7 +520,8 @@ class Generation:
         running = self.active + new
         positions = len(running) * max(self.rows[b].prefix_len + self.rows[b].stopper.remaining for b in running)
         attention = torch.float32 if self.float32_attention(running, positions) else None
-        self.cache = parts[0][0] if len(parts) == 1 and attention is None else stack_rows(parts, attention)
+        self.cache = parts[0][0] if len(parts) == 1 and attention is None else \
+            stack_rows(parts, attention, self.rows_room)
         self.active += new
         row = self.rows[new[0]]
         if self.rope_switch is not None:  # one sequence (`check_batchable`)

@@ -82,12 +82,12 @@ class Lane:
         """The positions each running row holds now (prompt and tokens emitted)."""
         return [job.row.prefix_len for job in self.jobs.values()]
 
-    def join(self, jobs: list[BatchJob], target, allocator: Allocator | None) -> None:
-        """The jobs' rows join this lane's batch (a new one if none runs), prefilled now in one forward; if that
-        raises, none of them joins."""
+    def join(self, jobs: list[BatchJob], target, allocator: Allocator | None, rows_room: int = 0) -> None:
+        """The jobs' rows join this lane's batch (a new one if none runs, its cache with room for `rows_room` rows),
+        prefilled now in one forward; if that raises, none of them joins."""
         rows = [job.row for job in jobs]
         if self.run is None or self.run.ended:
-            run = Generation(target, rows, width=0, static=False, batch=True, allocator=allocator)
+            run = Generation(target, rows, width=0, static=False, batch=True, allocator=allocator, rows_room=rows_room)
             run.begin()
             self.run, indices = run, list(range(len(rows)))
         else:
@@ -249,7 +249,7 @@ class Batcher:
                 running = self.lanes[0].run
                 check_batchable(running, [running.rows[b] for b in running.active] + [job.row for job in jobs])
             lane = Lane()
-            lane.join(jobs, self.target, self.allocator)  # raises before the lane is kept
+            lane.join(jobs, self.target, self.allocator, self.max_rows)  # raises before the lane is kept
             self.lanes.append(lane)
             return
-        lane.join(jobs, self.target, self.allocator)
+        lane.join(jobs, self.target, self.allocator, self.max_rows)

@@ -184,13 +184,47 @@ class Arena:
         return (*self.buffer.shape[:3], GrowingLayer.room(needed), self.buffer.shape[4])
 
     def grow(self, needed: int) -> None:
-        """A larger buffer with room for `needed` positions and more; the layers still here moved into it with
-        their cached states (in the middle of a forward some are a step longer than others)."""
+        """A larger buffer with room for `needed` positions and more (and for as many rows as this one had room
+        for); the layers still here moved into it with their cached states (in the middle of a forward some are a step
+        longer than others)."""
         lengths = [layer.get_seq_length() if self.holds(layer) else None for layer in self.layers]
-        wider = self.buffer.new_empty(self._wider(needed))
+        shape = self._wider(needed)
+        rows = max(shape[1], self.buffer.stride(0) // max(1, self.buffer.stride(1)))  # its rows' room
+        wider = self.buffer.new_empty((shape[0], rows, *shape[2:]))[:, :shape[1]]
         wider.narrow(3, 0, self.buffer.shape[3]).copy_(self.buffer)  # (2L, B, H, capacity, Dh)
         self.buffer = wider
         self._hold(lengths)
+
+    def admit(self, parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None, longest: int, count: int) -> bool:
+        """`stack_rows` into this buffer, whose layers are `parts[0]`'s (`_stack_in_place`): where it has room for
+        `count` rows (a buffer with more rows than its batch: `stack_rows(rows_room=...)`, rows that left) and `longest`
+        positions, in the dtype asked for, the other parts' rows written after its rows (every layer's), each row's
+        padding up to `longest` zeroed. Returns whether it did."""
+        buffer, rows = self.buffer, len(parts[0][1])  # (2L, B, H, capacity, Dh)
+        row_size = math.prod(buffer.shape[2:])
+        if dtype not in (None, buffer.dtype) or buffer.shape[3] < longest or buffer.stride(1) != row_size \
+                or not buffer[0, 0].is_contiguous() or buffer.stride(0) < count * row_size \
+                or buffer.storage_offset() + (buffer.shape[0] - 1) * buffer.stride(0) + count * row_size \
+                > buffer.untyped_storage().nbytes() // buffer.element_size():
+            return False
+        end = self.layers[0].keys.shape[2]  # the positions its rows hold (their padding zeroed up to there)
+        if end > longest:
+            return False
+        wide = buffer.as_strided((buffer.shape[0], count, *buffer.shape[2:]), buffer.stride(), buffer.storage_offset())
+        wide[:, :rows].narrow(3, end, longest - end).zero_()  # its rows' new padding: finite
+        row = rows
+        for cache, joining in parts[1:]:
+            for i in range(len(self.layers)):
+                for slab, name in ((2 * i, "keys"), (2 * i + 1, "values")):
+                    states = getattr(cache.layers[i], name) if max(joining) else None  # (b, H, T, Dh)
+                    written = states.shape[2] if states is not None else 0
+                    if written:
+                        wide[slab, row:row + len(joining)].narrow(2, 0, written).copy_(states)
+                    wide[slab, row:row + len(joining)].narrow(2, written, longest - written).zero_()
+            row += len(joining)
+        self.buffer = wide
+        self._hold([longest] * len(self.layers))
+        return True
 
     def select(self, rows: list[int], length: int) -> None:
         """Keep the batch rows `rows`, in that order, every layer cached to `length`. Rows in increasing order (rows
@@ -432,27 +466,32 @@ def _device(cache: Cache) -> torch.device | None:
     return next((layer.keys.device for layer in cache.layers if layer.keys is not None), None)
 
 
-def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None = None) -> Cache:
+def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None = None, rows_room: int = 0) -> Cache:
     """Caches of one or more sequences each, with their rows' lengths ((cache, [length of each row]); a
     length 0: nothing cached yet) -> one dynamic cache of all their rows in order, each padded at its end
     to the longest with zeros; the padding is never attended to (the tree masks). Each tensor is copied
     once, into a growing layer's buffers where the layer is one; only the positions up to the longest are written
     (a growing layer's room past them is written by its updates before any forward reads it). `dtype`: the keys and
-    values kept in it (default: theirs), a growing layer's from then on (`opttree.step.lean.float32_attention`)."""
+    values kept in it (default: theirs), a growing layer's from then on (`opttree.step.lean.float32_attention`).
+    `rows_room`: growing layers' buffers get room for this many rows (at least theirs), and where the first cache
+    (the running batch's) has room for every row, the others are written into it (`_stack_in_place`), its rows left
+    where they are: that cache is then the result."""
     longest = max(length for _, lengths in parts for length in lengths)
     filled = [cache for cache, lengths in parts if max(lengths)]
     if not filled:
         return new_cache()
     count = sum(len(lengths) for _, lengths in parts)
+    if rows_room and _stack_in_place(parts, dtype, longest, count):
+        return parts[0][0]
     first = filled[0].layers
     shared = None  # the stacked layers' keys and values in one buffer (`Arena`), where they can share one
     if first and all(isinstance(layer, GrowingLayer) and layer.keys is not None and layer.keys.numel()
                      and layer.keys.shape[1:] == layer.values.shape[1:] == first[0].keys.shape[1:]
                      and layer.keys.dtype == layer.values.dtype == first[0].keys.dtype for layer in first):
         like = first[0].keys  # (b, H, T, Dh)
-        shape = (2 * len(first), count, like.shape[1], GrowingLayer.room(longest), like.shape[3])  # (2L, B, H, R, Dh)
-        if can_share(shape, dtype or like.dtype, like.device):
-            shared = like.new_empty(shape, dtype=dtype or like.dtype)  # its first `longest` positions written below
+        room = (2 * len(first), max(count, rows_room), like.shape[1], GrowingLayer.room(longest), like.shape[3])
+        if can_share(room, dtype or like.dtype, like.device):  # (2L, B, H, R, Dh) of a buffer with room for more rows
+            shared = like.new_empty(room, dtype=dtype or like.dtype)[:, :count]  # its first `longest` positions written
     layers = []
     for i, layer in enumerate(first):
         stacked = copy.copy(layer)  # the same kind of layer; a layer that shares another's keys stays empty
@@ -463,8 +502,11 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
                 like = getattr(layer, name)  # (b, H, T, Dh) keys / values, (b, T, Di) indexer keys
                 shape = [count, *like.shape[1:]]
                 shape[axis] = GrowingLayer.room(longest) if growing else longest
-                stack = shared[2 * i + (name == "values")] if shared is not None else \
-                    like.new_empty(shape, dtype=dtype if growing and dtype is not None else like.dtype)
+                if shared is not None:
+                    stack = shared[2 * i + (name == "values")]
+                else:  # a growing layer's with room for `rows_room` rows (the first `count` used)
+                    room = [max(count, rows_room) if growing else count, *shape[1:]]
+                    stack = like.new_empty(room, dtype=dtype if growing and dtype is not None else like.dtype)[:count]
                 row = 0
                 for cache, lengths in parts:
                     rows = stack[row:row + len(lengths)]
@@ -487,6 +529,51 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
     return cache
 
 
+def _stack_in_place(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None, longest: int, count: int
+                    ) -> bool:
+    """`stack_rows` into the first cache's own buffers, where every layer of it is a growing one whose buffers (not an
+    `Arena`'s) have room for `count` rows and `longest` positions, in the dtype asked for: the other parts' rows
+    written after its rows, each row's padding up to `longest` zeroed; its rows stay where they are (no copy). Returns
+    whether it did."""
+    first, lengths = parts[0]
+    layers = first.layers
+    arena = layers[0]._arena if layers and isinstance(layers[0], GrowingLayer) else None
+    if arena is not None and max(lengths) and arena.holds_all(layers):
+        return arena.admit(parts, dtype, longest, count)
+    if not layers or not max(lengths) or any(
+            not isinstance(layer, GrowingLayer) or layer._arena is not None or not layer.holds_views()
+            or len(sequence_tensors(layer)) != 2 or any(not _rows_fit(buffer, count, longest) or dtype not in (None, buffer.dtype) for buffer in layer._store)
+            for layer in layers):
+        return False
+    end = layers[0].keys.shape[2]  # the positions the first cache holds (its rows' padding zeroed up to there)
+    if any(layer.keys.shape[2] != end for layer in layers) or end > longest:
+        return False
+    rows = len(lengths)
+    for i, layer in enumerate(layers):
+        stores = []
+        for buffer, name in zip(layer._store, ("keys", "values")):  # (B, H, capacity, Dh)
+            wide = buffer.as_strided((count, *buffer.shape[1:]), buffer.stride(), buffer.storage_offset())
+            wide[:rows].narrow(2, end, longest - end).zero_()  # the first rows' new padding: finite
+            row = rows
+            for cache, joining in parts[1:]:
+                states = getattr(cache.layers[i], name) if max(joining) else None  # (b, H, T, Dh)
+                written = states.shape[2] if states is not None else 0
+                if written:
+                    wide[row:row + len(joining)].narrow(2, 0, written).copy_(states)
+                wide[row:row + len(joining)].narrow(2, written, longest - written).zero_()
+                row += len(joining)
+            stores.append(wide)
+        layer.hold(*stores, longest)
+    return True
+
+
+def _rows_fit(buffer: torch.Tensor, rows: int, positions: int) -> bool:
+    """Whether a growing layer's buffer (B, H, capacity, Dh), contiguous, has `positions` and, in its storage past its
+    B rows, room for `rows` rows (`stack_rows(rows_room=...)` left it)."""
+    return buffer.is_contiguous() and buffer.shape[2] >= positions and \
+        buffer.storage_offset() + rows * buffer.stride(0) <= buffer.untyped_storage().nbytes() // buffer.element_size()
+
+
 def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
     """Keep the batch rows `rows` (their positions: `lengths`), in that order; the cache then ends at the
     longest of them. In place (a growing layer keeps buffers with room: one copy)."""
@@ -500,7 +587,14 @@ def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
             continue
         index = torch.tensor(rows, device=layer.keys.device)
         if isinstance(layer, GrowingLayer) and layer.holds_views():
-            layer.hold(*(buffer.index_select(0, index) for buffer in layer._store), end)
+            if rows == sorted(set(rows)):  # rows leaving: the others move down in place, a row a copy (room kept)
+                for buffer in layer._store:
+                    for k, row in enumerate(rows):
+                        if row != k:
+                            buffer[k].copy_(buffer[row])
+                layer.hold(*(buffer.narrow(0, 0, len(rows)) for buffer in layer._store), end)
+            else:
+                layer.hold(*(buffer.index_select(0, index) for buffer in layer._store), end)
             continue
         for name, axis in sequence_tensors(layer):
             setattr(layer, name, getattr(layer, name).index_select(0, index).narrow(axis, 0, end))
