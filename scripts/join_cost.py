@@ -11,8 +11,9 @@ A batch of 8 HumanEval prompts (`opt:recycling+lookup`, bf16, the shipped pair) 
 then for each way a joining prompt (the next HumanEval prompt) is admitted: the admission and every step until it
 is in the batch's cache, less as many plain steps (the median of the last five), is its cost; it is then cancelled,
 so the batch keeps 8 rows (the batch starts afresh before a row nears its end). Prints the median cost of each way.
-`--stack`: the part of a join that stacks the batch's cache anew, alone: 8 rows of 180-229 positions and a joining
-row of 120, in float32 (as a batch of bf16 rows attends on this kind of CPU), the median of 30 calls.
+`--stack`: the part of a join that makes the batch's cache, alone: 8 rows of 180-229 positions and a joining row of
+120, in float32 (as a batch of bf16 rows attends on some CPUs), the median of 30 calls each way: stacked anew, and
+written into a cache with room for 9 rows (as the server's batches keep: `stack_rows(rows_room=...)`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 import opttree
 from opttree.bench.prompts import load_prompts
-from opttree.step.cache import cache_argument, new_cache, stack_rows
+from opttree.step.cache import cache_argument, new_cache, select_rows, stack_rows
 
 
 def main() -> None:
@@ -99,15 +100,23 @@ def stack_cost(target) -> None:
 
     with torch.inference_mode():
         lengths = [180 + 7 * i for i in range(8)]
-        batch = stack_rows([(prefilled(n), [n]) for n in lengths], torch.float32)
+        rows = [prefilled(n) for n in lengths]
         joining = prefilled(120)
-        seconds = []
-        for _ in range(31):
-            began = time.perf_counter()
-            stack_rows([(batch, lengths), (joining, [120])], torch.float32)
-            seconds.append(time.perf_counter() - began)
-    median = 1e3 * statistics.median(seconds[1:])
-    print(f"stack_rows, 8 rows of 180-229 positions and one of 120, float32: {median:.2f} ms")
+        anew, roomy = stack_rows([(r, [n]) for r, n in zip(rows, lengths)], torch.float32), None
+        spent: dict[str, list[float]] = {"stacked anew": [], "written into room for 9 rows": []}
+        for i in range(31):
+            roomy = roomy or stack_rows([(r, [n]) for r, n in zip(rows, lengths)], torch.float32, rows_room=9)
+            for way in (list(spent) if i % 2 else list(spent)[::-1]):
+                began = time.perf_counter()
+                if way == "stacked anew":
+                    stack_rows([(anew, lengths), (joining, [120])], torch.float32)
+                else:
+                    stack_rows([(roomy, lengths), (joining, [120])], torch.float32, rows_room=9)
+                spent[way].append(time.perf_counter() - began)
+            select_rows(roomy, list(range(8)), lengths)  # the joining row leaves again (in place: the room stays)
+    for way, seconds in spent.items():
+        print(f"stack_rows, 8 rows of 180-229 positions and one of 120, float32, {way}: "
+              f"{1e3 * statistics.median(seconds[1:]):.2f} ms")
 
 
 if __name__ == "__main__":
