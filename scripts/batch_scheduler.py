@@ -7,6 +7,7 @@ round (the first round is a warm-up, left out of the means).
     python scripts/batch_scheduler.py --limit 64 --rounds 4 --budgets 4 --own-prefills
     python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --listed-on-device
     python scripts/batch_scheduler.py --limit 16 --rounds 4 --budgets 4 --split
+    python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --split --without-room
 
 Each client thread sends its share of the prompts (HumanEval's first --limit) one after another, temperature 0,
 --max-tokens each, `opt:recycling+lookup` on the shipped pair; prints the wall seconds of every round, the mean's
@@ -56,6 +57,10 @@ def timed(name: str):
 
 
 Lane.join, Lane.step = timed("join"), timed("step")
+ROOM = {"on": True}  # `--without-room`: whether the server that runs now keeps room for its rows in its batch's cache
+_join = Lane.join
+Lane.join = lambda lane, jobs, target, allocator, rows_room=0: _join(lane, jobs, target, allocator,
+                                                                    rows_room if ROOM["on"] else 0)
 
 PHASES: dict[str, float] = {}  # seconds in each phase of the steps, this round (`--split`)
 RIDES: list[int] = []  # steps whose forward carried joining prompts, this round
@@ -102,6 +107,9 @@ def main() -> None:
                         help="also the sized trees with each joining request prefilled in a forward of its own "
                              "(OPTTREE_RIDE=0) instead of in the next step's")
     parser.add_argument("--split", action="store_true", help="also each server's step split into its phases")
+    parser.add_argument("--without-room", action="store_true",
+                        help="also the sized trees with a batch's cache made anew as each row joins (no room kept for "
+                             "the server's rows)")
     parser.add_argument("--listed-on-device", action="store_true",
                         help="also the sized trees with Token Recycling's children listed by its tensors "
                              "(OPTTREE_LISTED=device) instead of on the host")
@@ -129,6 +137,8 @@ def main() -> None:
         servers["sized (16), cut after drafting"] = server(16, args.clients, CutAfter)
     if args.own_prefills:
         servers["sized (16), prefills of their own"] = server(16, args.clients, SizedBudget)
+    if args.without_room:
+        servers["sized (16), no room for rows"] = server(16, args.clients, SizedBudget)
     if args.listed_on_device:
         servers["sized (16), children listed on the device"] = server(16, args.clients, SizedBudget)
     servers.update({f"budget {b} each": server(int(b), args.clients) for b in args.budgets.split(",")})
@@ -150,6 +160,7 @@ def main() -> None:
 
         threads = [threading.Thread(target=client, args=(prompts[i::args.clients],)) for i in range(args.clients)]
         began = time.perf_counter()
+        ROOM["on"] = srv is not servers.get("sized (16), no room for rows")
         os.environ["OPTTREE_RIDE"] = "0" if srv is servers.get("sized (16), prefills of their own") else "1"
         os.environ["OPTTREE_LISTED"] = "device" if srv is servers.get("sized (16), children listed on the device") \
             else "host"
