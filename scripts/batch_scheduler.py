@@ -57,10 +57,22 @@ def timed(name: str):
 
 
 Lane.join, Lane.step = timed("join"), timed("step")
-ROOM = {"on": True}  # `--without-room`: whether the server that runs now keeps room for its rows in its batch's cache
+ROOM = {"on": True}  # whether the server that runs now keeps room for its rows in its batch's cache
 _join = Lane.join
 Lane.join = lambda lane, jobs, target, allocator, rows_room=0: _join(lane, jobs, target, allocator,
                                                                     rows_room if ROOM["on"] else 0)
+
+# Sized servers that differ from the default in one way, each behind a flag: flag -> (its name, the flag's help, the
+# environment it runs in, whether its batches keep room for their rows). The others run with the defaults.
+VARIANTS = {
+    "own-prefills": ("sized (16), prefills of their own", "each joining request prefilled in a forward of its own "
+                     "(OPTTREE_RIDE=0) instead of in the next step's", {"OPTTREE_RIDE": "0"}, True),
+    "without-room": ("sized (16), no room for rows", "a batch's cache made anew as each row joins (no room kept for "
+                     "the server's rows)", {}, False),
+    "listed-on-device": ("sized (16), children listed on the device", "Token Recycling's children listed by its "
+                         "tensors (OPTTREE_LISTED=device) instead of on the host", {"OPTTREE_LISTED": "device"}, True),
+}
+DEFAULTS = {"OPTTREE_RIDE": "1", "OPTTREE_LISTED": "host"}
 
 PHASES: dict[str, float] = {}  # seconds in each phase of the steps, this round (`--split`)
 RIDES: list[int] = []  # steps whose forward carried joining prompts, this round
@@ -103,16 +115,9 @@ def main() -> None:
     parser.add_argument("--cut-after", action="store_true",
                         help="also the sized trees drafted at the request's budget and cut afterwards (as before "
                              "rows drafted at the batch's size)")
-    parser.add_argument("--own-prefills", action="store_true",
-                        help="also the sized trees with each joining request prefilled in a forward of its own "
-                             "(OPTTREE_RIDE=0) instead of in the next step's")
     parser.add_argument("--split", action="store_true", help="also each server's step split into its phases")
-    parser.add_argument("--without-room", action="store_true",
-                        help="also the sized trees with a batch's cache made anew as each row joins (no room kept for "
-                             "the server's rows)")
-    parser.add_argument("--listed-on-device", action="store_true",
-                        help="also the sized trees with Token Recycling's children listed by its tensors "
-                             "(OPTTREE_LISTED=device) instead of on the host")
+    for flag, (_, help_text, _, _) in VARIANTS.items():
+        parser.add_argument(f"--{flag}", action="store_true", help=f"also the sized trees with {help_text}")
     args = parser.parse_args()
     if args.split:
         clock_phases()
@@ -135,12 +140,11 @@ def main() -> None:
     servers = {"one at a time (16)": server(16, 1), "sized (16)": server(16, args.clients, SizedBudget)}
     if args.cut_after:
         servers["sized (16), cut after drafting"] = server(16, args.clients, CutAfter)
-    if args.own_prefills:
-        servers["sized (16), prefills of their own"] = server(16, args.clients, SizedBudget)
-    if args.without_room:
-        servers["sized (16), no room for rows"] = server(16, args.clients, SizedBudget)
-    if args.listed_on_device:
-        servers["sized (16), children listed on the device"] = server(16, args.clients, SizedBudget)
+    variants = {}  # server name -> (environment, room for rows)
+    for flag, (name, _, env, room) in VARIANTS.items():
+        if getattr(args, flag.replace("-", "_")):
+            servers[name] = server(16, args.clients, SizedBudget)
+            variants[name] = env, room
     servers.update({f"budget {b} each": server(int(b), args.clients) for b in args.budgets.split(",")})
 
     def load(srv: Server) -> tuple[float, list[float], list, tuple[float, float, float]]:
@@ -160,10 +164,8 @@ def main() -> None:
 
         threads = [threading.Thread(target=client, args=(prompts[i::args.clients],)) for i in range(args.clients)]
         began = time.perf_counter()
-        ROOM["on"] = srv is not servers.get("sized (16), no room for rows")
-        os.environ["OPTTREE_RIDE"] = "0" if srv is servers.get("sized (16), prefills of their own") else "1"
-        os.environ["OPTTREE_LISTED"] = "device" if srv is servers.get("sized (16), children listed on the device") \
-            else "host"
+        env, ROOM["on"] = variants.get(next(name for name, other in servers.items() if other is srv), ({}, True))
+        os.environ.update({**DEFAULTS, **env})
         for thread in threads:
             thread.start()
         for thread in threads:
