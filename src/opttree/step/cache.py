@@ -531,10 +531,10 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
 
 def _stack_in_place(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None, longest: int, count: int
                     ) -> bool:
-    """`stack_rows` into the first cache's own buffers, where every layer of it is a growing one whose buffers (not an
-    `Arena`'s) have room for `count` rows and `longest` positions, in the dtype asked for: the other parts' rows
-    written after its rows, each row's padding up to `longest` zeroed; its rows stay where they are (no copy). Returns
-    whether it did."""
+    """`stack_rows` into the first cache's buffers, where they have room for `count` rows and `longest` positions, in
+    the dtype asked for: the buffer its layers share (`Arena.admit`), or each growing layer's own: the other parts'
+    rows written after its rows, each row's padding up to `longest` zeroed; its rows stay where they are (no copy).
+    Returns whether it did."""
     first, lengths = parts[0]
     layers = first.layers
     arena = layers[0]._arena if layers and isinstance(layers[0], GrowingLayer) else None
@@ -542,8 +542,9 @@ def _stack_in_place(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | N
         return arena.admit(parts, dtype, longest, count)
     if not layers or not max(lengths) or any(
             not isinstance(layer, GrowingLayer) or layer._arena is not None or not layer.holds_views()
-            or len(sequence_tensors(layer)) != 2 or any(not _rows_fit(buffer, count, longest) or dtype not in (None, buffer.dtype) for buffer in layer._store)
-            for layer in layers):
+            or len(sequence_tensors(layer)) != 2
+            or any(not _rows_fit(buffer, count, longest) or dtype not in (None, buffer.dtype)
+                   for buffer in layer._store) for layer in layers):
         return False
     end = layers[0].keys.shape[2]  # the positions the first cache holds (its rows' padding zeroed up to there)
     if any(layer.keys.shape[2] != end for layer in layers) or end > longest:
@@ -576,7 +577,8 @@ def _rows_fit(buffer: torch.Tensor, rows: int, positions: int) -> bool:
 
 def select_rows(cache: Cache, rows: list[int], lengths: list[int]) -> None:
     """Keep the batch rows `rows` (their positions: `lengths`), in that order; the cache then ends at the
-    longest of them. In place (a growing layer keeps buffers with room: one copy)."""
+    longest of them. In place: rows in increasing order (rows leaving) move down within a growing layer's buffers,
+    which keep their room (for rows joining later: `stack_rows(rows_room=...)`); other orders, one copy."""
     end = max(lengths)
     arena = cache.layers[0]._arena if cache.layers and isinstance(cache.layers[0], GrowingLayer) else None
     if arena is not None and arena.holds_all(cache.layers):  # every layer's rows in one copy
