@@ -212,16 +212,9 @@ class Arena:
             return False
         wide = buffer.as_strided((buffer.shape[0], count, *buffer.shape[2:]), buffer.stride(), buffer.storage_offset())
         wide[:, :rows].narrow(3, end, longest - end).zero_()  # its rows' new padding: finite
-        row = rows
-        for cache, joining in parts[1:]:
-            for i in range(len(self.layers)):
-                for slab, name in ((2 * i, "keys"), (2 * i + 1, "values")):
-                    states = getattr(cache.layers[i], name) if max(joining) else None  # (b, H, T, Dh)
-                    written = states.shape[2] if states is not None else 0
-                    if written:
-                        wide[slab, row:row + len(joining)].narrow(2, 0, written).copy_(states)
-                    wide[slab, row:row + len(joining)].narrow(2, written, longest - written).zero_()
-            row += len(joining)
+        for i in range(len(self.layers)):
+            for slab, name in ((2 * i, "keys"), (2 * i + 1, "values")):
+                _fill_rows(wide[slab], parts[1:], i, name, longest, row=rows)
         self.buffer = wide
         self._hold([longest] * len(self.layers))
         return True
@@ -507,14 +500,7 @@ def stack_rows(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | None =
                 else:  # a growing layer's with room for `rows_room` rows (the first `count` used)
                     room = [max(count, rows_room) if growing else count, *shape[1:]]
                     stack = like.new_empty(room, dtype=dtype if growing and dtype is not None else like.dtype)[:count]
-                row = 0
-                for cache, lengths in parts:
-                    rows = stack[row:row + len(lengths)]
-                    written = getattr(cache.layers[i], name).shape[axis] if max(lengths) else 0
-                    if written:
-                        rows.narrow(axis, 0, written).copy_(getattr(cache.layers[i], name))
-                    rows.narrow(axis, written, longest - written).zero_()  # padding: never attended to, but finite
-                    row += len(lengths)
+                _fill_rows(stack, parts, i, name, longest, axis)
                 stacks[name] = stack
             if growing:
                 stacked.hold(stacks["keys"], stacks["values"], longest)
@@ -555,17 +541,25 @@ def _stack_in_place(parts: list[tuple[Cache, list[int]]], dtype: torch.dtype | N
         for buffer, name in zip(layer._store, ("keys", "values")):  # (B, H, capacity, Dh)
             wide = buffer.as_strided((count, *buffer.shape[1:]), buffer.stride(), buffer.storage_offset())
             wide[:rows].narrow(2, end, longest - end).zero_()  # the first rows' new padding: finite
-            row = rows
-            for cache, joining in parts[1:]:
-                states = getattr(cache.layers[i], name) if max(joining) else None  # (b, H, T, Dh)
-                written = states.shape[2] if states is not None else 0
-                if written:
-                    wide[row:row + len(joining)].narrow(2, 0, written).copy_(states)
-                wide[row:row + len(joining)].narrow(2, written, longest - written).zero_()
-                row += len(joining)
+            _fill_rows(wide, parts[1:], i, name, longest, row=rows)
             stores.append(wide)
         layer.hold(*stores, longest)
     return True
+
+
+def _fill_rows(stack: torch.Tensor, parts: list[tuple[Cache, list[int]]], i: int, name: str, longest: int,
+               axis: int = 2, row: int = 0) -> None:
+    """The rows of `stack` (B, ...) from `row` on, a part's after another: each part's layer i's `name` states
+    ((b, H, T, Dh) keys / values, (b, T, Di) indexer keys) at their first positions along `axis`, zeros after them up
+    to `longest` (padding: never attended to, but finite)."""
+    for cache, lengths in parts:
+        rows = stack[row:row + len(lengths)]
+        states = getattr(cache.layers[i], name) if max(lengths) else None
+        written = states.shape[axis] if states is not None else 0
+        if written:
+            rows.narrow(axis, 0, written).copy_(states)
+        rows.narrow(axis, written, longest - written).zero_()
+        row += len(lengths)
 
 
 def _rows_fit(buffer: torch.Tensor, rows: int, positions: int) -> bool:
