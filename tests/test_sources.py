@@ -508,3 +508,23 @@ def test_datastore_command(shipped_store, tmp_path, capsys):
                  "--drafter", "lookup+datastore", "--dtype", "float32", "--json"]) == 0
     assert '"drafter": "lookup+datastore"' in capsys.readouterr().out
     assert main(["datastore", "build", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t")]) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_cut_trie_is_the_same_from_continuations_cut_to_its_size(seed):
+    """Retrieval asks for continuations no longer than the nodes it keeps (`RetrievalSource.propose`): the cut
+    trie of the shortened continuations is the full-length one's, node for node (ties included)."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = 2 + seed % 3  # few tokens: shared prefixes and tied shares
+    base = torch.randint(alphabet, (12,), generator=g).tolist()
+    continuations = []  # copies of one text that part from it somewhere (deep chains), and random ones
+    for i in range(8):
+        own = torch.randint(alphabet, (int(torch.randint(1, 12, (), generator=g)),), generator=g).tolist()
+        continuations.append(base[:int(torch.randint(4, 13, (), generator=g))] + own if i % 4 else own)
+    log_rates = torch.rand(24, generator=g).clamp(min=0.05).log()
+    for n in (1, 2, 3, 4, 7, 16):
+        full, full_paths = continuation_trie(continuations, log_rates, n)
+        cut, cut_paths = continuation_trie([c[:n] for c in continuations], log_rates, n)
+        assert cut_paths == full_paths
+        for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
+            assert torch.equal(getattr(cut, field), getattr(full, field)), field

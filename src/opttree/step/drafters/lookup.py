@@ -58,8 +58,9 @@ def continuation_trie(continuations: list[list[int]], log_rates, max_nodes: int 
                       ) -> tuple[DraftTree, list[tuple[int, ...]]]:
     """The trie of `continuations` (token lists, one per match), scored log(share of the matches
     through the node) + log_rates[:d].sum() for a node at depth d, cut to its best `max_nodes` nodes (a
-    node counts at the lowest score on its path; ties to the shallower, then the more shared node), and
-    the token path of each of its nodes. Built on the host from host data: nothing is read from a device."""
+    node counts at the lowest score on its path; ties to the shallower, then the more shared node: a node's
+    ancestors come before it, so a cut trie holds no node deeper than `max_nodes`), and the token path of each
+    of its nodes. Built on the host from host data: nothing is read from a device."""
     counts: dict[tuple[int, ...], int] = defaultdict(int)
     for continuation in continuations:
         for d in range(1, len(continuation) + 1):
@@ -76,14 +77,10 @@ def continuation_trie(continuations: list[list[int]], log_rates, max_nodes: int 
     if not paths:
         return DraftTree.empty(), []
     index = {p: i for i, p in enumerate(paths)}
-    tree = DraftTree(
-        tokens=torch.tensor([p[-1] for p in paths]),
-        parents=torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths]),
-        depths=torch.tensor([len(p) for p in paths]),
-        scores=torch.tensor([scores[p] for p in paths]),
-        draft_slots=torch.full((len(paths),), -1, dtype=torch.long),
-    )
-    return tree, paths
+    tokens, parents, depths, slots = torch.tensor([[p[-1] for p in paths], [index[p[:-1]] if len(p) > 1 else -1
+                                                                             for p in paths],
+                                                   [len(p) for p in paths], [-1] * len(paths)]).unbind()
+    return DraftTree(tokens, parents, depths, torch.tensor([scores[p] for p in paths]), slots), paths
 
 
 class RetrievalSource(Declared):
@@ -108,7 +105,8 @@ class RetrievalSource(Declared):
         raise NotImplementedError
 
     def propose(self, committed: torch.Tensor, max_nodes: int, max_depth: int) -> DraftTree:
-        n, continuations = self.retrieve(committed, max_depth)
+        # a node of the cut trie has its ancestors before it (`continuation_trie`): none is deeper than max_nodes
+        n, continuations = self.retrieve(committed, min(max_depth, max_nodes))
         self.proposed = None
         if n == 0:
             return DraftTree.empty(committed.device)
