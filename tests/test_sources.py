@@ -528,3 +528,78 @@ def test_a_cut_trie_is_the_same_from_continuations_cut_to_its_size(seed):
         assert cut_paths == full_paths
         for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
             assert torch.equal(getattr(cut, field), getattr(full, field)), field
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recycling_best_from_blocks_is_the_top_k(dtype):
+    """Token Recycling's k best next tokens over many positions come from the blocks with the best maxima: the same
+    tokens as `topk` (its values where logits tie: bf16 rounds many together), best first; few positions and
+    vocabularies that do not split into blocks go to `topk`."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in [(40, 8192), (16, 1024), (300, 256), (5, 8192), (20, 1000), (20, 128)]:
+        matrix = RecyclingMatrix(vocab)
+        logits = (3 * torch.randn(rows, vocab, generator=generator)).to(dtype)
+        logits[0, :] = 0.0  # a row of ties
+        logits[1, torch.arange(0, vocab, 97)] = 50.0  # its best spread over blocks, tied
+        best = matrix.best(logits)
+        expected = logits.topk(matrix.width, dim=-1)
+        assert best.shape == expected.indices.shape
+        assert torch.equal(logits.gather(1, best), expected.values)  # the same values, in order
+        assert all(len(set(row)) == matrix.width for row in best.tolist())  # k distinct tokens a row
+        untied = (expected.values[:, :-1] > expected.values[:, 1:]).all(dim=1) & \
+            (expected.values[:, -1:] > logits.masked_fill(torch.zeros_like(logits, dtype=torch.bool).scatter(
+                1, expected.indices, True), float("-inf")).amax(dim=1, keepdim=True)).squeeze(1)
+        assert torch.equal(best[untied], expected.indices[untied])
+
+
+def test_recycling_rows_that_share_the_matrix_learn_from_a_step_together():
+    """Rows of a batch share the recycling matrix: their drafters queue what they observed, and the first
+    `learned` learns from every row's positions at once: hit rates scored against M as it was before the step,
+    then M rewritten; later calls find nothing queued."""
+    from opttree.step.drafters.recycling import RecyclingDrafter
+    from opttree.step.verify import Verification
+
+    class Target:  # the matrix is kept per target
+        pass
+
+    target, vocab, generator = Target(), 64, torch.Generator().manual_seed(3)
+    rows = [RecyclingDrafter(target, vocab) for _ in range(3)]
+    matrix = rows[0].matrix
+    assert all(row.matrix is matrix for row in rows) and rows[0].learns_together
+    matrix.write(torch.arange(vocab), torch.stack([torch.randperm(vocab, generator=generator)[:8] for _ in range(vocab)]))
+    before_next, before_hits = matrix.next.clone(), matrix.rates.hits.clone()
+    results = []
+    for b, row in enumerate(rows):
+        tree = DraftTree(torch.tensor([b + 10, b + 20]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.zeros(2),
+                         torch.full((2,), -1))
+        logits = torch.randn(3, vocab, generator=generator)
+        logits[0, before_next[b, 2]] = 20.0  # the target's choice after the root is M[root]'s rank 2
+        result = Verification(torch.tensor(b), tree, logits, torch.arange(0), torch.tensor(0))
+        row.observe(result)
+        results.append((torch.tensor([b, b + 10, b + 20]), logits))
+    assert torch.equal(matrix.next, before_next) and len(matrix.pending) == 3  # queued, not learned yet
+    rows[1].learned()
+    assert not matrix.pending
+    for tokens, logits in results:
+        assert torch.equal(matrix.next[tokens], logits.topk(8, dim=-1).indices)
+    hits = matrix.rates.hits - before_hits  # (DEPTHS, k) hits counted this step
+    assert hits[0, 2] == 3 and hits.sum() == sum(
+        int((before_next[tokens] == logits.argmax(-1)[:, None]).sum()) for tokens, logits in results)
+    rows[2].learned()  # nothing left to learn
+    assert torch.equal(matrix.rates.hits - before_hits, hits)
+
+
+def test_a_generation_leaves_nothing_unlearned():
+    """The engine calls `learned` after every step: after a batch's greedy generation with Token Recycling, no step
+    waits in the matrix's queue and every token each row read as a step's root has its row written."""
+    target, _, tok = opttree.demo_models(dtype=torch.float32)
+    prompts = ["def add(a, b):", "Once upon a time"]
+    outs = opttree.generate(target, [tok(p, return_tensors="pt").input_ids[0] for p in prompts], None,
+                            tree="opt", drafter="recycling", budget=8, max_new_tokens=24)
+    from opttree.step.drafters.recycling import RecyclingDrafter
+
+    matrix = RecyclingDrafter(target, target.config.vocab_size).matrix
+    assert not matrix.pending
+    for out, prompt in zip(outs, prompts):
+        roots = out.sequences[0, len(tok(prompt).input_ids) - 1:-1]
+        assert bool(matrix.filled[roots].all())

@@ -143,7 +143,7 @@ class Row:
         self.noise = PositionNoise(self.generator, device)  # the sampled verifier's noise, by position
         self.siblings: int | None = None  # the most sampled children of a node in its trees so far (None: none yet)
         self.feature: torch.Tensor | None = None  # (H,) the target's last-layer state at the last token it ran
-        self.observing = None  # the last step's (start, end) marks around the drafter's observe, not read yet
+        self.observing = []  # the last step's (start mark, end mark, its share) of its drafter's learning, unread
         self.finished = False
         self.began = 0.0  # perf_counter when its prefill began
 
@@ -154,8 +154,8 @@ class Row:
 
     def settle_observing(self, phases: PhaseClock) -> float:
         """Seconds the last step spent observing (0 if none is pending), once the device has caught up."""
-        marks, self.observing = self.observing, None
-        return phases.seconds(*marks) if marks else 0.0
+        spans, self.observing = self.observing, []
+        return sum(phases.seconds(start, end) * share for start, end, share in spans)
 
     def cost(self) -> RowCost:
         """What a drafting step of this row gives and costs, as measured on its own steps so far (from the
@@ -200,7 +200,7 @@ class Row:
             self.drafter.observe(result)
         if self.wants_hidden:
             self.feature = result.accepted_hidden()[-1]  # (H,) at the last accepted token
-        self.observing = (start, phases.mark())  # read at the next readout (drafting = building the tree + observing)
+        self.observing.append((start, phases.mark(), 1.0))  # read at the next readout (drafting = the tree + observing)
 
     def emit(self, emitted: torch.Tensor, readout: StepReadout, drafted: int, draft_s: float, verify_s: float
              ) -> tuple[torch.Tensor, bool, tuple[int, int, float, float]]:
@@ -645,7 +645,22 @@ class Generation:
             draft_s = phases.seconds(start, end) * share + allocate_s + row.settle_observing(phases)
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonuses[i], hidden[i], readouts[i]), phases)
             results.append(row.emit(emitted[i], readouts[i], len(tree), draft_s, verify_s))
+        _learned_together(rows, phases)
         return results
+
+
+def _learned_together(rows: list[Row], phases: PhaseClock) -> None:
+    """The rows' drafters that learn together (`learns_together`) learn from the step, once each (rows that share a
+    drafter's state, as Token Recycling's matrix, learn in its first call); the rows share the time."""
+    learning = [row for row in rows if row.drafter is not None and row.drafter.learns_together]
+    if not learning:
+        return
+    start = phases.mark()
+    for drafter in {id(row.drafter): row.drafter for row in learning}.values():
+        drafter.learned()
+    span = (start, phases.mark(), 1 / len(learning))
+    for row in learning:
+        row.observing.append(span)
 
 
 def _accepted(tree: DraftTree, outcome, readout: StepReadout, device: torch.device

@@ -31,13 +31,16 @@ class Declared:
     # when none), while every node so far is the next one's ancestor (a chain): run as plain next-token decoding,
     # no tree mask (a chain policy's layers ask this instead)
     extends_chains: bool = False
+    # its `observe` may leave what it learns from a row's step for `learned()`, which the engine calls once a step,
+    # after every row observed: rows whose drafters share their state (Token Recycling's matrix) learn in one pass
+    learns_together: bool = False
     # the networks (`nn.Module`s) it runs: their bf16 linear layers run packed during the steps where that
     # applies (`opttree.packed`); an instance sets its own
     networks: tuple = ()
 
 
 DECLARED = ("prompt_rows", "wants_hidden", "reads_target_cache", "forwards_together", "top_children", "full_top_rows",
-            "lists_on_host", "extends_chains", "networks")
+            "lists_on_host", "extends_chains", "learns_together", "networks")
 
 
 def declared_by(obj: object) -> dict:
@@ -45,7 +48,8 @@ def declared_by(obj: object) -> dict:
     return {name: getattr(obj, name, getattr(Declared, name)) for name in DECLARED}
 
 
-HOOKS = {"prompt_rows": "seed", "wants_hidden": "seed_hidden", "reads_target_cache": "share_target_cache"}
+HOOKS = {"prompt_rows": "seed", "wants_hidden": "seed_hidden", "reads_target_cache": "share_target_cache",
+         "learns_together": "learned"}
 
 
 def pass_hooks(wrapper: Declared, inner: object) -> dict:

@@ -24,6 +24,8 @@ WIDTH = 8  # k: successors kept per token, as in the paper
 DEPTHS = 8  # hit rates are kept per depth up to this one (deeper nodes share the last)
 MAX_LISTED_MASS = 0.95  # a row never claims more than this for its k listed tokens
 PROMPT_ROWS = 256  # the prompt's last positions whose logits seed the matrix (cold start)
+BLOCKWISE_ROWS = 16  # `best` over this many positions or more: the top-k of the blocks with the best maxima ...
+TOP_BLOCK = 128  # ... of this many logits
 
 
 class RecyclingMatrix:
@@ -40,14 +42,41 @@ class RecyclingMatrix:
         self.host = (self.next.numpy(), self.filled.numpy()) if self.next.device.type == "cpu" else None
         self._host_tables: tuple[np.ndarray, np.ndarray] | None = None
         self._host_tables_version = -1
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows' steps to `learn` from
+
+    def queue(self, tokens: torch.Tensor, depths: torch.Tensor, logits: torch.Tensor) -> None:
+        """A row's step, learned with the other rows' at the next `learn`: the target's logits (P, V) at positions
+        reading `tokens` (P,) at `depths` (P,)."""
+        self.pending.append((tokens, depths, logits))
+
+    def learn(self) -> None:
+        """Every queued step in one pass: M scored at all their positions (`observe_hits`), then rewritten (a token
+        read at several positions keeps one of their rows). One top-k for a batch's rows: 8 rows of 5 positions, 8192
+        logits each, in 0.6 against 0.96 ms a step row by row on a 2-core Xeon."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        tokens, depths, logits = pending[0] if len(pending) == 1 else (torch.cat(parts) for parts in zip(*pending))
+        best = self.best(logits)  # (P, k): its first column is the target's choice (no argmax again)
+        self.observe_hits(tokens, depths, best[:, 0])  # M scored before it is rewritten
+        self.write(tokens, best)
 
     def record(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """M[tokens] = the k best next tokens of `logits` (P, V) read at `tokens` (P,)."""
         self.write(tokens, self.best(logits))
 
     def best(self, logits: torch.Tensor) -> torch.Tensor:
-        """(P, V) logits -> (P, k) their k best next tokens, best first."""
-        return logits.topk(self.width, dim=-1).indices
+        """(P, V) logits -> (P, k) their k best next tokens, best first (tied logits in either order). Over many
+        positions from the blocks of TOP_BLOCK logits with the k best maxima, which hold the k best logits: 40 x 8192
+        in 0.30 against 0.50 ms on a 2-core Xeon (at 5 positions no faster)."""
+        rows, vocab = logits.shape
+        if rows < BLOCKWISE_ROWS or vocab % TOP_BLOCK or vocab // TOP_BLOCK < self.width:
+            return logits.topk(self.width, dim=-1).indices
+        blocks = logits.reshape(rows, vocab // TOP_BLOCK, TOP_BLOCK)  # (P, V / b, b)
+        top_blocks = blocks.amax(dim=-1).topk(self.width, dim=-1).indices  # (P, k)
+        held = blocks.gather(1, top_blocks[:, :, None].expand(-1, -1, TOP_BLOCK)).flatten(1)  # (P, k b)
+        best = held.topk(self.width, dim=-1).indices  # (P, k) into `held`
+        return top_blocks.gather(1, best // TOP_BLOCK) * TOP_BLOCK + best % TOP_BLOCK
 
     def write(self, tokens: torch.Tensor, best: torch.Tensor) -> None:
         """M[tokens] = best (P, k)."""
@@ -124,6 +153,7 @@ class RecyclingDrafter(Declared):
     prompt_rows = PROMPT_ROWS  # the engine's prefill hands these prompt logits to `seed`
     top_children = True  # `root_top` / `expand_top`: M[t]'s ranks by hit rate, no (K, V) rows
     full_top_rows = True  # every row lists min(k, width) tokens with their (positive) estimates
+    learns_together = True  # a batch's rows share the matrix: `observe` queues, `learned` learns from them all at once
     lists_on_host = False  # set per instance: True where M lives on the CPU (`host_root_top` / `host_expand_top`)
 
     def __init__(self, target, vocab: int, device: torch.device | str = "cpu"):
@@ -180,9 +210,9 @@ class RecyclingDrafter(Declared):
         return on(tokens, self.device), depths
 
     def observe(self, result) -> None:
-        tokens = result.tokens  # (N + 1,) [root] + nodes
-        depths = torch.nn.functional.pad(result.tree.depths, (1, 0))  # (N + 1,) the root at depth 0
-        best = self.matrix.best(result.logits)  # (N + 1, k): its first column is the target's choice (no argmax again)
-        self.matrix.observe_hits(tokens, depths, best[:, 0])  # M scored before it is rewritten
-        self.matrix.write(tokens, best)
+        """The step's [root] + nodes (N + 1,) and the target's logits there, queued for `learned`."""
+        self.matrix.queue(result.tokens, torch.nn.functional.pad(result.tree.depths, (1, 0)), result.logits)
+
+    def learned(self) -> None:
+        self.matrix.learn()
 

@@ -245,6 +245,7 @@ class Sources(Declared):
         self.prompt_rows = max(s.prompt_rows for s in [first, *candidates])
         self.wants_hidden = any(s.wants_hidden for s in [first, *candidates])
         self.reads_target_cache = any(s.reads_target_cache for s in [first, *candidates])
+        self.learns_together = any(s.learns_together for s in [first, *candidates])
         self.forwards_together = first.forwards_together  # candidates batch no forwards of their own
         self.top_children, self.full_top_rows = first.top_children, first.full_top_rows
         self.lists_on_host = first.lists_on_host
@@ -298,6 +299,11 @@ class Sources(Declared):
     def observe(self, result: Verification) -> None:
         for source in [self.first, *self.candidates]:
             source.observe(result)
+
+    def learned(self) -> None:
+        for source in [self.first, *self.candidates]:
+            if source.learns_together:
+                source.learned()
 
 
 class MergedPolicy:
