@@ -8,6 +8,7 @@ round (the first round is a warm-up, left out of the means).
     python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --listed-on-device
     python scripts/batch_scheduler.py --limit 16 --rounds 4 --budgets 4 --split
     python scripts/batch_scheduler.py --limit 16 --rounds 5 --budgets 4 --split --without-room
+    python scripts/batch_scheduler.py --limit 16 --rounds 6 --budgets 4 --split --learning-by-rows --trees-by-rows
 
 Each client thread sends its share of the prompts (HumanEval's first --limit) one after another, temperature 0,
 --max-tokens each, `opt:recycling+lookup` on the shipped pair; prints the wall seconds of every round, the mean's
@@ -33,8 +34,10 @@ import opttree
 from opttree.batch_sizing import SizedBudget, batch_latency
 from opttree.bench.prompts import load_prompts
 from opttree.server.app import CompletionRequest, Server
+from opttree import engine
 from opttree.engine import Generation, Row
 from opttree.server.batcher import Lane
+from opttree.step.drafters.recycling import RecyclingMatrix
 from opttree.step.verify import TreeVerifier
 
 SPENT: dict[str, list[float]] = {"join": [], "step": []}  # seconds of each call, this round
@@ -57,20 +60,38 @@ def timed(name: str):
 
 
 Lane.join, Lane.step = timed("join"), timed("step")
-ROOM = {"on": True}  # whether the server that runs now keeps room for its rows in its batch's cache
+# what the server that runs now does: keep room for its rows in its batch's cache; its rows' Token Recycling learn
+# from a step together (off: each row as it observes, as before); its rows' trees listed on the host grow together
+SWITCHES = {"room": True, "learn together": True, "trees together": True}
 _join = Lane.join
 Lane.join = lambda lane, jobs, target, allocator, rows_room=0: _join(lane, jobs, target, allocator,
-                                                                    rows_room if ROOM["on"] else 0)
+                                                                    rows_room if SWITCHES["room"] else 0)
+_queue = RecyclingMatrix.queue
+
+
+def queue(matrix: RecyclingMatrix, *step) -> None:
+    _queue(matrix, *step)
+    if not SWITCHES["learn together"]:
+        matrix.learn()
+
+
+RecyclingMatrix.queue = queue
+_groups = engine.listed_groups
+engine.listed_groups = lambda builds: _groups(builds) if SWITCHES["trees together"] else []
 
 # Sized servers that differ from the default in one way, each behind a flag: flag -> (its name, the flag's help, the
-# environment it runs in, whether its batches keep room for their rows). The others run with the defaults.
+# environment it runs in, the SWITCHES it turns off). The others run with the defaults.
 VARIANTS = {
     "own-prefills": ("sized (16), prefills of their own", "each joining request prefilled in a forward of its own "
-                     "(OPTTREE_RIDE=0) instead of in the next step's", {"OPTTREE_RIDE": "0"}, True),
+                     "(OPTTREE_RIDE=0) instead of in the next step's", {"OPTTREE_RIDE": "0"}, ()),
     "without-room": ("sized (16), no room for rows", "a batch's cache made anew as each row joins (no room kept for "
-                     "the server's rows)", {}, False),
+                     "the server's rows)", {}, ("room",)),
     "listed-on-device": ("sized (16), children listed on the device", "Token Recycling's children listed by its "
-                         "tensors (OPTTREE_LISTED=device) instead of on the host", {"OPTTREE_LISTED": "device"}, True),
+                         "tensors (OPTTREE_LISTED=device) instead of on the host", {"OPTTREE_LISTED": "device"}, ()),
+    "learning-by-rows": ("sized (16), learning row by row", "Token Recycling's matrix learning from each row's step "
+                         "as the row observes it, not once for every row", {}, ("learn together",)),
+    "trees-by-rows": ("sized (16), trees row by row", "each row's tree built on its own, not every row's listed "
+                      "on the host together", {}, ("trees together",)),
 }
 DEFAULTS = {"OPTTREE_RIDE": "1", "OPTTREE_LISTED": "host"}
 
@@ -99,7 +120,8 @@ def clock_phases() -> None:
 
     clocked(TreeVerifier, "logits", forward)
     for owner, name, phase in [(Row, "draft", "drafting"), (Row, "accept", "acceptance"), (Row, "learn", "learning"),
-                               (TreeVerifier, "commit", "compaction"), (Generation, "_leave", "seating and leaving")]:
+                               (engine, "_learned_together", "learning"), (TreeVerifier, "commit", "compaction"),
+                               (Generation, "_leave", "seating and leaving")]:
         clocked(owner, name, phase)
 
 
@@ -140,11 +162,11 @@ def main() -> None:
     servers = {"one at a time (16)": server(16, 1), "sized (16)": server(16, args.clients, SizedBudget)}
     if args.cut_after:
         servers["sized (16), cut after drafting"] = server(16, args.clients, CutAfter)
-    variants = {}  # server name -> (environment, room for rows)
-    for flag, (name, _, env, room) in VARIANTS.items():
+    variants = {}  # server name -> (environment, switches off)
+    for flag, (name, _, env, off) in VARIANTS.items():
         if getattr(args, flag.replace("-", "_")):
             servers[name] = server(16, args.clients, SizedBudget)
-            variants[name] = env, room
+            variants[name] = env, off
     servers.update({f"budget {b} each": server(int(b), args.clients) for b in args.budgets.split(",")})
 
     def load(srv: Server) -> tuple[float, list[float], list, tuple[float, float, float]]:
@@ -164,8 +186,9 @@ def main() -> None:
 
         threads = [threading.Thread(target=client, args=(prompts[i::args.clients],)) for i in range(args.clients)]
         began = time.perf_counter()
-        env, ROOM["on"] = variants.get(next(name for name, other in servers.items() if other is srv), ({}, True))
+        env, off = variants.get(next(name for name, other in servers.items() if other is srv), ({}, ()))
         os.environ.update({**DEFAULTS, **env})
+        SWITCHES.update({switch: switch not in off for switch in SWITCHES})
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -603,3 +603,57 @@ def test_a_generation_leaves_nothing_unlearned():
     for out, prompt in zip(outs, prompts):
         roots = out.sequences[0, len(tok(prompt).input_ids) - 1:-1]
         assert bool(matrix.filled[roots].all())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_listed_together_build_each_rows_own_tree(seed):
+    """A batch's rows over one recycling matrix grow their OPT-Trees together (`policies.rows`): the same trees,
+    bit for bit, as each row's own build, for rows of several budgets and deltas, depth limits that stop some rows
+    early, rows whose delta stops them at different depths, and rows whose policy merges a lookup trie in."""
+    from opttree.step.drafters.recycling import RecyclingDrafter
+    from opttree.step.drafters.sources import MergedPolicy, Sources
+    from opttree.step.policies.opt import OptTree
+    from opttree.step.policies.rows import build_listed, listed_groups
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 48
+
+    class Target:  # the matrix is kept per target
+        pass
+
+    target = Target()
+    matrix = RecyclingDrafter(target, vocab).matrix
+    matrix.write(torch.arange(vocab), torch.stack([torch.randperm(vocab, generator=generator)[:8]
+                                                   for _ in range(vocab)]))
+    matrix.filled[torch.randperm(vocab, generator=generator)[:vocab // 4]] = False  # some rows never written
+    matrix.rates.update((torch.arange(8).repeat_interleave(8), torch.arange(8).repeat(8)),
+                        torch.rand(64, generator=generator) < 0.5)
+    matrix.rates.hits += torch.rand(8, 8, generator=generator)  # distinct rates: no two candidates tie
+    builds = []
+    for i in range(30):
+        budget, delta = [(4, 0.1), (8, 0.02), (4, 0.1), (16, 0.05), (4, 0.1), (3, 0.3), (2, 0.2), (8, 0.0)][i % 8]
+        max_depth = int(torch.randint(1, 12, (), generator=generator))
+        policy = OptTree(SpecConfig(budget=budget, delta=delta, max_depth=max_depth))
+        committed = torch.randint(0, vocab, (6,), generator=generator)
+        if i % 3:
+            drafter = RecyclingDrafter(target, vocab)
+        else:  # a lookup trie merged in: the prompt repeats, so retrieval finds continuations
+            lookup = LookupSource(target)
+            drafter = Sources(RecyclingDrafter(target, vocab), [lookup])
+            committed = torch.cat([committed, committed, committed[:3]])
+            drafter.start(committed)
+            policy = MergedPolicy(policy, budget, policy.max_depth, prune=False)
+        builds.append((policy, drafter, committed, int(torch.randint(1, 10, (), generator=generator))))
+    groups = listed_groups(builds)
+    assert sorted(len(group) for group in groups) == [3, 3, 4, 4, 4, 12]  # by budget and delta; every row in one
+    stopped = 0  # rows whose delta stopped them before their depth limit
+    for group in groups:
+        together = build_listed([builds[i] for i in group])
+        for i, tree in zip(group, together):
+            policy, drafter, committed, limit = builds[i]
+            own = policy.build(drafter, committed, limit)
+            for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
+                assert torch.equal(getattr(tree, field), getattr(own, field)), (i, field)
+            assert tree.host_parents == own.host_parents
+            stopped += tree.max_depth < min(limit, policy.max_depth) and len(tree) == budget
+    assert stopped >= 2

@@ -36,6 +36,7 @@ from .step.drafters import Drafter
 from .step.drafters.together import Round
 from .step.lean import Rider, float32_attention, lean_forward
 from .step.policies import TreePolicy
+from .step.policies.rows import build_listed, listed_groups
 from .step.rope import rope_switch
 from .step.sampling import PositionNoise
 from .step.tree import DraftTree
@@ -167,20 +168,32 @@ class Row:
                        self.plain_run)
 
     def draft(self, depth_cap: int | None, nodes: int | None = None) -> DraftTree:
-        """1. This step's tree: no deeper than the tokens still wanted (the bonus is the last one) nor `depth_cap`;
-        drafted for `nodes` nodes where its batch sizes it below its budget and its policy can be (`resize`)."""
+        """1. This step's tree (`plan`)."""
+        return self.build(self.plan(depth_cap, nodes))
+
+    def build(self, plan: tuple[TreePolicy, int] | None) -> DraftTree:
+        """The tree of a `plan`."""
+        if plan is None:
+            return DraftTree.empty(self.committed.device)
+        policy, depth_limit = plan
+        return policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
+
+    def plan(self, depth_cap: int | None, nodes: int | None = None) -> tuple[TreePolicy, int] | None:
+        """How this step's tree is drafted: (the policy, the depth limit), None for no tree. No deeper than the tokens
+        still wanted (the bonus is the last one) nor `depth_cap`; drafted for `nodes` nodes where its batch sizes it
+        below its budget and its policy can be (`resize`)."""
         depth_limit = min(self.stopper.remaining - 1, self.depth.limit(self.committed[-1], self.feature)
                           or self.stopper.remaining)
         if depth_cap is not None:
             depth_limit = min(depth_limit, depth_cap)
         if not depth_limit or nodes == 0:
-            return DraftTree.empty(self.committed.device)
+            return None
         policy = self.policy
         if nodes is not None and nodes < self.config.budget and self.resize is not None:
             if nodes not in self.resized:
                 self.resized[nodes] = self.resize(nodes)
             policy = self.resized[nodes]
-        return policy.build(self.drafter, self.committed, depth_limit).to(self.committed.device)
+        return policy, depth_limit
 
     def accept(self, tree: DraftTree, logits: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostMatch:
@@ -586,28 +599,45 @@ class Generation:
         return None
 
     def _draft(self, cache: Cache, rows: list[Row], nodes: list[int | None], phases: PhaseClock
-               ) -> tuple[list[DraftTree], list[tuple]]:
-        """Every row's tree (at most `nodes[i]` nodes where its policy can be built for them), and the span of its
+               ) -> tuple[list[DraftTree], list[list[tuple]]]:
+        """Every row's tree (at most `nodes[i]` nodes where its policy can be built for them), and the spans of its
         drafting (start mark, end mark, its share of that time).
         Rows whose drafters batch their forwards draft together when there are several (`drafters.together`:
-        a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span."""
+        a thread each, one draft forward per round), except on DRAFT_ALONE_ON devices: they share one span. Rows whose
+        trees are listed on the host through one lister grow them together (`policies.rows`), in a span they share."""
         caps = [self._follow_rope_switch(cache, row) if self.rope_switch is not None else None for row in rows]
         for i, row in enumerate(rows):  # a row that decodes plainly this step drafts nothing
             row.plain_step = nodes[i] == 0
         together = [i for i, row in enumerate(rows) if row.drafter is not None and row.drafter.forwards_together]
         together = together if len(together) > 1 and self.device.type not in DRAFT_ALONE_ON else []
-        trees, spans = [None] * len(rows), [None] * len(rows)
+        trees, spans = [None] * len(rows), [[] for _ in rows]
+        plans = {}
         for i, row in enumerate(rows):
             if i not in together:
                 start = phases.mark()
-                trees[i] = row.draft(caps[i], nodes[i])
-                spans[i] = (start, phases.mark(), 1.0)
+                plans[i] = row.plan(caps[i], nodes[i])
+                spans[i].append((start, phases.mark(), 1.0))
+        builds = {i: (plan[0], rows[i].drafter, rows[i].committed, plan[1]) for i, plan in plans.items() if plan}
+        for group in listed_groups(list(builds.values())) if len(builds) > 1 else []:
+            group = [list(builds)[g] for g in group]  # row indices
+            start = phases.mark()
+            built = build_listed([builds[i] for i in group])
+            end = phases.mark()
+            for i, tree in zip(group, built):
+                trees[i] = tree.to(self.device)
+                spans[i].append((start, end, 1 / len(group)))
+        for i, plan in plans.items():
+            if trees[i] is None:
+                start = phases.mark()
+                trees[i] = rows[i].build(plan)
+                spans[i].append((start, phases.mark(), 1.0))
         if together:
             start = phases.mark()
             built = Round().run([partial(rows[i].draft, caps[i], nodes[i]) for i in together])
             end = phases.mark()
             for i, tree in zip(together, built):
-                trees[i], spans[i] = tree, (start, end, 1 / len(together))
+                trees[i] = tree
+                spans[i].append((start, end, 1 / len(together)))
         return trees, spans
 
     def _step(self, cache: Cache, rows: list[Row], phases: PhaseClock, riders: tuple[Rider, ...] = ()) -> list[tuple]:
@@ -641,8 +671,8 @@ class Generation:
         allocate_s = phases.seconds(t_drafted, t_allocated) / len(rows)
         results = []
         for i, (row, tree) in enumerate(zip(rows, trees)):
-            start, end, share = spans[i]
-            draft_s = phases.seconds(start, end) * share + allocate_s + row.settle_observing(phases)
+            draft_s = sum(phases.seconds(start, end) * share for start, end, share in spans[i]) + allocate_s \
+                + row.settle_observing(phases)
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonuses[i], hidden[i], readouts[i]), phases)
             results.append(row.emit(emitted[i], readouts[i], len(tree), draft_s, verify_s))
         _learned_together(rows, phases)

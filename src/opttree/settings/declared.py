@@ -25,7 +25,8 @@ class Declared:
     # drop padding from its candidates (a shape sync: their number would depend on values)
     full_top_rows: bool = False
     # with top_children: it also answers `host_root_top(root, k)` and `host_expand_top(tokens, depth, k)` in NumPy,
-    # the same children read on the host (opttree's own, where their state lives on the CPU: no copy)
+    # the same children read on the host (opttree's own, where their state lives on the CPU: no copy), and names what
+    # answers them, `host_lister()` (its `host_top(tokens, depth, k)`): rows whose drafters name one are listed together
     lists_on_host: bool = False
     # it also answers `extend(token)`: `expand` of one node whose parent is the last node it ran this step (the root
     # when none), while every node so far is the next one's ancestor (a chain): run as plain next-token decoding,

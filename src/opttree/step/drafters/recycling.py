@@ -189,6 +189,10 @@ class RecyclingDrafter(Declared):
         tokens, logq = self.matrix.host_top(np.array([root]), 0, k)
         return tokens[0], logq[0]
 
+    def host_lister(self) -> RecyclingMatrix:
+        """What answers `host_root_top` and `host_expand_top`: the matrix, which every row with this target shares."""
+        return self.matrix
+
     def host_expand_top(self, tokens: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`expand_top` of nodes (R,) all at `depth`, on the host: (R, k') tokens, (R, k') log-probabilities
         (no slots: a tree listed on the host is never expanded by slot)."""

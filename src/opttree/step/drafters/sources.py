@@ -296,6 +296,9 @@ class Sources(Declared):
     def host_expand_top(self, tokens: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.first.host_expand_top(tokens, depth, k)
 
+    def host_lister(self):
+        return self.first.host_lister()
+
     def observe(self, result: Verification) -> None:
         for source in [self.first, *self.candidates]:
             source.observe(result)
@@ -321,7 +324,10 @@ class MergedPolicy:
         self.sampled = samples_children(policy)
 
     def build(self, sources: Sources, committed: torch.Tensor, depth_limit: int) -> DraftTree:
-        tree = self.policy.build(sources, committed, depth_limit)
+        return self.merged(sources, committed, depth_limit, self.policy.build(sources, committed, depth_limit))
+
+    def merged(self, sources: Sources, committed: torch.Tensor, depth_limit: int, tree: DraftTree) -> DraftTree:
+        """The first source's `tree` (its policy's) with the other sources' tries merged in."""
         proposals = []
         for source in sources.candidates:
             proposal = source.propose(committed, self.budget, min(self.max_depth, depth_limit))

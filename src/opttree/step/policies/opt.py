@@ -176,13 +176,73 @@ class OptTree:
             up += (offset + flat // width).tolist()
             offset = len(depths)
             depths += [depth + 1] * len(flat)
-        chosen, tree_parents = self._chosen(values, up, not drafter.full_top_rows)
+        return self._listed_tree(listed_tokens, values, up, depths, offset, drafter.full_top_rows, committed.device)
+
+    def _listed_tree(self, listed_tokens: list[np.ndarray], values: list[float], up: list[int], depths: list[int],
+                     offset: int, full: bool, device: torch.device) -> DraftTree:
+        """The tree of a build listed on the host, from its candidates (by layer: tokens; each one's log p-hat, parent
+        candidate and depth; `offset`: the last layer's first, the candidates before it were expanded)."""
+        chosen, tree_parents = self._chosen(values, up, not full)
         every = np.concatenate(listed_tokens)
         tokens, tree_parents_t, tree_depths, slots = host_tensor(  # (4, n) in one copy
             [every[chosen].tolist(), tree_parents, [depths[c] for c in chosen],
-             [c if c < offset else -1 for c in chosen]], committed.device).unbind()
-        scores = torch.tensor([values[c] for c in chosen], dtype=torch.float32, device=committed.device)
+             [c if c < offset else -1 for c in chosen]], device).unbind()
+        scores = torch.tensor([values[c] for c in chosen], dtype=torch.float32, device=device)
         return DraftTree(tokens, tree_parents_t, tree_depths, scores, slots, host_parents=tuple(tree_parents))
+
+    def listed_together(self, drafter: Drafter) -> bool:
+        """Whether `build` of this drafter's tree is what `build_listed_rows` makes: top-ranked children listed on the
+        host, every row full (`full_top_rows`)."""
+        return not self.picker.sampled and not self.stop_on_device and drafter.lists_on_host and lists_on_host() \
+            and drafter.full_top_rows
+
+    @staticmethod
+    def build_listed_rows(builds: list[tuple["OptTree", Drafter, torch.Tensor, int]]) -> list[DraftTree]:
+        """`build` of several rows' trees (policy, drafter, committed, depth limit), each `listed_together` through one
+        lister (`host_lister`: Token Recycling's matrix, which a batch's rows share), under policies of one budget and
+        delta: the rows' layers grown together, one listing and a few array operations a layer for all of them where
+        `_build_listed_on_host` takes as many a row. The same trees as each row's own build: the same candidates in the
+        same order, float32 values, stop (its sums in the same order, by `math.exp`) and choice."""
+        first, lister = builds[0][0], builds[0][1].host_lister()
+        n, delta = first.n, first.delta
+        assert all(p.n == n and p.delta == delta and d.host_lister() is lister for p, d, _, _ in builds), \
+            "rows listed together share a lister, a budget and a delta"
+        max_depths = [min(p.max_depth, limit) for p, _, _, limit in builds]
+        tokens, values = lister.host_top(np.array([int(c[-1]) for _, _, c, _ in builds]), 0, n)  # (R, k) layer 1
+        alive = np.arange(len(builds))  # the rows still growing
+        # each layer: (its rows, their tokens, log p-hat and parent candidates (-1 = the root)), (rows, width) each
+        layers = [(alive, tokens, values, np.full(tokens.shape, -1))]
+        held = [[(tokens[r], values[r], layers[0][3][r])] for r in range(len(builds))]  # each row's layers
+        e_prev = [0.0] * len(builds)
+        for depth in range(1, max(max_depths)):
+            seen = np.concatenate([v[np.searchsorted(rows, alive)] for rows, _, v, _ in layers], axis=1)  # (A, C)
+            best = (-np.sort(-seen, axis=1)[:, :n]).tolist()  # each row's n best values, largest first
+            grows = []
+            for i, r in enumerate(alive.tolist()):
+                e_depth = sum(math.exp(v) for v in best[i])  # E(A) of its best tree this deep
+                if depth < max_depths[r] and e_depth - e_prev[r] > delta:
+                    e_prev[r] = e_depth
+                    grows.append(i)
+            if not grows:
+                break
+            alive, tokens, values = alive[grows], tokens[grows], values[grows]  # the growing rows' last layer (A, k)
+            child_tokens, child_values = lister.host_top(tokens.ravel(), depth, n)  # (A k, k')
+            width = child_tokens.shape[1]
+            child_values = (values[:, :, None] + child_values.reshape(len(alive), -1, width)).reshape(len(alive), -1)
+            flat = np.argsort(-child_values, axis=1, kind="stable")[:, :n]  # (A, n') each row's n best, ties in order
+            parents = sum(layer[1].shape[1] for layer in layers[:-1]) + flat // width  # candidates of the last layer
+            tokens = np.take_along_axis(child_tokens.reshape(len(alive), -1), flat, axis=1)
+            values = np.take_along_axis(child_values, flat, axis=1)
+            layers.append((alive, tokens, values, parents))
+            for i, r in enumerate(alive.tolist()):
+                held[r].append((tokens[i], values[i], parents[i]))
+        trees = []
+        for mine, (_, _, committed, _) in zip(held, builds):  # a row's candidates, layer by layer, as its own build's
+            depths = [d + 1 for d, (tokens, _, _) in enumerate(mine) for _ in range(len(tokens))]
+            trees.append(first._listed_tree([m[0] for m in mine], np.concatenate([m[1] for m in mine]).tolist(),
+                                            np.concatenate([m[2] for m in mine]).tolist(), depths,
+                                            len(depths) - len(mine[-1][0]), True, committed.device))
+        return trees
 
     def _chosen(self, values: list[float], up: list[int], padded: bool) -> tuple[list[int], list[int]]:
         """The tree of the n best candidates by `values` (log p-hat; ties to the earlier, shallower one), given each
