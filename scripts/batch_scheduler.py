@@ -119,9 +119,9 @@ def clock_phases() -> None:
         return "verify, steps with joining prompts" if riders else "verify, other steps"
 
     clocked(TreeVerifier, "logits", forward)
-    for owner, name, phase in [(Row, "draft", "drafting"), (Row, "accept", "acceptance"), (Row, "learn", "learning"),
-                               (engine, "_learned_together", "learning"), (TreeVerifier, "commit", "compaction"),
-                               (Generation, "_leave", "seating and leaving")]:
+    for owner, name, phase in [(Generation, "_draft", "drafting"), (Row, "accept", "acceptance"),
+                               (Row, "learn", "learning"), (engine, "_learned_together", "learning"),
+                               (TreeVerifier, "commit", "compaction"), (Generation, "_leave", "seating and leaving")]:
         clocked(owner, name, phase)
 
 
