@@ -530,28 +530,6 @@ def test_a_cut_trie_is_the_same_from_continuations_cut_to_its_size(seed):
             assert torch.equal(getattr(cut, field), getattr(full, field)), field
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recycling_best_from_blocks_is_the_top_k(dtype):
-    """Token Recycling's k best next tokens over many positions come from the blocks with the best maxima: the same
-    tokens as `topk` (its values where logits tie: bf16 rounds many together), best first; few positions and
-    vocabularies that do not split into blocks go to `topk`."""
-    generator = torch.Generator().manual_seed(0)
-    for rows, vocab in [(40, 8192), (16, 1024), (300, 256), (5, 8192), (20, 1000), (20, 128)]:
-        matrix = RecyclingMatrix(vocab)
-        logits = (3 * torch.randn(rows, vocab, generator=generator)).to(dtype)
-        logits[0, :] = 0.0  # a row of ties
-        logits[1, torch.arange(0, vocab, 97)] = 50.0  # its best spread over blocks, tied
-        best = matrix.best(logits)
-        expected = logits.topk(matrix.width, dim=-1)
-        assert best.shape == expected.indices.shape
-        assert torch.equal(logits.gather(1, best), expected.values)  # the same values, in order
-        assert all(len(set(row)) == matrix.width for row in best.tolist())  # k distinct tokens a row
-        untied = (expected.values[:, :-1] > expected.values[:, 1:]).all(dim=1) & \
-            (expected.values[:, -1:] > logits.masked_fill(torch.zeros_like(logits, dtype=torch.bool).scatter(
-                1, expected.indices, True), float("-inf")).amax(dim=1, keepdim=True)).squeeze(1)
-        assert torch.equal(best[untied], expected.indices[untied])
-
-
 def test_recycling_rows_that_share_the_matrix_learn_from_a_step_together():
     """Rows of a batch share the recycling matrix: their drafters queue what they observed, and the first
     `learned` learns from every row's positions at once: hit rates scored against M as it was before the step,
