@@ -618,8 +618,9 @@ class Generation:
                 plans[i] = row.plan(caps[i], nodes[i])
                 spans[i].append((start, phases.mark(), 1.0))
         builds = {i: (plan[0], rows[i].drafter, rows[i].committed, plan[1]) for i, plan in plans.items() if plan}
+        built_rows = list(builds)  # the row index of each build
         for group in listed_groups(list(builds.values())) if len(builds) > 1 else []:
-            group = [list(builds)[g] for g in group]  # row indices
+            group = [built_rows[g] for g in group]
             start = phases.mark()
             built = build_listed([builds[i] for i in group])
             end = phases.mark()
