@@ -510,6 +510,15 @@ def test_datastore_command(shipped_store, tmp_path, capsys):
     assert main(["datastore", "build", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t")]) == 2
 
 
+def check_host_nodes(tree: DraftTree) -> None:
+    """A tree made on the host carries its nodes as the tensors hold them (what `merge_best` reads instead)."""
+    from dataclasses import replace
+
+    from opttree.step.tree import _read
+
+    assert tree.host_nodes is not None and list(tree.host_nodes) == _read(replace(tree, host_nodes=None))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_cut_trie_is_the_same_from_continuations_cut_to_its_size(seed):
     """Retrieval asks for continuations no longer than the nodes it keeps (`RetrievalSource.propose`): the cut
@@ -528,6 +537,7 @@ def test_a_cut_trie_is_the_same_from_continuations_cut_to_its_size(seed):
         assert cut_paths == full_paths
         for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
             assert torch.equal(getattr(cut, field), getattr(full, field)), field
+        check_host_nodes(cut)
 
 
 def test_recycling_rows_that_share_the_matrix_learn_from_a_step_together():
@@ -633,5 +643,7 @@ def test_rows_listed_together_build_each_rows_own_tree(seed):
             for field in ("tokens", "parents", "depths", "scores", "draft_slots"):
                 assert torch.equal(getattr(tree, field), getattr(own, field)), (i, field)
             assert tree.host_parents == own.host_parents
+            check_host_nodes(policy.policy.build(drafter, committed, limit) if isinstance(policy, MergedPolicy)
+                             else tree)
             stopped += tree.max_depth < min(limit, policy.max_depth) and len(tree) == budget
     assert stopped >= 2

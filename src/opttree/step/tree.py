@@ -39,6 +39,9 @@ class DraftTree:
     # Known on the host: the parents (as `parents`), where the policy chose the tree there; the verify mask is then
     # made on the host (`block_on_host`), in one copy.
     host_parents: tuple[int, ...] | None = None
+    # Known on the host: each node's (token, parent, depth, score as its float32 value, drafter slot), where the tree
+    # was made there; `merge_best` on the host reads these instead of the tensors.
+    host_nodes: tuple[tuple[int, int, int, float, int], ...] | None = None
     # Known on the host: no node is deeper than this (0: not known), which bounds the rounds of `tree_block`.
     depth_bound: int = 0
 
@@ -312,7 +315,9 @@ def _merge_best_on_host(tries: list[DraftTree], n: int, floor: float) -> DraftTr
 
 def _read(trie: DraftTree) -> list[tuple[int, int, int, float, int]]:
     """(token, parent, depth, score, drafter slot) of each node, in one read (float64 holds the ids and the float32
-    scores exactly)."""
+    scores exactly); none where the host made the tree (`host_nodes`)."""
+    if trie.host_nodes is not None:
+        return list(trie.host_nodes)
     n = len(trie)
     columns = torch.cat([torch.cat([trie.tokens, trie.parents, trie.depths, trie.draft_slots]).double(),
                          trie.scores.double()]).tolist()  # (5N,): four long columns, then the scores

@@ -77,10 +77,12 @@ def continuation_trie(continuations: list[list[int]], log_rates, max_nodes: int 
     if not paths:
         return DraftTree.empty(), []
     index = {p: i for i, p in enumerate(paths)}
-    tokens, parents, depths, slots = torch.tensor([[p[-1] for p in paths], [index[p[:-1]] if len(p) > 1 else -1
-                                                                             for p in paths],
-                                                   [len(p) for p in paths], [-1] * len(paths)]).unbind()
-    return DraftTree(tokens, parents, depths, torch.tensor([scores[p] for p in paths]), slots), paths
+    columns = [[p[-1] for p in paths], [index[p[:-1]] if len(p) > 1 else -1 for p in paths], [len(p) for p in paths],
+               [-1] * len(paths)]  # tokens, parents, depths, slots
+    tokens, parents, depths, slots = torch.tensor(columns).unbind()
+    rounded = numpy.array([scores[p] for p in paths], dtype=numpy.float32)  # the scores as the tensor holds them
+    nodes = tuple(zip(columns[0], columns[1], columns[2], rounded.tolist(), columns[3]))
+    return DraftTree(tokens, parents, depths, torch.from_numpy(rounded), slots, host_nodes=nodes), paths
 
 
 class RetrievalSource(Declared):

@@ -183,12 +183,13 @@ class OptTree:
         """The tree of a build listed on the host, from its candidates (by layer: tokens; each one's log p-hat, parent
         candidate and depth; `offset`: the last layer's first, the candidates before it were expanded)."""
         chosen, tree_parents = self._chosen(values, up, not full)
-        every = np.concatenate(listed_tokens)
-        tokens, tree_parents_t, tree_depths, slots = host_tensor(  # (4, n) in one copy
-            [every[chosen].tolist(), tree_parents, [depths[c] for c in chosen],
-             [c if c < offset else -1 for c in chosen]], device).unbind()
-        scores = torch.tensor([values[c] for c in chosen], dtype=torch.float32, device=device)
-        return DraftTree(tokens, tree_parents_t, tree_depths, scores, slots, host_parents=tuple(tree_parents))
+        columns = [np.concatenate(listed_tokens)[chosen].tolist(), tree_parents, [depths[c] for c in chosen],
+                   [c if c < offset else -1 for c in chosen]]  # tokens, parents, depths, slots
+        tokens, tree_parents_t, tree_depths, slots = host_tensor(columns, device).unbind()  # (4, n) in one copy
+        scores = [values[c] for c in chosen]  # float32 values
+        return DraftTree(tokens, tree_parents_t, tree_depths, torch.tensor(scores, dtype=torch.float32, device=device),
+                         slots, host_parents=tuple(tree_parents),
+                         host_nodes=tuple(zip(columns[0], columns[1], columns[2], scores, columns[3])))
 
     def listed_together(self, drafter: Drafter) -> bool:
         """Whether `build` of this drafter's tree is what `build_listed_rows` makes: top-ranked children listed on the
