@@ -85,17 +85,16 @@ class ScriptedDrafter(Declared):
 
 
 def exact_joint(target, prompt: torch.Tensor, steps: int, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, processors=()) -> dict[tuple[int, ...], float]:
+                top_p: float = 1.0, processors=(), **warpers) -> dict[tuple[int, ...], float]:
     """Enumerate the target's exact distribution of its first `steps` sampled tokens, with
-    transformers' own `processors` and warpers (an independent reference for temperature / top-k / top-p)."""
-    from transformers.generation.logits_process import (
-        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    transformers' own `processors`, then the warpers `generate(do_sample=True, ...)` builds for temperature,
+    top-k, top-p and `warpers` (min_p=..., typical_p=...): an independent reference for opttree's warping."""
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import LogitsProcessorList
 
-    warpers = LogitsProcessorList([*processors, TemperatureLogitsWarper(temperature)])
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1:
-        warpers.append(TopPLogitsWarper(top_p))
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, **warpers)
+    warpers = LogitsProcessorList(processors)
+    warpers.extend(target._get_logits_processor(config, logits_processor=LogitsProcessorList(), device="cpu"))
     joint = {(): 1.0}
     for _ in range(steps):
         grown = {}

@@ -27,6 +27,7 @@ def pair():
     ("opt", 3, {"top_p": 0.7}, "0"),
     ("opt", 4, {"top_k": 3}, "0"),
     ("chain", 2, {"temperature": 0.7}, "0"),
+    ("opt", 4, {"temperature": 0.8, "min_p": 0.3, "typical_p": 0.9}, "0"),  # transformers' own warpers (min-p, ...)
 ])
 def test_sampled_tokens_follow_the_target_distribution(pair, tree, budget, warp, int8, monkeypatch):
     target, draft, prompt = pair
@@ -47,7 +48,7 @@ def test_the_check_detects_a_biased_acceptance_rule(pair, monkeypatch):
     def biased(tree, logits, config, generator, noise, root_position, siblings):
         if len(tree) and float(torch.rand((), generator=coin)) < 0.15:
             # take the top draft token as if the target had sampled it, then a correct bonus after it
-            bonus = torch.multinomial(target_probs(logits[1], config.temperature, 0, 1.0), 1, generator=generator)
+            bonus = torch.multinomial(target_probs(logits[1], config.warp), 1, generator=generator)
             return torch.zeros(len(tree), dtype=torch.long), torch.tensor(1), bonus.squeeze(0)
         return original(tree, logits, config, generator, noise, root_position, siblings)
 

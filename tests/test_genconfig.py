@@ -122,7 +122,7 @@ def test_sampling_settings_come_from_the_generation_config(models):
 @pytest.mark.parametrize("settings,named", [
     (dict(guidance_scale=1.5), "guidance_scale=1.5"),
     (dict(max_time=5.0), "max_time=5.0"),
-    (dict(do_sample=True, min_p=0.1), "min_p=0.1"),
+    (dict(penalty_alpha=0.6), "penalty_alpha=0.6"),
     (dict(watermarking_config={"greenlist_ratio": 0.25}), "watermarking_config"),
 ])
 def test_settings_it_cannot_apply_are_refused_by_name(models, settings, named):

@@ -69,7 +69,7 @@ def test_streamers_get_the_prompt_then_every_chunk(pair):
 
 
 @pytest.mark.parametrize("kwargs,named", [
-    (dict(do_sample=True, min_p=0.1), "MinPLogitsWarper"),
+    (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor"),
     (dict(max_time=10.0), "MaxTimeCriteria"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(budget=0), "budget"),

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import chi_square_pvalue
+from transformers.generation import logits_process as lp
 
 from opttree.settings.config import SpecConfig
 from opttree.settings.declared import Declared
@@ -60,11 +61,16 @@ class TableDrafter(Declared):
 
 
 def warped(logp: torch.Tensor, config: SpecConfig) -> torch.Tensor:
-    """(V,) the distribution plain sampling draws from: temperature, then top-k (no top-p here)."""
-    scores = logp / config.temperature
-    if config.top_k:
-        scores = scores.masked_fill(scores < scores.topk(config.top_k).values[-1], float("-inf"))
-    return scores.softmax(-1)
+    """(V,) the distribution plain sampling draws from: transformers' warpers for the temperature, top-k, min-p
+    and typical (no others here), in generate's order."""
+    warpers = [lp.TemperatureLogitsWarper(config.temperature)]
+    warpers += [lp.TopKLogitsWarper(config.top_k)] if config.top_k else []
+    warpers += [lp.MinPLogitsWarper(config.min_p)] if config.min_p else []
+    warpers += [lp.TypicalLogitsWarper(config.typical_p)] if config.typical_p < 1 else []
+    scores = logp[None]  # (1, V)
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores[0].softmax(-1)
 
 
 class FixedTrie(Declared):
@@ -163,6 +169,8 @@ def test_opt_tree_with_sampled_children_emits_the_target_distribution():
     (dict(tree="eagle2", budget=4, max_depth=2), 20_000),  # k = 2: the 2 best of each layer expanded
     # warped (q's support < V), a calibrated acceptance vector that makes second children pay, and the delta stop
     (dict(tree="opt", budget=3, delta=0.2, max_depth=3, temperature=0.7, top_k=3, acceptance=(0.5, 0.3, 0.1)), 12_000),
+    # transformers' own warpers (min-p, typical) on both distributions, p and the q children are drawn from
+    (dict(tree="opt", budget=4, delta=0.0, max_depth=2, temperature=1.2, min_p=0.1, typical_p=0.9), 8_000),
 ])
 def test_other_sampled_trees_emit_the_target_distribution(options, draws):
     check(SpecConfig(**{"temperature": 1.0, **options, "children": "sampled"}), draws, bias=draws >= 20_000)

@@ -10,7 +10,7 @@ import torch
 from helpers import chi_square_pvalue, tiny_model
 
 import opttree
-from opttree.step.sampling import PositionNoise, race
+from opttree.step.sampling import PositionNoise, Warp, race
 from opttree.step.tree import DraftTree
 from opttree.step.verify import accept_sampled
 
@@ -67,7 +67,7 @@ def first_two(draws: int, temperature: float, bias: float = 0.0) -> Counter:
         if bias and float(torch.rand((), generator=g)) < bias:
             noise = noise.clone()
             noise[0] = torch.tensor([-30.0, 0.0, 0.0, 0.0])  # the bug: the root "samples" token 0
-        path, length, bonus = accept_sampled(TREE, logits, temperature, 0, 1.0, noise)
+        path, length, bonus = accept_sampled(TREE, logits, Warp(temperature), noise)
         emitted = TREE.tokens[path[: int(length)]].tolist() + [int(bonus)]
         counts[(emitted[0], emitted[1] if len(emitted) > 1 else None)] += 1
     return counts

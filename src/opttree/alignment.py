@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .step.drafters.model import on_target_vocab
-from .step.sampling import target_probs
+from .step.sampling import Warp, target_probs
 
 TEMPERATURE_RANGE = (0.05, 20.0)  # where fit_draft_temperature searches
 RELIABILITY_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -64,7 +64,7 @@ def draft_cross_entropy(target_logits: torch.Tensor, draft_logits: torch.Tensor,
     if temperature == 0:
         choice = target_logits.argmax(dim=-1, keepdim=True)  # (P, 1)
         return float(-scaled.log_softmax(dim=-1).gather(1, choice).mean())
-    p = target_probs(target_logits, temperature, top_k, top_p)  # (P, V)
+    p = target_probs(target_logits, Warp(temperature, top_k, top_p))  # (P, V)
     logq = (scaled / temperature).log_softmax(dim=-1)  # (P, V)
     return float(-(p * logq.clamp(min=torch.finfo(logq.dtype).min)).sum(dim=-1).mean())
 

@@ -86,7 +86,8 @@ def cmd_generate(args) -> int:
     speculator = Speculator(target, used_draft(tree, draft), tokenizer=tokenizer, **tree)
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = speculator.stream(Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop))
+                                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                    stop=args.stop))
     if not args.json:
         print(prompt, end="", flush=True)
     text = TextStream(tokenizer)  # a character split across chunks prints once it is whole
@@ -159,7 +160,7 @@ def cmd_demo(args) -> int:
     calibrate_first(args, target, draft, tokenizer)  # a pair new to this machine, default settings
     tree = tree_options(args, target, draft)
     draft = used_draft(tree, draft)
-    common = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    common = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     label = f"{tree['tree']}:{tree['drafter']}" if tree.get("drafter") and tree["tree"] != "ar" else tree["tree"]
     methods = {name: Speculator(target, draft, eos_token_id=tokenizer.eos_token_id, **options)
                for name, options in (("ar", dict(tree="ar")), (label, tree))}

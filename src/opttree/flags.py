@@ -77,6 +77,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the most likely "
+                        "one's probability, after top-k and top-p; 0 = off (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
 
 

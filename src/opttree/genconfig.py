@@ -5,8 +5,8 @@ stopping criteria from the model's generation_config and the call's settings. op
 prepare them (a `generate(custom_generate=...)` call whose decoding loop only records what it is handed),
 then applies each processor to every verified row with that row's own context: the committed tokens,
 then the path from the root to the node. Greedy choices and sampled distributions are then those of
-`target.generate`, node for node. Warpers (temperature, top-k, top-p) become opttree's own settings;
-stop strings and EOS become the Stopper's. What opttree cannot apply exactly is refused by name.
+`target.generate`, node for node. Warpers (temperature, top-k, top-p, min-p, typical, epsilon, eta, top-h) become
+opttree's own settings; stop strings and EOS become the Stopper's. What opttree cannot apply exactly is refused by name.
 """
 
 from __future__ import annotations
@@ -44,7 +44,15 @@ REFUSED_FIELDS = {
     "num_beams": "beam search", "num_beam_groups": "group beam search", "diversity_penalty": "group beam search",
     "penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding", "low_memory": "contrastive search",
 }
-REFUSED_WARPERS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")  # when sampling
+# the warpers opttree applies with transformers' own objects (`opttree.step.sampling.Warp`), as generate builds them
+# when sampling: field -> (the warper, its attribute that holds the setting, whether generate applies the value)
+OWN_WARPERS = {
+    "min_p": (lp.MinPLogitsWarper, "min_p", lambda v: True),
+    "typical_p": (lp.TypicalLogitsWarper, "mass", lambda v: v < 1),
+    "epsilon_cutoff": (lp.EpsilonLogitsWarper, "epsilon", lambda v: 0 < v < 1),
+    "eta_cutoff": (lp.EtaLogitsWarper, "epsilon", lambda v: 0 < v < 1),
+    "top_h": (lp.TopHLogitsWarper, "top_h", lambda v: True),
+}
 # values that mean "off" (None and False always do)
 NEUTRAL = {"guidance_scale": 1.0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
@@ -84,10 +92,10 @@ def shape_logits(processors, committed: torch.Tensor, tree: DraftTree, logits: t
     return scores
 
 
-def config_refusals(generation_config, sampling: bool) -> dict[str, object]:
+def config_refusals(generation_config) -> dict[str, object]:
     """{field: value} for settings in the generation_config that opttree does not apply."""
     found = {}
-    for name in (*REFUSED_FIELDS, *(REFUSED_WARPERS if sampling else ())):
+    for name in REFUSED_FIELDS:
         if _is_set(generation_config, name):
             found[name] = getattr(generation_config, name)
     if getattr(generation_config, "cache_implementation", None) == "quantized":
@@ -95,8 +103,8 @@ def config_refusals(generation_config, sampling: bool) -> dict[str, object]:
     return found
 
 
-def check_config(generation_config, sampling: bool) -> None:
-    found = config_refusals(generation_config, sampling)
+def check_config(generation_config) -> None:
+    found = config_refusals(generation_config)
     if found:
         settings = ", ".join(f"{k}={v!r}" for k, v in found.items())
         fixes = "; ".join(f"target.generation_config.{k} = None" for k in found)
@@ -116,6 +124,10 @@ def config_defaults(generation_config, given: dict) -> dict:
         defaults["top_k"] = int(generation_config.top_k)
     if sampling and "top_p" not in given and generation_config.top_p is not None:
         defaults["top_p"] = float(generation_config.top_p)
+    for name, (_, _, applies) in OWN_WARPERS.items():
+        value = getattr(generation_config, name, None)
+        if sampling and name not in given and value is not None and applies(value):
+            defaults[name] = float(value)
     if "max_new_tokens" not in given and generation_config.max_new_tokens is not None:
         defaults["max_new_tokens"] = int(generation_config.max_new_tokens)
     return defaults
@@ -125,7 +137,7 @@ def prepare(target, generation_config, ids: torch.Tensor, config, eos_token_id: 
             tokenizer, logits_processor=None) -> Rules:
     """The Rules of `target.generate(ids, generation_config=..., max_new_tokens=..., eos_token_id=...,
     logits_processor=...)`. config: the call's SpecConfig (defaults filled in)."""
-    check_config(generation_config, sampling=not config.greedy)
+    check_config(generation_config)
     if not stop and generation_config.stop_strings:
         stop = generation_config.stop_strings
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -145,8 +157,9 @@ def per_node_processors(logits_processor) -> tuple:
     """transformers' prepared processors, checked: each must be one opttree applies per node."""
     kept = []
     for processor in logits_processor or []:
-        if isinstance(processor, (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper)):
-            continue  # the sampling settings: opttree applies them after these (as generate does)
+        if isinstance(processor, (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper,
+                                  *(warper for warper, _, _ in OWN_WARPERS.values()))):
+            continue  # the sampling settings (`sampling_settings`): opttree applies them after these (as generate does)
         if not isinstance(processor, PER_NODE):
             raise ValueError(f"opttree does not apply the logits processor {type(processor).__name__}, which this "
                              "generation would use: it is not known to depend only on the tokens before each position")
@@ -160,8 +173,8 @@ def per_node_processors(logits_processor) -> tuple:
 
 
 def sampling_settings(logits_processor, do_sample: bool) -> dict:
-    """temperature / top_k / top_p from transformers' prepared warpers (the other processors: see
-    `per_node_processors`, which refuses the warpers opttree does not apply)."""
+    """temperature, top_k, top_p and the other warpers opttree applies (OWN_WARPERS) from transformers' prepared
+    warpers (the other processors: see `per_node_processors`, which refuses what opttree does not apply)."""
     settings = dict(temperature=1.0 if do_sample else 0.0, top_k=0, top_p=1.0)
     for processor in logits_processor or []:
         if isinstance(processor, lp.TemperatureLogitsWarper):
@@ -172,6 +185,12 @@ def sampling_settings(logits_processor, do_sample: bool) -> dict:
             if processor.min_tokens_to_keep != 1:
                 raise ValueError("top_p with min_tokens_to_keep > 1 (beam search): opttree keeps one token at least")
             settings["top_p"] = float(processor.top_p)
+        for name, (warper, attribute, _) in OWN_WARPERS.items():
+            if isinstance(processor, warper):
+                if getattr(processor, "min_tokens_to_keep", 1) != 1:
+                    raise ValueError(f"{name} with min_tokens_to_keep > 1 (beam search): opttree keeps one token "
+                                     "at least")
+                settings[name] = float(getattr(processor, attribute))  # eta's: a 0-d float32 tensor
     if not do_sample:
         settings["temperature"] = 0.0
     return settings

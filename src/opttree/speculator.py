@@ -43,13 +43,14 @@ class Request:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | Sequence[str] | None = None  # stop strings (they need the speculator's tokenizer)
     logits_processor: object = None  # added to the generation_config's processors, as generate's argument
 
     def settings(self) -> dict:
         """The SpecConfig fields this request sets."""
-        names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+        names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

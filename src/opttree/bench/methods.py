@@ -40,6 +40,7 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     delta: float = DEFAULT_DELTA  # tree policies, unless the method spec sets its own (`method_delta`)
     delta_given: bool = False  # --delta was given: numeric budgets run at it whatever their drafter
@@ -116,7 +117,8 @@ def tree_method(target, draft, settings: Settings, spec: MethodSpec) -> RunFn:
         draft = None  # a train-free drafter: no draft model, no draft temperature
     options = dict(
         tree=policy, drafter=drafter, max_depth=settings.max_depth, max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+        seed=settings.seed,
         eos_token_id=settings.eos_token_id,
         delta=method_delta(spec, settings), depth_control=depth_control,
         children=children, static=settings.static,
@@ -231,7 +233,8 @@ def hf_sampling_kwargs(settings: Settings) -> dict:
                   pad_token_id=settings.eos_token_id if settings.eos_token_id is not None else 0)
     if settings.temperature == 0:
         return dict(kwargs, do_sample=False)
-    return dict(kwargs, do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    return dict(kwargs, do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                min_p=settings.min_p or None)  # None: transformers' "off" (its 0 would add a warper that drops nothing)
 
 
 @contextmanager

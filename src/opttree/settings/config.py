@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..step.sampling import Warp
 from .drafter_spec import DrafterSpec
 
 # CPU defaults (2-core machine, the shipped pair): see docs/METHODS.md, "Choosing budget, delta, depth
@@ -54,6 +55,11 @@ def budget_arg(text: str) -> "int | str":
     except ValueError:
         raise ValueError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
 
+# transformers' other sampling warpers (`Warp`): name -> (lowest, highest, whether each end is allowed), as theirs check
+WARPER_RANGES = {"min_p": (0.0, 1.0, True, True), "typical_p": (0.0, 1.0, False, True),
+                 "epsilon_cutoff": (0.0, 1.0, True, False), "eta_cutoff": (0.0, 1.0, True, False),
+                 "top_h": (0.0, 1.0, True, True)}
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -70,6 +76,12 @@ class SpecConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # transformers' other sampling warpers, each off at its neutral value (`opttree.step.sampling.Warp`)
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    top_h: float = 0.0
     seed: int = 0
     acceptance: tuple[float, ...] | None = None  # by draw rank: sequoia, sampled children's p-hat (None: default)
     draft_temperature: float = 1.0  # the draft's logits are divided by it before any policy sees them (lossless)
@@ -101,6 +113,13 @@ class SpecConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        for name, (low, high, low_in, high_in) in WARPER_RANGES.items():
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            inside = number and (low < value or low_in and value == low) and (value < high or high_in and value == high)
+            if not inside:
+                raise ValueError(f"{name} must be in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+                                 f" ({Warp.__dataclass_fields__[name].default:g} = off), got {value!r}")
         if not (0 < self.draft_temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"draft_temperature must be a finite number > 0, got {self.draft_temperature!r}")
         window = self.draft_window
@@ -120,3 +139,9 @@ class SpecConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def warp(self) -> Warp:
+        """What a sampled token is drawn from (its warpers; the temperature 1 where greedy)."""
+        return Warp(self.temperature or 1.0, self.top_k, self.top_p, self.min_p, self.typical_p,
+                    self.epsilon_cutoff, self.eta_cutoff, self.top_h)

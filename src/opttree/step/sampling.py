@@ -2,27 +2,96 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 
 
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, with the semantics of transformers' warpers.
+@dataclass(frozen=True)
+class Warp:
+    """What plain sampling draws from: transformers' warpers, in `generate`'s order (temperature, top-h, top-k,
+    top-p, min-p, typical, epsilon and eta cutoffs), each off at its neutral value. SpecConfig's fields of the same
+    names, checked there; `SpecConfig.warp` makes one."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off (no token is below 0 x the top probability)
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    top_h: float = 0.0  # 0 = off
+
+    @property
+    def filters(self) -> bool:
+        """Whether any warper past the temperature can remove a token."""
+        return bool(self.top_k) or self.top_p < 1 or self.transformers_own
+
+    @property
+    def transformers_own(self) -> bool:
+        """Whether a warper is set that runs as transformers' own object (`hf_warpers`)."""
+        return self.min_p > 0 or self.typical_p < 1 or self.epsilon_cutoff > 0 or self.eta_cutoff > 0 or self.top_h > 0
+
+    @property
+    def identity(self) -> bool:
+        """Whether the warped distribution is the logits' own softmax."""
+        return self.temperature == 1 and not self.filters
+
+    def hf_warpers(self, device: torch.device) -> tuple[list, list]:
+        """transformers' own warpers for the settings opttree does not write itself: (before top-k: top-h; after
+        top-p: min-p, typical, epsilon, eta), as `generate` builds them when sampling (one token kept at least)."""
+        return _hf_warpers(self, str(device))
+
+
+@lru_cache(maxsize=32)
+def _hf_warpers(warp: Warp, device: str) -> tuple[list, list]:
+    from transformers.generation import logits_process as lp
+
+    before = [lp.TopHLogitsWarper(top_h=warp.top_h)] if warp.top_h > 0 else []
+    after = [lp.MinPLogitsWarper(min_p=warp.min_p)] if warp.min_p > 0 else []
+    if warp.typical_p < 1:
+        after.append(lp.TypicalLogitsWarper(mass=warp.typical_p))
+    if warp.epsilon_cutoff > 0:
+        after.append(lp.EpsilonLogitsWarper(epsilon=warp.epsilon_cutoff))
+    if warp.eta_cutoff > 0:
+        after.append(lp.EtaLogitsWarper(epsilon=warp.eta_cutoff, device=torch.device(device)))
+    return before, after
+
+
+def _apply(warpers: list, scores: torch.Tensor) -> torch.Tensor:
+    """transformers' warpers (they read no ids, and take (B, V) scores) on (..., V) scores."""
+    if not warpers:
+        return scores
+    flat = scores.reshape(-1, scores.shape[-1])  # (B, V)
+    for warper in warpers:
+        flat = warper(None, flat)
+    return flat.view(scores.shape)
+
+
+def warp_logits(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """`warp`'s warpers with the semantics of transformers': temperature, top-h, top-k, top-p, then min-p, typical,
+    epsilon and eta (transformers' own objects for top-h and those four).
 
     logits: (..., V) -> (..., V) log-space scores, -inf where a token is filtered out (float32 logits at
-    temperature 1 without top-k / top-p: the logits themselves, not a copy).
+    temperature 1 with no filter: the logits themselves, not a copy).
     """
-    scores = as_float32(logits) / temperature if temperature != 1 else as_float32(logits)
-    if 0 < top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+    scores = as_float32(logits) / warp.temperature if warp.temperature != 1 else as_float32(logits)
+    if not warp.filters:
+        return scores
+    before, after = warp.hf_warpers(scores.device) if warp.transformers_own else ([], [])
+    scores = _apply(before, scores)
+    if 0 < warp.top_k < scores.shape[-1]:
+        kth = scores.topk(warp.top_k, dim=-1).values[..., -1:]  # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
+    if warp.top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1)  # ascending, like transformers' TopPLogitsWarper
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= 1 - top_p
+        remove_sorted = cumulative <= 1 - warp.top_p
         remove_sorted[..., -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
-    return scores
+    return _apply(after, scores)
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
@@ -30,9 +99,9 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     """(..., V) logits -> (..., V) the distribution plain sampling would draw from."""
-    return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return warp_logits(logits, warp).softmax(dim=-1)
 
 
 def race(scores: torch.Tensor, log_noise: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..settings.config import SpecConfig
 from .attention import key_positions, layer_masks, mask_layout
 from .cache import cache_argument, capacity, compact_rows, is_static
 from .lean import LeanForward, Rider, lean_forward
-from .sampling import PositionNoise, as_float32, inverse_cdf, race, target_probs, warp_logits
+from .sampling import PositionNoise, Warp, as_float32, inverse_cdf, race, target_probs, warp_logits
 from .tree import DraftTree, pad_nodes, padded_tree_mask, position_ids, tree_attention_mask
 
 
@@ -369,9 +369,8 @@ def _reached_path(tree: DraftTree, chosen: torch.Tensor) -> tuple[torch.Tensor, 
     return path, length, torch.where(length > 0, leaf + 1, 0)
 
 
-def accept_sampled(
-    tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_sampled(tree: DraftTree, logits: torch.Tensor, warp: Warp, noise: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stochastic verification of deterministic (top-k) candidates: at every node, one sample y of the
     target's warped distribution (the exponential race with the noise of the position y would take),
     then the walk from the root that descends to the child whose token is its parent's y
@@ -382,16 +381,15 @@ def accept_sampled(
     noise: (N + 1, V) log Exp(1) noise of the position each row's sample would take (`PositionNoise`).
     Returns (path (N,), length (), bonus ()) as `matching_path`, on the device.
     """
-    return matching_path(tree, sampled_choice(logits, temperature, top_k, top_p, noise))
+    return matching_path(tree, sampled_choice(logits, warp, noise))
 
 
-def sampled_choice(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, noise: torch.Tensor
-                   ) -> torch.Tensor:
+def sampled_choice(logits: torch.Tensor, warp: Warp, noise: torch.Tensor) -> torch.Tensor:
     """(N + 1,) one sample of the target's warped distribution at each of [root] + nodes (`accept_sampled`)."""
-    if top_k or top_p < 1:
-        return race(warp_logits(logits, temperature, top_k, top_p), noise)  # (N+1,)
+    if warp.filters:
+        return race(warp_logits(logits, warp), noise)  # (N+1,)
     # temperature alone: argmax(logits / T - log E) = argmax(logits - T log E), one fused op
-    return torch.sub(logits, noise, alpha=temperature).max(dim=-1).indices  # (N+1,) as `race` does
+    return torch.sub(logits, noise, alpha=warp.temperature).max(dim=-1).indices  # (N+1,) as `race` does
 
 
 def accept_path(
@@ -407,8 +405,7 @@ def accept_path(
     choice = target_choice(tree, logits, config, generator, noise, root_position)
     if choice is not None:
         return matching_path(tree, choice)
-    warp = (config.temperature, config.top_k, config.top_p)
-    return accept_rejection_sampling(tree, logits, generator, siblings, warp)
+    return accept_rejection_sampling(tree, logits, generator, siblings, config.warp)
 
 
 def target_choice(
@@ -425,7 +422,7 @@ def target_choice(
     noise = noise or PositionNoise(generator, logits.device)
     depths = torch.cat([tree.depths.new_zeros(1), tree.depths])  # (N+1,) root first
     rows = noise.rows(root_position + 1, depths, len(tree) + 1, logits.shape[-1])  # (N+1, V)
-    return sampled_choice(logits, config.temperature, config.top_k, config.top_p, rows)
+    return sampled_choice(logits, config.warp, rows)
 
 
 def match_on_host(tokens: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:
@@ -458,13 +455,13 @@ def rejection_on_device(device: torch.device) -> bool:
 
 def accept_rejection_sampling(
     tree: DraftTree, target: torch.Tensor, generator: torch.Generator | None, siblings: int | None = None,
-    warp: tuple[float, int, float] | None = None,
+    warp: Warp | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling for children *sampled* from the draft without replacement, with
     deterministic candidates (`tree.proposed`) under the same nodes tried first.
 
-    target: (N + 1, V) target distributions (after temperature / top-k / top-p) at [root] + nodes, or with `warp`
-    (temperature, top_k, top_p) the target's logits there, warped where needed (the host walk: only the rows it
+    target: (N + 1, V) target distributions (after the warpers) at [root] + nodes, or with `warp` the target's
+    logits there, warped where needed (the host walk: only the rows it
     visits); tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
     At each node: first the deterministic children, by matching: one draw y ~ p, and the child whose
     token is y is accepted; if none is, p <- norm(p without those tokens). Then the sampled children in
@@ -477,7 +474,7 @@ def accept_rejection_sampling(
     Returns (path (N,): the accepted nodes root -> leaf in its first `length` entries, length () long, bonus ()).
     """
     assert tree.draft_probs is not None, "rejection sampling needs the draft distributions"
-    probs = (lambda rows: target[rows]) if warp is None else (lambda rows: target_probs(target[rows], *warp))
+    probs = (lambda rows: target[rows]) if warp is None else (lambda rows: target_probs(target[rows], warp))
     if tree.chain and os.environ.get("OPTTREE_BLOCK", "1") != "0":  # a chain of draws: verified as one block
         return accept_block(tree, probs(slice(None)), generator)
     if rejection_on_device(target.device):

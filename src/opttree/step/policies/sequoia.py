@@ -29,7 +29,7 @@ import torch
 
 from ...settings.config import SpecConfig, check_acceptance
 from ..drafters import Drafter
-from ..sampling import sample_without_replacement, target_probs
+from ..sampling import Warp, sample_without_replacement, target_probs
 from ..tree import DraftTree
 from .registry import register_policy
 from .shapes import DEFAULT_ACCEPTANCE, ChildPicker, Path, TreePlans, check_paths, valued_paths
@@ -118,8 +118,9 @@ def _accepted_by_rank(target_logits, draft_logits, width, temperature, top_k, to
         choice = target_logits.argmax(dim=-1, keepdim=True)  # (P, 1)
         rank = (draft_logits > draft_logits.gather(1, choice)).sum(dim=1)  # (P,) draft rank of the target's token
         return torch.bincount(rank[rank < width], minlength=width)[:width].double()
-    p = target_probs(target_logits, temperature, top_k, top_p).double()  # (P, V)
-    q = target_probs(draft_logits, temperature, top_k, top_p).double()  # (P, V)
+    warp = Warp(temperature, top_k, top_p)
+    p = target_probs(target_logits, warp).double()  # (P, V)
+    q = target_probs(draft_logits, warp).double()  # (P, V)
     draws, valid = sample_without_replacement(q.log().float(), width, generator)  # (P, w)
     rows = torch.arange(p.shape[0])
     reach = torch.ones(p.shape[0], dtype=torch.float64)  # P(every earlier child rejected)

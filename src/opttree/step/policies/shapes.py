@@ -72,7 +72,7 @@ class ChildPicker:
     Deterministic (temperature 0, or children="top"): the draft's top-ranked tokens, in rank order.
     Sampled (temperature > 0 and children="sampled", or "auto" for a policy that samples by default):
     successive draws without replacement from q = the draft's distribution warped like the target's
-    (same temperature / top-k / top-p); the tree then carries q for recursive rejection sampling, which
+    (the same warpers: `config.warp`); the tree then carries q for recursive rejection sampling, which
     needs exactly the distribution the children were drawn from. A sampled child's p-hat is its parent's
     times the acceptance of its draw rank (`config.acceptance`, calibrated, else DEFAULT_ACCEPTANCE).
     """
@@ -80,26 +80,26 @@ class ChildPicker:
     def __init__(self, config: SpecConfig, sampled: bool):
         chosen = {"auto": sampled, "top": False, "sampled": True}[config.children]
         self.sampled = chosen and config.temperature > 0
-        self.warp = (config.temperature, config.top_k, config.top_p)
+        self.warp = config.warp
         self.seed = config.seed
         self.acceptance = config.acceptance or DEFAULT_ACCEPTANCE
         self.generator: torch.Generator | None = None  # made on the drafter's device at the first draw
 
     def log_dist(self, logq: torch.Tensor) -> torch.Tensor:
         """(R, V) draft log-probabilities -> (R, V) log of the distribution children come from (at temperature
-        1 without top-k / top-p: the draft's own, already normalised)."""
+        1 with no filter: the draft's own, already normalised)."""
         if not self.sampled:
             return logq
-        if self.warp == (1.0, 0, 1.0):
+        if self.warp.identity:
             return logq.float()
-        return warp_logits(logq, *self.warp).log_softmax(dim=-1)
+        return warp_logits(logq, self.warp).log_softmax(dim=-1)
 
     def probs(self, logq: torch.Tensor) -> torch.Tensor:
         """(R, V) draft log-probabilities -> (R, V) the distribution sampled children are drawn from (`log_dist`,
         exponentiated: the softmax of the warped scores, one op fewer)."""
-        if self.warp == (1.0, 0, 1.0):
+        if self.warp.identity:
             return logq.float().exp()
-        return warp_logits(logq, *self.warp).softmax(dim=-1)
+        return warp_logits(logq, self.warp).softmax(dim=-1)
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
