@@ -19,14 +19,17 @@ def model_dirs(tmp_path_factory):
     return root / "target", root / "draft"
 
 
-@pytest.mark.parametrize("static", [None, "--static", "--no-static"])
+@pytest.mark.parametrize("static", [None, "--static", "--no-static", "--min-p"])
 def test_generate_json_matches_greedy_decoding(model_dirs, capsys, static):
+    """(--min-p 1 at temperature 1 leaves one token a position: the greedy one.)"""
     target, draft = model_dirs
+    flags = ["--temperature", "1", "--min-p", "1"] if static == "--min-p" else [static] if static else []
     rc = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abcdef", "--dtype", "float32",
-               "--max-new-tokens", "20", "--budget", "8", "--json", *([static] if static else [])])
+               "--max-new-tokens", "20", "--budget", "8", "--json", *flags])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["static"] is {"--static": True, "--no-static": False}.get(static, os.environ.get("OPTTREE_STATIC") == "1")
+    assert (result["temperature"], result["min_p"]) == ((1.0, 1.0) if static == "--min-p" else (0.0, 0.0))
     tok = char_tokenizer()
     model = tiny_model("llama", seed=1)
     ids = tok("abcdef", return_tensors="pt").input_ids
@@ -71,6 +74,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback(model_dirs, capsys):
     (["--drafter", "lookup"], "--draft is given but --drafter lookup does not use it"),
     (["--drafter", "lookup", "--tree", "ar", "--target", "{target}"], "--tree ar drafts nothing"),
     (["--prompt-file", "{tmp}/bad.txt"], "not valid UTF-8"),
+    (["--min-p", "1.5"], "--min-p must be in [0, 1] (0 = off), got 1.5"),
 ])
 def test_cli_errors_are_one_line_before_models_load(model_dirs, tmp_path, capsys, flags, message):
     target, draft = model_dirs

@@ -100,6 +100,15 @@ def test_seeds_reproduce_sampled_output(client):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_vllms_top_k_and_min_p_fields_apply(client):
+    greedy = client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    sampled = [client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=5,
+                                         extra_body=extra).choices[0].text
+               for extra in ({}, {"top_k": 1}, {"min_p": 1.0}, {"top_k": -1, "min_p": 0.0})]
+    assert sampled[1] == sampled[2] == greedy != sampled[0]  # one token left at every position: the greedy text
+    assert sampled[3] == sampled[0]  # -1 and 0: off
+
+
 def test_chat_needs_a_template_and_uses_it(pair, client):
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
@@ -119,6 +128,7 @@ def test_chat_needs_a_template_and_uses_it(pair, client):
     (dict(n=2), "n"), (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"), (dict(logprobs=2), "logprobs"),
     (dict(max_tokens=5000), None),  # past the context window
+    (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"top_k": -2}), "top_k"),
 ])
 def test_bad_requests_are_400_and_the_server_stays_up(client, url, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:

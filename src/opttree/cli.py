@@ -38,6 +38,8 @@ def check_flags(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if getattr(args, "temperature", 0.0) < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= getattr(args, "min_p", 0.0) <= 1:  # NaN too
+        raise ValueError(f"--min-p must be in [0, 1] (0 = off), got {args.min_p}")
     if args.command == "calibrate" and getattr(args, "target", None) and not getattr(args, "draft", None):
         raise ValueError("calibrate measures a target/draft pair: --target needs --draft")
     drafter = getattr(args, "drafter", None)  # a DrafterSpec: parsed (and checked) by argparse
@@ -105,7 +107,7 @@ def cmd_generate(args) -> int:
             "time_s": s.time_s, "tree": tree["tree"], "drafter": run.config.drafter and str(run.config.drafter),
             "budget": tree["budget"], "delta": tree["delta"],
             "draft_temperature": tree["draft_temperature"], "static": run.config.static, "children": run.config.children,
-            "stats": s.to_dict(),
+            "temperature": run.config.temperature, "min_p": run.config.min_p, "stats": s.to_dict(),
         }))
     else:
         print(f"\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "

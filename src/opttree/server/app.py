@@ -85,6 +85,8 @@ class SamplingFields(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)  # OpenAI's default
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)  # vLLM's extra field: 0 or -1 = off
+    min_p: float = Field(default=0.0, ge=0, le=1)  # vLLM's extra field: 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -277,7 +279,7 @@ class Server:
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
-                        top_p=req.top_p, seed=seed)
+                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=seed)
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
             if self.leader:
