@@ -121,7 +121,7 @@ def test_sampling_settings_come_from_the_generation_config(models):
 
 @pytest.mark.parametrize("settings,named", [
     (dict(guidance_scale=1.5), "guidance_scale=1.5"),
-    (dict(max_time=5.0), "max_time=5.0"),
+    (dict(num_beams=2), "num_beams=2"),
     (dict(penalty_alpha=0.6), "penalty_alpha=0.6"),
     (dict(watermarking_config={"greenlist_ratio": 0.25}), "watermarking_config"),
 ])
@@ -133,6 +133,34 @@ def test_settings_it_cannot_apply_are_refused_by_name(models, settings, named):
             opttree.generate(target, PROMPT, draft, max_new_tokens=4)
     finally:
         target.generation_config = saved
+
+
+def test_max_time_ends_the_generation_with_a_prefix_of_its_untimed_output(models, monkeypatch):
+    """From the caller, the generation_config and a custom_generate call: the step that ends past max_time (a clock
+    that moves a second a reading) is the last, its tokens emitted whole."""
+    target, draft = models
+    untimed = opttree.generate(target, PROMPT, draft, max_new_tokens=NEW).sequences
+    for clock_step, max_time in ((1.0, 2.5), (1.0, 6.5)):
+        readings = iter(range(10**6))
+        monkeypatch.setattr(opttree.engine.Stopper, "clock", staticmethod(lambda: clock_step * next(readings)))
+        out = opttree.generate(target, PROMPT, draft, max_new_tokens=NEW, max_time=max_time)
+        assert out.stats.steps == int(max_time) + 1  # the deadline is read at 0, each step's end at 1, 2, ...
+        assert torch.equal(out.sequences[0], untimed[0, : out.sequences.shape[1]])
+        assert out.sequences.shape[1] < untimed.shape[1]
+    readings = iter(range(10**6))
+    saved = _with_config(target, max_time=2.5)
+    try:
+        assert opttree.generate(target, PROMPT, draft, max_new_tokens=NEW).stats.steps == 3
+        readings = iter(range(10**6))
+        assert opttree.generate(target, PROMPT, draft, max_new_tokens=NEW, max_time=100.0).stats.steps > 3  # yours wins
+    finally:
+        target.generation_config = saved
+    readings = iter(range(10**6))
+    ours = target.generate(PROMPT, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
+                           max_new_tokens=NEW, max_time=2.5)
+    assert opttree.custom_generate.stats.steps == 3 and torch.equal(ours[0], untimed[0, : ours.shape[1]])
+    with pytest.raises(ValueError, match="max_time must be a finite number of seconds > 0"):
+        opttree.generate(target, PROMPT, draft, max_new_tokens=NEW, max_time=0)
 
 
 def test_stop_strings_in_the_generation_config_need_the_tokenizer(models):

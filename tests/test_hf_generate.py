@@ -3,6 +3,7 @@
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import opttree
 from opttree.genconfig import sampling_settings
@@ -68,9 +69,16 @@ def test_streamers_get_the_prompt_then_every_chunk(pair):
     assert sum(streamer.puts, []) == out[0].tolist()
 
 
+class Never(StoppingCriteria):
+    """A stopping criterion opttree does not know."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 @pytest.mark.parametrize("kwargs,named", [
     (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor"),
-    (dict(max_time=10.0), "MaxTimeCriteria"),
+    (dict(stopping_criteria=StoppingCriteriaList([Never()])), "Never"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(budget=0), "budget"),
 ])

@@ -79,15 +79,20 @@ class GenerationOutput:
 
 
 class Stopper:
-    """Where an emitted chunk must end: EOS, a stop string, or max_new_tokens, at the exact token.
+    """Where an emitted chunk must end: EOS, a stop string, or max_new_tokens, at the exact token; past max_time, at
+    the step's last token (a prefix of the untimed output, as `generate`'s own time limit cuts it).
 
     Stop strings are matched by transformers' own StopStringCriteria, as `target.generate(stop_strings=...)`
     does: on the last tokens of the whole sequence (prompt included), a match must end in the newest
     token, and byte-level vocabularies compare bytes (U+FFFD never matches half a character)."""
 
+    clock = staticmethod(time.monotonic)  # max_time's clock
+
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], prompt: torch.Tensor, stop: Sequence[str] = (),
-                 tokenizer=None):
+                 tokenizer=None, max_time: float | None = None):
         self.remaining = max_new_tokens
+        # generate's max_time: the step that ends past it ends the generation (timed from here, before the prefill)
+        self.deadline = None if max_time is None else self.clock() + max_time
         self.eos = frozenset(eos_ids)
         self.stop = StopStringCriteria(tokenizer, list(stop)) if stop else None
         if self.stop is not None:
@@ -110,7 +115,7 @@ class Stopper:
                 end, hit = stop_end, True
             self.tail = torch.cat([self.tail, tokens[:end]])[-self.tail.shape[0] :]
         self.remaining -= end
-        return end, hit or self.remaining == 0
+        return end, hit or self.remaining == 0 or (self.deadline is not None and self.clock() > self.deadline)
 
     def _stop_string_end(self, tokens: torch.Tensor) -> int | None:
         """How many of the (C,) `tokens` to emit so that the last one completes a stop string; None if none does."""

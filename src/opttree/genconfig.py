@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from transformers.generation import logits_process as lp
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .settings.arguments import eos_list
 from .step.tree import DraftTree, node_paths
@@ -40,7 +40,7 @@ PER_NODE_FIELDS = (
 # settings that change the tokens and that opttree does not apply: {field: what it needs}
 REFUSED_FIELDS = {
     "guidance_scale": "classifier-free guidance (a second, unconditional forward)",
-    "watermarking_config": "watermarking", "max_time": "a time limit (not a function of the tokens)",
+    "watermarking_config": "watermarking",
     "num_beams": "beam search", "num_beam_groups": "group beam search", "diversity_penalty": "group beam search",
     "penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding", "low_memory": "contrastive search",
 }
@@ -130,6 +130,8 @@ def config_defaults(generation_config, given: dict) -> dict:
             defaults[name] = float(value)
     if "max_new_tokens" not in given and generation_config.max_new_tokens is not None:
         defaults["max_new_tokens"] = int(generation_config.max_new_tokens)
+    if "max_time" not in given and generation_config.max_time is not None:
+        defaults["max_time"] = float(generation_config.max_time)
     return defaults
 
 
@@ -197,13 +199,16 @@ def sampling_settings(logits_processor, do_sample: bool) -> dict:
 
 
 def stopping_settings(stopping_criteria, prompt_len: int) -> dict:
-    """max_new_tokens and EOS ids from transformers' prepared stopping criteria; any other criterion is refused."""
+    """max_new_tokens, EOS ids and max_time from transformers' prepared stopping criteria; any other criterion is
+    refused."""
     settings: dict = dict(eos_token_id=[])
     for criterion in stopping_criteria or []:
         if isinstance(criterion, MaxLengthCriteria):
             settings["max_new_tokens"] = criterion.max_length - prompt_len
         elif isinstance(criterion, EosTokenCriteria):
             settings["eos_token_id"] = criterion.eos_token_id.tolist()
+        elif isinstance(criterion, MaxTimeCriteria):
+            settings["max_time"] = float(criterion.max_time)
         else:  # stop strings included: transformers hands a custom_generate call no tokenizer for them
             raise ValueError(f"opttree does not apply the stopping criterion {type(criterion).__name__}, which this "
                              "generation would use")

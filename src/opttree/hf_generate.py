@@ -76,6 +76,8 @@ class CustomGenerate:
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
         rules = Rules(per_node_processors(logits_processor), stopping["eos_token_id"])
+        if "max_time" in stopping:
+            options["max_time"] = stopping["max_time"]
         if seed is None:  # sampling follows torch's global RNG, as transformers' own sampling does
             seed = int(torch.randint(0, 2**62, (1,)))
         draft = assistant_model if assistant_model is not None else from_generate_call("assistant_model")

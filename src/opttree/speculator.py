@@ -213,7 +213,7 @@ class Speculator:
             drafter, policy = _sources(target, self.draft, policy, config, max_len, self._check)
         if rules.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
-        stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer)
+        stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer, config.max_time)
         depth = depth or make_depth_control(config, target)  # how deep each step drafts
         # its tree may be sized for the batch (a sampled one only when its draws need not be reproducible)
         sized = self.sized and (config.temperature == 0 or not reproducible)

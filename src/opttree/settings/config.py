@@ -73,6 +73,7 @@ class SpecConfig:
     delta: float = DEFAULT_DELTA  # OPT-Tree: stop deepening when E(A) grows by <= delta
     max_depth: int = DEFAULT_MAX_DEPTH  # draft layers at most
     max_new_tokens: int = 256
+    max_time: float | None = None  # seconds: generation ends after the step that passes it (generate's max_time)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -104,6 +105,9 @@ class SpecConfig:
             raise ValueError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and not isinstance(
+                self.max_time, bool) and 0 < self.max_time < float("inf")):  # NaN too
+            raise ValueError(f"max_time must be a finite number of seconds > 0 (or None: no limit), got {self.max_time!r}")
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
                              f"got {self.temperature!r}")
