@@ -223,7 +223,8 @@ def cmd_bench(args) -> int:
         if trained[option] is None and (shipped := shipped_part(option, target)) is not None:
             trained[option] = str(shipped)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, delta=delta, delta_given=args.delta is not None,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, delta=delta,
+                        delta_given=args.delta is not None,
                         max_depth=args.max_depth,
                         eos_token_id=tokenizer.eos_token_id, draft_temperature=draft_temperature(args, target, draft),
                         draft_window=args.draft_window, trained=trained, static=args.static)

@@ -13,8 +13,8 @@ import torch
 from .config import SpecConfig
 
 INT_FIELDS = ("budget", "max_depth", "max_new_tokens", "top_k", "seed", "draft_window")
-FLOAT_FIELDS = ("delta", "max_time", "temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
-                "draft_temperature")
+FLOAT_FIELDS = ("delta", "max_time", "temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                "top_h", "draft_temperature")
 
 
 def scalar(value, name: str, kind: type):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..step.sampling import Warp
 from .drafter_spec import DrafterSpec
 
 # CPU defaults (2-core machine, the shipped pair): see docs/METHODS.md, "Choosing budget, delta, depth
@@ -54,6 +53,38 @@ def budget_arg(text: str) -> "int | str":
         return check_budget(int(text))
     except ValueError:
         raise ValueError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Warp:
+    """What plain sampling draws from: transformers' warpers, in `generate`'s order (temperature, top-h, top-k,
+    top-p, min-p, typical, epsilon and eta cutoffs), each off at its neutral value. SpecConfig's fields of the same
+    names, checked there; `SpecConfig.warp` makes one."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off (no token is below 0 x the top probability)
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    top_h: float = 0.0  # 0 = off
+
+    @property
+    def filters(self) -> bool:
+        """Whether any warper past the temperature can remove a token."""
+        return bool(self.top_k) or self.top_p < 1 or self.transformers_own
+
+    @property
+    def transformers_own(self) -> bool:
+        """Whether a warper is set that runs as transformers' own object (`opttree.step.sampling.hf_warpers`)."""
+        return self.min_p > 0 or self.typical_p < 1 or self.epsilon_cutoff > 0 or self.eta_cutoff > 0 or self.top_h > 0
+
+    @property
+    def identity(self) -> bool:
+        """Whether the warped distribution is the logits' own softmax."""
+        return self.temperature == 1 and not self.filters
+
 
 # transformers' other sampling warpers (`Warp`): name -> (lowest, highest, whether each end is allowed), as theirs check
 WARPER_RANGES = {"min_p": (0.0, 1.0, True, True), "typical_p": (0.0, 1.0, False, True),
@@ -107,7 +138,8 @@ class SpecConfig:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and not isinstance(
                 self.max_time, bool) and 0 < self.max_time < float("inf")):  # NaN too
-            raise ValueError(f"max_time must be a finite number of seconds > 0 (or None: no limit), got {self.max_time!r}")
+            raise ValueError(f"max_time must be a finite number of seconds > 0 (or None: no limit), "
+                             f"got {self.max_time!r}")
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):  # also rejects NaN
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
                              f"got {self.temperature!r}")

@@ -2,50 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-
-@dataclass(frozen=True)
-class Warp:
-    """What plain sampling draws from: transformers' warpers, in `generate`'s order (temperature, top-h, top-k,
-    top-p, min-p, typical, epsilon and eta cutoffs), each off at its neutral value. SpecConfig's fields of the same
-    names, checked there; `SpecConfig.warp` makes one."""
-
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0  # 0 = off (no token is below 0 x the top probability)
-    typical_p: float = 1.0
-    epsilon_cutoff: float = 0.0
-    eta_cutoff: float = 0.0
-    top_h: float = 0.0  # 0 = off
-
-    @property
-    def filters(self) -> bool:
-        """Whether any warper past the temperature can remove a token."""
-        return bool(self.top_k) or self.top_p < 1 or self.transformers_own
-
-    @property
-    def transformers_own(self) -> bool:
-        """Whether a warper is set that runs as transformers' own object (`hf_warpers`)."""
-        return self.min_p > 0 or self.typical_p < 1 or self.epsilon_cutoff > 0 or self.eta_cutoff > 0 or self.top_h > 0
-
-    @property
-    def identity(self) -> bool:
-        """Whether the warped distribution is the logits' own softmax."""
-        return self.temperature == 1 and not self.filters
-
-    def hf_warpers(self, device: torch.device) -> tuple[list, list]:
-        """transformers' own warpers for the settings opttree does not write itself: (before top-k: top-h; after
-        top-p: min-p, typical, epsilon, eta), as `generate` builds them when sampling (one token kept at least)."""
-        return _hf_warpers(self, str(device))
+from ..settings.config import Warp
 
 
 @lru_cache(maxsize=32)
-def _hf_warpers(warp: Warp, device: str) -> tuple[list, list]:
+def hf_warpers(warp: Warp, device: str) -> tuple[list, list]:
+    """transformers' own warpers for the settings opttree does not write itself: (before top-k: top-h; after
+    top-p: min-p, typical, epsilon, eta), as `generate` builds them when sampling (one token kept at least);
+    `device`: where the logits are (eta's threshold lives there)."""
     from transformers.generation import logits_process as lp
 
     before = [lp.TopHLogitsWarper(top_h=warp.top_h)] if warp.top_h > 0 else []
@@ -79,7 +47,7 @@ def warp_logits(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     scores = as_float32(logits) / warp.temperature if warp.temperature != 1 else as_float32(logits)
     if not warp.filters:
         return scores
-    before, after = warp.hf_warpers(scores.device) if warp.transformers_own else ([], [])
+    before, after = hf_warpers(warp, str(scores.device)) if warp.transformers_own else ([], [])
     scores = _apply(before, scores)
     if 0 < warp.top_k < scores.shape[-1]:
         kth = scores.topk(warp.top_k, dim=-1).values[..., -1:]  # (..., 1)
