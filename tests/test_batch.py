@@ -143,10 +143,29 @@ def test_a_sampled_row_is_the_same_whatever_else_is_in_the_batch(method):
     target, draft = tiny("llama", seed=1), tiny("llama", seed=2)
     batch = prompts([7, 3, 25, 12], seed=5)
     for d in (draft,) if method.get("children") == "sampled" else (None, draft):
-        options = dict(max_new_tokens=NEW, temperature=1.0, seed=11, eos_token_id=[], **method)
-        together = opttree.generate(target, batch, d, **options)
-        for prompt, out in zip(batch, together):
-            assert torch.equal(out.sequences, opttree.generate(target, prompt, d, **options).sequences)
+        options = dict(max_new_tokens=NEW, temperature=1.0, eos_token_id=[], **method)
+        together = opttree.generate(target, batch, d, seed=11, **options)
+        for i, (prompt, out) in enumerate(zip(batch, together)):  # row i: seed + i
+            assert torch.equal(out.sequences, opttree.generate(target, prompt, d, seed=11 + i, **options).sequences)
+
+
+def test_a_batchs_rows_draw_independently_as_generates_do():
+    """One prompt four times in one call (what generate's num_return_sequences hands custom_generate): four
+    samples, each the prompt's own with seed + its row; a list of Requests keeps the seeds it names."""
+    target = tiny("llama", seed=1)
+    prompt = prompts([5], seed=2)[0]
+    options = dict(max_new_tokens=NEW, temperature=1.0, eos_token_id=[])
+    rows = [out.sequences for out in opttree.generate(target, prompt.expand(4, -1), seed=7, **options)]
+    assert len({tuple(row[0].tolist()) for row in rows}) == 4
+    for i, row in enumerate(rows):
+        assert torch.equal(row, opttree.generate(target, prompt, seed=7 + i, **options).sequences)
+    same = opttree.Speculator(target, **options).generate([opttree.Request(prompt, seed=3)] * 2)
+    assert torch.equal(same[0].sequences, same[1].sequences)
+    ours = target.generate(prompt[None], custom_generate=opttree.custom_generate, do_sample=True, seed=7,
+                           num_return_sequences=4, max_new_tokens=NEW)  # generate's own top_k=50 where none is set
+    expected = opttree.generate(target, prompt.expand(4, -1), seed=7, max_new_tokens=NEW, temperature=1.0, top_k=50)
+    assert [row.tolist() for row in ours] == [out.sequences[0].tolist() for out in expected]
+    assert len({tuple(row.tolist()) for row in ours}) == 4
 
 
 def test_a_list_of_one_prompt_is_that_prompt_and_a_list_of_requests_is_a_batch():
@@ -277,8 +296,9 @@ def test_rows_with_a_draft_model_draft_together(monkeypatch):
         sizes.clear()
         outs = opttree.generate(target, batch, draft, max_new_tokens=NEW, eos_token_id=[], **options)
         assert sizes and max(sizes) == len(batch), (options, sizes)  # every row in one forward
-        for prompt, out in zip(batch, outs):
-            alone = opttree.generate(target, prompt, draft, max_new_tokens=NEW, eos_token_id=[], **options)
+        for i, (prompt, out) in enumerate(zip(batch, outs)):
+            own = dict(options, seed=options["seed"] + i) if "seed" in options else options  # row i: seed + i
+            alone = opttree.generate(target, prompt, draft, max_new_tokens=NEW, eos_token_id=[], **own)
             assert torch.equal(out.sequences, alone.sequences) and out.stats.steps == alone.stats.steps, options
 
     def broken(forwards):

@@ -284,7 +284,7 @@ def stream(
     A batch: a list of prompts (each a 1-D sequence of ids, of any lengths), or a (B, T) tensor with
     B > 1 (its `attention_mask` marking left or right padding). The rows are verified together, one
     target forward per step, each exactly as it would be alone (its own drafter, tree, random stream
-    seeded with `seed`, and stop rule); the generation then yields (row index, chunk) pairs.
+    seeded with `seed` + its row index, and stop rule); the generation then yields (row index, chunk) pairs.
 
     The target's generation_config is honoured as `target.generate` honours it: its logits processors
     (repetition penalty, suppressed or bad words, minimum length, forced EOS, ...) are applied at every
@@ -306,7 +306,11 @@ def _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_pr
     prompts, batch = _prompts(input_ids, mask, target)
     speculator = Speculator(target, draft, tokenizer=tokenizer, eos_token_id=eos_token_id,
                             generation_config=generation_config, **options)
-    requests = [Request(ids, stop=stop, logits_processor=logits_processor) for ids in prompts]
+    # a batch's rows draw independently, as generate's do (its num_return_sequences copies of a prompt too): row i
+    # is seeded with seed + i, so each is what its prompt gives alone with that seed
+    seeds = [(speculator.config.seed + i) % 2**64 for i in range(len(prompts))] if batch else [None]
+    requests = [Request(ids, seed=seed, stop=stop, logits_processor=logits_processor)
+                for ids, seed in zip(prompts, seeds)]
     return speculator, requests if batch else requests[0], None if batch else mask
 
 
