@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .drafter_spec import DrafterSpec
 
@@ -108,7 +109,7 @@ class SpecConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    # transformers' other sampling warpers, each off at its neutral value (`opttree.step.sampling.Warp`)
+    # transformers' other sampling warpers, each off at its neutral value (`Warp`)
     min_p: float = 0.0
     typical_p: float = 1.0
     epsilon_cutoff: float = 0.0
@@ -176,8 +177,8 @@ class SpecConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
+    @cached_property
     def warp(self) -> Warp:
-        """What a sampled token is drawn from (its warpers; the temperature 1 where greedy)."""
+        """What a sampled token is drawn from (its warpers; the temperature 1 where greedy), made once."""
         return Warp(self.temperature or 1.0, self.top_k, self.top_p, self.min_p, self.typical_p,
                     self.epsilon_cutoff, self.eta_cutoff, self.top_h)

@@ -461,8 +461,7 @@ def accept_rejection_sampling(
     deterministic candidates (`tree.proposed`) under the same nodes tried first.
 
     target: (N + 1, V) target distributions (after the warpers) at [root] + nodes, or with `warp` the target's
-    logits there, warped where needed (the host walk: only the rows it
-    visits); tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
+    logits there, warped where needed (the host walk: only the rows it visits); tree.draft_probs: (N + 1, V) the draft distributions the children were sampled from.
     At each node: first the deterministic children, by matching: one draw y ~ p, and the child whose
     token is y is accepted; if none is, p <- norm(p without those tokens). Then the sampled children in
     draw order: accept x with min(1, p(x) / q(x)); on rejection p <- norm(max(p - q, 0)), q(x) <- 0,
