@@ -168,6 +168,34 @@ def test_a_batchs_rows_draw_independently_as_generates_do():
     assert len({tuple(row.tolist()) for row in ours}) == 4
 
 
+def test_num_return_sequences_samples_each_prompt_that_many_times():
+    """generate's argument (or the generation_config's): each prompt's copies in a row, as transformers orders them,
+    copy i of a prompt drawn with seed + its row; refused where the copies could only be equal (greedy)."""
+    target = tiny("llama", seed=1)
+    batch = prompts([5, 9], seed=3)
+    options = dict(max_new_tokens=NEW, temperature=1.0, eos_token_id=[])
+    outs = opttree.generate(target, batch, num_return_sequences=3, seed=4, **options)
+    assert len(outs) == 6 and len({tuple(out.sequences[0].tolist()) for out in outs}) == 6
+    for row, out in enumerate(outs):
+        alone = opttree.generate(target, batch[row // 3], seed=4 + row, **options)
+        assert torch.equal(out.sequences, alone.sequences)
+    saved = target.generation_config
+    sampled_twice = {"num_return_sequences": 2, "do_sample": True}
+    target.generation_config = saved.__class__.from_dict({**saved.to_dict(), **sampled_twice})
+    try:
+        one = opttree.generate(target, batch[0][None], seed=4, **options)  # (1, T): two copies of it
+        assert [out.sequences.tolist() for out in one] == [out.sequences.tolist() for out in outs[:2]]
+        ours = target.generate(batch[0][None], custom_generate=opttree.custom_generate, do_sample=True, seed=4,
+                               top_k=0, max_new_tokens=NEW)  # transformers repeats the prompt: opttree does not again
+        assert ours.shape[0] == 2
+    finally:
+        target.generation_config = saved
+    with pytest.raises(ValueError, match="num_return_sequences=2 with greedy decoding"):
+        opttree.generate(target, batch[0], num_return_sequences=2, max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="num_return_sequences must be an integer >= 1, got 0.5"):
+        opttree.generate(target, batch[0], num_return_sequences=0.5, **options)
+
+
 def test_a_list_of_one_prompt_is_that_prompt_and_a_list_of_requests_is_a_batch():
     target = tiny("llama", seed=1)
     prompt = prompts([5])[0]

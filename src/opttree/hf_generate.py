@@ -74,6 +74,7 @@ class CustomGenerate:
                        early_exit=early_exit, depth_control=depth_control, length_predictor=length_predictor)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
+        options["num_return_sequences"] = 1  # transformers has repeated the prompts already
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
         rules = Rules(per_node_processors(logits_processor), stopping["eos_token_id"])
         if "max_time" in stopping:

@@ -302,10 +302,17 @@ def stream(
 def _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_processor, generation_config, options
               ) -> tuple[Speculator, Request | list[Request], torch.Tensor | None]:
     """`stream`'s and `generate`'s arguments as (speculator, the request or a list of them, one prompt's mask)."""
-    input_ids, mask = prompt_and_mask(input_ids)
+    copies = options.pop("num_return_sequences", None)
+    copies = copies or (generation_config or target.generation_config).num_return_sequences or 1
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"num_return_sequences must be an integer >= 1, got {copies!r}")
+    input_ids, mask = _repeated(*prompt_and_mask(input_ids), copies)
     prompts, batch = _prompts(input_ids, mask, target)
     speculator = Speculator(target, draft, tokenizer=tokenizer, eos_token_id=eos_token_id,
                             generation_config=generation_config, **options)
+    if copies > 1 and speculator.config.greedy:
+        raise ValueError(f"num_return_sequences={copies} with greedy decoding: every sequence would be the same; "
+                         "sample (do_sample=True or a temperature > 0), as generate asks too")
     # a batch's rows draw independently, as generate's do (its num_return_sequences copies of a prompt too): row i
     # is seeded with seed + i, so each is what its prompt gives alone with that seed
     seeds = [(speculator.config.seed + i) % 2**64 for i in range(len(prompts))] if batch else [None]
@@ -439,6 +446,18 @@ def _prompts(input_ids, mask, target: PreTrainedModel) -> tuple[list[torch.Tenso
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
     return [_prompt_ids(_unpadded(row, keep, b), target) for b, (row, keep) in enumerate(zip(ids, mask))], True
+
+
+def _repeated(input_ids, mask, copies: int):
+    """generate's num_return_sequences: each prompt `copies` times in a row (transformers' order), its mask with it."""
+    if copies == 1:
+        return input_ids, mask
+    if isinstance(input_ids, (list, tuple)) and input_ids and not _is_id(input_ids[0]):  # a list of prompts
+        return [prompt for prompt in input_ids for _ in range(copies)], mask
+    ids = torch.as_tensor(input_ids)
+    ids = ids.view(1, -1) if ids.dim() == 1 else ids  # (B, T)
+    mask = None if mask is None else torch.as_tensor(mask).view(ids.shape).repeat_interleave(copies, dim=0)
+    return ids.repeat_interleave(copies, dim=0), mask
 
 
 def _is_id(value) -> bool:
