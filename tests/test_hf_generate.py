@@ -102,3 +102,28 @@ def test_return_dict_in_generate_gives_the_sequences(pair):
     out = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, do_sample=False,
                           max_new_tokens=8, return_dict_in_generate=True)
     assert torch.equal(out.sequences, target.generate(**enc, do_sample=False, max_new_tokens=8))
+
+
+def test_output_logits_are_transformers_own(pair):
+    """The target's raw logits that predicted each new token, as `generate(output_logits=True)` returns them, through
+    custom_generate and `opttree.generate` (trees of several nodes a step: the rows of the accepted nodes); sampled
+    rows keep theirs too, the emitted token always one the logits allow."""
+    target, draft, tok, enc = pair
+    settings = dict(do_sample=False, max_new_tokens=24, output_logits=True, return_dict_in_generate=True)
+    own = target.generate(**enc, **settings)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, budget=6, **settings)
+    assert torch.equal(ours.sequences, own.sequences) and opttree.custom_generate.stats.steps < 24
+    assert len(ours.logits) == len(own.logits) == 24 and ours.logits[0].shape == own.logits[0].shape == (1, 8192)
+    torch.testing.assert_close(torch.cat(ours.logits), torch.cat(own.logits), rtol=0, atol=2e-4)
+    direct = opttree.generate(target, enc.input_ids, draft, max_new_tokens=24, budget=6, output_logits=True)
+    assert torch.equal(direct.logits, torch.cat(ours.logits)) and direct.logits.dtype == torch.float32
+    sampled = opttree.generate(target, [enc.input_ids[0], enc.input_ids[0, :3]], draft, max_new_tokens=16,
+                               temperature=1.0, top_k=5, output_logits=True, eos_token_id=[])
+    for out in sampled:
+        assert out.logits.shape == (16, 8192)
+        ranks = (out.logits > out.logits.gather(1, out.new_tokens[:, None])).sum(1)  # how many logits beat the token
+        assert bool((ranks < 5).all())  # within the top 5 of the row that predicted it
+    assert opttree.generate(target, enc.input_ids, draft, max_new_tokens=4).logits is None
+    with pytest.raises(ValueError, match="output_logits for one sequence, not a batch"):
+        target.generate(**{k: v.expand(2, -1) for k, v in enc.items()}, custom_generate=opttree.custom_generate,
+                        **settings)

@@ -71,6 +71,8 @@ CHAINED = ("a target verified as chains (recurrent / convolution state layers, o
 class GenerationOutput:
     sequences: torch.Tensor  # (1, prompt + new) long
     stats: GenerationStats
+    # (new, V) the target's raw logits that predicted each new token (`output_logits=True`; else None)
+    logits: torch.Tensor | None = None
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -152,6 +154,13 @@ class Row:
         self.observing = []  # the last step's (start mark, end mark, its share) of its drafter's learning, unread
         self.finished = False
         self.began = 0.0  # perf_counter when its prefill began
+        self.kept_logits: list[torch.Tensor] | None = [] if config.output_logits else None  # (C, V) a step's chunk
+
+    def output(self) -> GenerationOutput:
+        """Its sequence, statistics and (where kept) the logits of its new tokens."""
+        logits = None if self.kept_logits is None else torch.cat(self.kept_logits).float() if self.kept_logits else \
+            torch.zeros(0, 0)  # float32, as transformers' output_logits
+        return GenerationOutput(self.committed[None], self.stats, logits)
 
     @property
     def prefix_len(self) -> int:
@@ -220,12 +229,15 @@ class Row:
             self.feature = result.accepted_hidden()[-1]  # (H,) at the last accepted token
         self.observing.append((start, phases.mark(), 1.0))  # read at the next readout (drafting = the tree + observing)
 
-    def emit(self, emitted: torch.Tensor, readout: StepReadout, drafted: int, draft_s: float, verify_s: float
-             ) -> tuple[torch.Tensor, bool, tuple[int, int, float, float]]:
+    def emit(self, emitted: torch.Tensor, readout: StepReadout, drafted: int, draft_s: float, verify_s: float,
+             logits: torch.Tensor | None = None) -> tuple[torch.Tensor, bool, tuple[int, int, float, float]]:
         """5. Cut the (A + 1,) accepted tokens + bonus at EOS / stop string / max_new_tokens; returns (the
-        emitted chunk (C,), whether the row ends with it, what its depth control observes)."""
+        emitted chunk (C,), whether the row ends with it, what its depth control observes). logits: (A + 1, V) the
+        rows that predicted them, kept where the row keeps its logits."""
         end, finished = self.stopper.cut(readout.emitted)
         chunk = emitted[:end] if end < emitted.shape[0] else emitted
+        if self.kept_logits is not None:
+            self.kept_logits.append(logits[:end])
         if readout.siblings > (self.siblings or 0):  # rejection sampling tries this many from the next step on
             self.siblings = readout.siblings
         self.committed = torch.cat([self.committed, chunk])
@@ -354,6 +366,11 @@ class Generation:
         return self._one().committed[None]  # (1, T)
 
     @property
+    def logits(self) -> torch.Tensor | None:
+        """(new, V) float32: the target's raw logits that predicted each new token so far (`output_logits=True`)."""
+        return self._one().output().logits
+
+    @property
     def config(self) -> SpecConfig:
         """The settings as resolved for this sequence (defaults and generation_config filled in)."""
         return self._one().config
@@ -366,7 +383,7 @@ class Generation:
         """Run to the end: the output of the sequence (a list, one per row, for a batch)."""
         for _ in self:
             pass
-        outputs = [GenerationOutput(row.committed[None], row.stats) for row in self.rows]
+        outputs = [row.output() for row in self.rows]
         return outputs[0] if self.single else outputs
 
     def _one(self) -> Row:
@@ -680,7 +697,10 @@ class Generation:
             draft_s = sum(phases.seconds(start, end) * share for start, end, share in spans[i]) + allocate_s \
                 + row.settle_observing(phases)
             row.learn(Verification(roots[i], tree, logits[i], accepted[i], bonuses[i], hidden[i], readouts[i]), phases)
-            results.append(row.emit(emitted[i], readouts[i], len(tree), draft_s, verify_s))
+            # the rows of [root] + nodes that predicted the emitted tokens: the root's, then each accepted node's
+            kept = logits[i][torch.cat([accepted[i].new_zeros(1), accepted[i] + 1])] if row.kept_logits is not None \
+                else None  # (A + 1, V)
+            results.append(row.emit(emitted[i], readouts[i], len(tree), draft_s, verify_s, kept))
         _learned_together(rows, phases)
         return results
 

@@ -256,7 +256,7 @@ class LaneGenerations:
         """Run to the end: one output per request, in their order."""
         for _ in self:
             pass
-        return [GenerationOutput(row.committed[None], row.stats) for row in self.rows]
+        return [row.output() for row in self.rows]
 
 
 def stream(
