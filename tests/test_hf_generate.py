@@ -79,7 +79,7 @@ class Never(StoppingCriteria):
 @pytest.mark.parametrize("kwargs,named", [
     (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor"),
     (dict(stopping_criteria=StoppingCriteriaList([Never()])), "Never"),
-    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(budget=0), "budget"),
 ])
 def test_what_it_would_not_apply_is_refused_by_name(pair, kwargs, named):
@@ -124,6 +124,28 @@ def test_output_logits_are_transformers_own(pair):
         ranks = (out.logits > out.logits.gather(1, out.new_tokens[:, None])).sum(1)  # how many logits beat the token
         assert bool((ranks < 5).all())  # within the top 5 of the row that predicted it
     assert opttree.generate(target, enc.input_ids, draft, max_new_tokens=4).logits is None
-    with pytest.raises(ValueError, match="output_logits for one sequence, not a batch"):
+    with pytest.raises(ValueError, match="output_logits / output_scores for one sequence, not a batch"):
         target.generate(**{k: v.expand(2, -1) for k, v in enc.items()}, custom_generate=opttree.custom_generate,
                         **settings)
+
+
+@pytest.mark.parametrize("settings", [dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3),
+                                      dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05)])
+def test_output_scores_are_transformers_own(pair, settings):
+    """generate's scores: each new token's logits through the processors (with its own context) and, sampling, the
+    warpers; greedy, the same tokens, so the scores of transformers' own run."""
+    target, draft, tok, enc = pair
+    common = dict(max_new_tokens=20, output_scores=True, output_logits=True, return_dict_in_generate=True, **settings)
+    ours = target.generate(**enc, custom_generate=opttree.custom_generate, assistant_model=draft, budget=6, seed=3,
+                           **common)
+    if settings["do_sample"]:  # transformers draws other tokens: its scores for ours, warped as it warps them
+        warpers = target._get_logits_processor(target.generation_config.__class__(**settings))
+        expected = [warpers(None, logits) for logits in ours.logits]
+    else:
+        own = target.generate(**enc, **common)
+        assert torch.equal(ours.sequences, own.sequences)
+        expected = own.scores
+    assert len(ours.scores) == len(expected) == 20
+    torch.testing.assert_close(torch.cat(ours.scores), torch.cat(expected), rtol=0, atol=2e-4)
+    assert not torch.equal(torch.cat(ours.scores), torch.cat(ours.logits))  # processed: not the raw logits
+    assert bool(torch.isinf(torch.cat(ours.scores)).any()) == settings["do_sample"]  # warped: filtered tokens -inf

@@ -38,7 +38,7 @@ from .step.lean import Rider, float32_attention, lean_forward
 from .step.policies import TreePolicy
 from .step.policies.rows import build_listed, listed_groups
 from .step.rope import rope_switch
-from .step.sampling import PositionNoise
+from .step.sampling import PositionNoise, warp_logits
 from .step.tree import DraftTree
 from .step.verify import HostMatch, StepReadout, TreeVerifier, Verification, accept_path, target_choice
 
@@ -73,6 +73,8 @@ class GenerationOutput:
     stats: GenerationStats
     # (new, V) the target's raw logits that predicted each new token (`output_logits=True`; else None)
     logits: torch.Tensor | None = None
+    # (new, V) those logits processed and warped as generate's scores are (`output_scores=True`; else None)
+    scores: torch.Tensor | None = None
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -154,13 +156,28 @@ class Row:
         self.observing = []  # the last step's (start mark, end mark, its share) of its drafter's learning, unread
         self.finished = False
         self.began = 0.0  # perf_counter when its prefill began
-        self.kept_logits: list[torch.Tensor] | None = [] if config.output_logits else None  # (C, V) a step's chunk
+        keeps = config.output_logits or config.output_scores
+        self.kept_logits: list[torch.Tensor] | None = [] if keeps else None  # (C, V) a step's chunk's logits
 
     def output(self) -> GenerationOutput:
-        """Its sequence, statistics and (where kept) the logits of its new tokens."""
-        logits = None if self.kept_logits is None else torch.cat(self.kept_logits).float() if self.kept_logits else \
-            torch.zeros(0, 0)  # float32, as transformers' output_logits
-        return GenerationOutput(self.committed[None], self.stats, logits)
+        """Its sequence, statistics and (where kept) the logits and scores of its new tokens."""
+        if self.kept_logits is None:
+            return GenerationOutput(self.committed[None], self.stats)
+        logits = torch.cat(self.kept_logits).float() if self.kept_logits else torch.zeros(0, 0)  # float32, as theirs
+        scores = None
+        if self.config.output_scores:
+            scores = torch.stack([self._scores(t, row) for t, row in enumerate(logits)]) if len(logits) else logits
+        return GenerationOutput(self.committed[None], self.stats, logits if self.config.output_logits else None,
+                                scores)
+
+    def _scores(self, t: int, logits: torch.Tensor) -> torch.Tensor:
+        """(V,) generate's score of the t-th new token: its raw logits through the processors, with its context (the
+        sequence before it), then the warpers where it samples."""
+        context = self.committed[: self.prompt_len + t][None]  # (1, T + t)
+        scores = logits[None].to(self.committed.device, copy=True)  # (1, V): processors may write in place
+        for processor in self.processors:
+            scores = processor(context, scores)
+        return scores[0] if self.config.greedy else warp_logits(scores[0], self.config.warp)
 
     @property
     def prefix_len(self) -> int:
@@ -365,10 +382,9 @@ class Generation:
     def sequences(self) -> torch.Tensor:
         return self._one().committed[None]  # (1, T)
 
-    @property
-    def logits(self) -> torch.Tensor | None:
-        """(new, V) float32: the target's raw logits that predicted each new token so far (`output_logits=True`)."""
-        return self._one().output().logits
+    def output(self) -> GenerationOutput:
+        """The sequence's output so far: sequences, statistics, and the logits and scores where kept."""
+        return self._one().output()
 
     @property
     def config(self) -> SpecConfig:

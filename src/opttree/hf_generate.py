@@ -29,7 +29,7 @@ from .stats import GenerationStats
 # (the cache: `past_key_values` before transformers 5.24, `cache` from 5.24)
 IGNORED_MODEL_KWARGS = ("use_cache", "attention_mask", "past_key_values", "cache", "cache_position", "position_ids",
                         "logits_to_keep")
-UNSUPPORTED_OUTPUTS = ("output_scores", "output_attentions", "output_hidden_states")
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
 def from_generate_call(name: str):
@@ -68,18 +68,20 @@ class CustomGenerate:
             raise ValueError("opttree's custom_generate starts from the prompt: pass no filled cache (past_key_values)")
         asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
         if asked:
-            raise ValueError(f"opttree's custom_generate returns the sequences (and output_logits), not {asked}")
+            raise ValueError(f"opttree's custom_generate returns the sequences, logits and scores, not {asked}")
         options = dict(tree=tree, drafter=drafter, budget=budget, delta=delta, max_depth=max_depth,
                        draft_temperature=draft_temperature, draft_window=draft_window, datastore=datastore, head=head,
                        early_exit=early_exit, depth_control=depth_control, length_predictor=length_predictor)
         options = {k: v for k, v in options.items() if v is not None}
         options.update(sampling_settings(logits_processor, bool(generation_config.do_sample)))
         options["num_return_sequences"] = 1  # transformers has repeated the prompts already
-        logits_out = bool(generation_config.output_logits and generation_config.return_dict_in_generate)
-        if logits_out and input_ids.shape[0] > 1:
-            raise ValueError("opttree's custom_generate returns output_logits for one sequence, not a batch (a row "
-                             "that ends early has no logits for the steps after): generate the rows one at a time")
-        options["output_logits"] = logits_out
+        outputs = {name: bool(getattr(generation_config, name) and generation_config.return_dict_in_generate)
+                   for name in ("output_logits", "output_scores")}
+        if any(outputs.values()) and input_ids.shape[0] > 1:
+            raise ValueError("opttree's custom_generate returns output_logits / output_scores for one sequence, not a "
+                             "batch (a row that ends early has none for the steps after): generate the rows one at a "
+                             "time")
+        options.update(outputs)
         stopping = stopping_settings(stopping_criteria, input_ids.shape[-1])
         rules = Rules(per_node_processors(logits_processor), stopping["eos_token_id"])
         if "max_time" in stopping:
@@ -101,9 +103,11 @@ class CustomGenerate:
                 streamer.end()
             self.stats = run.stats
             sequences = run.sequences.to(input_ids.device)
-        if generation_config.return_dict_in_generate:  # logits: a (1, V) tensor a new token, as transformers'
-            logits = tuple(row[None].to(input_ids.device) for row in run.logits) if logits_out else None
-            return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)
+        if generation_config.return_dict_in_generate:  # logits, scores: a (1, V) tensor a new token, as transformers'
+            out = run.output() if any(outputs.values()) else None  # (one sequence: `run` is its generation)
+            device = input_ids.device
+            return GenerateDecoderOnlyOutput(sequences=sequences, logits=_per_token(out and out.logits, device),
+                                             scores=_per_token(out and out.scores, device))
         return sequences
 
 
@@ -131,6 +135,11 @@ class CustomGenerate:
         for row, out in zip(new, outs):
             row[: out.stats.new_tokens] = out.new_tokens.to(input_ids.device)
         return torch.cat([input_ids, new], dim=1)
+
+
+def _per_token(rows: torch.Tensor | None, device) -> tuple | None:
+    """(new, V) -> a (1, V) tensor a new token, as generate returns logits and scores."""
+    return None if rows is None else tuple(row[None].to(device) for row in rows)
 
 
 def _own_positions(positions: torch.Tensor, input_ids: torch.Tensor, mask) -> bool:

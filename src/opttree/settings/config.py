@@ -125,6 +125,7 @@ class SpecConfig:
     depth_control: str = "delta"  # how deep each step drafts: delta | fixed | thompson | predictor (opttree.step.depth)
     length_predictor: str | None = None  # folder of `opttree train length-predictor`, for depth_control="predictor"
     output_logits: bool = False  # keep the target's raw logits of every new token (GenerationOutput.logits)
+    output_scores: bool = False  # ... and generate's scores of them (processed, warped: GenerationOutput.scores)
     # The static path: the target's tree forwards have one shape (the tree padded to the budget, keys over a
     # preallocated cache compacted in place), what torch.compile and CUDA graphs need (`opttree.compile_model`).
     # None = on for a target compiled by `compile_model`, else off (`opttree.speculator.use_static`)
@@ -169,8 +170,9 @@ class SpecConfig:
             raise ValueError(f"children must be one of {', '.join(CHILDREN)}, got {self.children!r}")
         if self.depth_control not in DEPTH_CONTROL_NAMES:
             raise ValueError(f"depth_control must be one of {', '.join(DEPTH_CONTROL_NAMES)}, got {self.depth_control!r}")
-        if not isinstance(self.output_logits, bool):
-            raise ValueError(f"output_logits must be True or False, got {self.output_logits!r}")
+        for name in ("output_logits", "output_scores"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.static is not None and not isinstance(self.static, bool):
             raise ValueError(f"static must be True, False or None (automatic), got {self.static!r}")
         if self.acceptance is not None:
