@@ -194,6 +194,8 @@ def test_num_return_sequences_samples_each_prompt_that_many_times():
         opttree.generate(target, batch[0], num_return_sequences=2, max_new_tokens=NEW)
     with pytest.raises(ValueError, match="num_return_sequences must be an integer >= 1, got 0.5"):
         opttree.generate(target, batch[0], num_return_sequences=0.5, **options)
+    with pytest.raises(ValueError, match="num_return_sequences must be an integer >= 1, got 0"):
+        opttree.generate(target, batch[0], num_return_sequences=0, **options)
 
 
 def test_a_list_of_one_prompt_is_that_prompt_and_a_list_of_requests_is_a_batch():

@@ -303,7 +303,8 @@ def _prepared(target, input_ids, draft, tokenizer, eos_token_id, stop, logits_pr
               ) -> tuple[Speculator, Request | list[Request], torch.Tensor | None]:
     """`stream`'s and `generate`'s arguments as (speculator, the request or a list of them, one prompt's mask)."""
     copies = options.pop("num_return_sequences", None)
-    copies = copies or (generation_config or target.generation_config).num_return_sequences or 1
+    if copies is None:  # (0 is the caller's, and refused below)
+        copies = (generation_config or target.generation_config).num_return_sequences or 1
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise ValueError(f"num_return_sequences must be an integer >= 1, got {copies!r}")
     input_ids, mask = _repeated(*prompt_and_mask(input_ids), copies)

@@ -47,7 +47,7 @@ def warp_logits(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     scores = as_float32(logits) / warp.temperature if warp.temperature != 1 else as_float32(logits)
     if not warp.filters:
         return scores
-    before, after = hf_warpers(warp, str(scores.device)) if warp.transformers_own else ([], [])
+    before, after = hf_warpers(warp, str(scores.device))  # (none set: two empty lists)
     scores = _apply(before, scores)
     if 0 < warp.top_k < scores.shape[-1]:
         kth = scores.topk(warp.top_k, dim=-1).values[..., -1:]  # (..., 1)
