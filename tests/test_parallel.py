@@ -156,6 +156,9 @@ def test_sharded_server_answers_the_openai_client_and_stops_cleanly(pair, tmp_pa
         _, _, tok = pair
         expected = tok.decode(greedy_reference(pair, PROMPT, 24), skip_special_tokens=True)
         assert client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text == expected
+        scored = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=2).choices[0]
+        assert "".join(scored.logprobs.tokens) == scored.text == expected  # rank 0's row keeps its logits
+        assert all(max(top.values()) == lp for top, lp in zip(scored.logprobs.top_logprobs, scored.logprobs.token_logprobs))
         stream = client.completions.create(model="m", prompt="import os\n", max_tokens=200, temperature=0, stream=True)
         next(iter(stream))
         stream.close()  # abandoned: every rank drops the generation, and the next request is served

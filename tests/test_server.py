@@ -59,6 +59,11 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
+def tokens(job) -> list[int]:
+    """Every token a job's chunks bring (waiting for them)."""
+    return [t for chunk in job.chunks() for t in chunk.ids]
+
+
 def reference(pair, prompt_ids, n, **kw) -> list[int]:
     target, draft, _ = pair
     return opttree.generate(target, prompt_ids, draft, max_new_tokens=n, **TREE, **kw).new_tokens.tolist()
@@ -124,9 +129,86 @@ def test_chat_needs_a_template_and_uses_it(pair, client):
     assert "".join(p.choices[0].delta.content or "" for p in parts) == out.choices[0].message.content
 
 
+def teacher_forced(target, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """(len(answer), V) the target's log-probabilities at each answer token, from one forward over prompt + answer."""
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_the_targets_raw_log_probabilities_at_each_token(pair, client, temperature):
+    """Completions' `logprobs=k`: each token's log-probability under the target's raw logits (before temperature,
+    as vLLM reports them), the k likeliest with the chosen one, the offsets of the tokens' text; the same streamed."""
+    target, _, tok = pair
+    prompt = tok(PROMPT, add_special_tokens=False).input_ids
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=temperature, seed=11, logprobs=3)
+    out = client.completions.create(**ask).choices[0]
+    lp = out.logprobs
+    answer = reference(pair, [prompt], 24, temperature=temperature, seed=11)  # its tokens: the library's, seeded alike
+    assert tok.decode(answer) == out.text
+    assert "".join(lp.tokens) == out.text and len(lp.tokens) == len(lp.token_logprobs) == 24
+    assert [len("".join(lp.tokens[:i])) for i in range(24)] == lp.text_offset
+    forced = teacher_forced(target, prompt, answer)  # (24, V)
+    assert torch.allclose(torch.tensor(lp.token_logprobs), forced.gather(1, torch.tensor(answer)[:, None])[:, 0],
+                          atol=1e-4)
+    for top, ref in zip(lp.top_logprobs, forced):
+        best = ref.topk(3)
+        assert {tok.decode([t]): v for t, v in zip(best.indices.tolist(), best.values.tolist())}.keys() <= top.keys()
+        assert torch.allclose(torch.tensor(sorted(top.values(), reverse=True)[:3]), best.values, atol=1e-4)
+    if temperature == 0:  # greedy: the chosen token is the likeliest
+        assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    parts = list(client.completions.create(**ask, stream=True))
+    streamed = [p.choices[0].logprobs for p in parts if p.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_logprobs_stop_with_the_text_at_a_stop_string(client):
+    """A token is reported once its text begins in the answer: at a stop string, none after the text's end."""
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=32, temperature=0, logprobs=0)
+    whole = client.completions.create(**ask).choices[0]
+    stop = whole.text[10:13]
+    out = client.completions.create(**ask, stop=stop).choices[0]
+    tokens, offsets = out.logprobs.tokens, out.logprobs.text_offset
+    assert out.text == whole.text[: whole.text.index(stop)]
+    assert "".join(tokens).startswith(out.text) and offsets[-1] < len(out.text) <= offsets[-1] + len(tokens[-1])
+    assert tokens == whole.logprobs.tokens[: len(tokens)]
+    assert all(len(top) == 1 for top in out.logprobs.top_logprobs)  # logprobs=0: the chosen token's alone
+    parts = client.completions.create(**ask, stop=[stop], stream=True)
+    assert sum((p.choices[0].logprobs.tokens for p in parts if p.choices[0].logprobs), []) == tokens
+
+
+def test_chat_logprobs_in_the_chat_format(pair):
+    target, draft, tok = pair
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = CHAT_TEMPLATE
+    chat = openai.OpenAI(base_url=start(Server(target, draft, tok, TREE, model_name="demo")) + "/v1", api_key="none",
+                         max_retries=0)
+    ask = dict(model="demo", messages=[{"role": "user", "content": "fibonacci"}], max_tokens=12, temperature=0)
+    plain = chat.chat.completions.create(**ask).choices[0]
+    assert plain.logprobs is None
+    out = chat.chat.completions.create(**ask, logprobs=True, top_logprobs=2).choices[0]
+    assert out.message.content == plain.message.content
+    content = out.logprobs.content
+    assert "".join(t.token for t in content) == out.message.content
+    assert all(bytes(t.bytes).decode() == t.token and len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob for t in content)  # greedy
+    assert [t.top_logprobs == [] for t in chat.chat.completions.create(**ask, logprobs=True).choices[0].logprobs.content]
+    parts = chat.chat.completions.create(**ask, logprobs=True, top_logprobs=2, stream=True)
+    streamed = sum((p.choices[0].logprobs.content for p in parts if p.choices and p.choices[0].logprobs), [])
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        chat.chat.completions.create(**ask, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        chat.chat.completions.create(**ask, logprobs=True, top_logprobs=21)
+    assert err.value.body["param"] == "top_logprobs"
+
+
 @pytest.mark.parametrize("kwargs,param", [
     (dict(n=2), "n"), (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(extra_body={"frobnicate": 1}), "frobnicate"), (dict(logprobs=2), "logprobs"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate"), (dict(logprobs=21), "logprobs"),
     (dict(max_tokens=5000), None),  # past the context window
     (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"top_k": -2}), "top_k"),
 ])
@@ -423,7 +505,7 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
         jobs = [server.start(CompletionRequest(**ask))[0] for ask in asks]
-    answers = [[t for chunk in job.chunks() for t in chunk] for job in jobs]
+    answers = [tokens(job) for job in jobs]
     for ask, job, answer in zip(asks, jobs, answers):
         ids = tok(ask["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
         sampling = dict(temperature=ask["temperature"], seed=ask["seed"]) if ask["temperature"] else {}
@@ -485,7 +567,7 @@ def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pa
     server.batcher.on_step = lambda *a: (lanes.append(server.batches()), observe(*a))
     with server.batcher.changed:
         jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0] for p in prompts]
-    answers = [[t for chunk in job.chunks() for t in chunk] for job in jobs]
+    answers = [tokens(job) for job in jobs]
     for prompt, answer in zip(prompts, answers):
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         assert answer == reference(pair, ids, 12)
@@ -525,7 +607,7 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
         join(lane, jobs, *a))[1])
     with server.batcher.changed:  # the batcher takes it only once it is known here (and the patches are in place)
         alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0]
-    answer = [t for chunk in alone.chunks() for t in chunk]
+    answer = tokens(alone)
     assert joined_after == [True] and first.complete and second.complete
     ids = tok(long_prompt, return_tensors="pt", add_special_tokens=False).input_ids
     assert answer == reference(pair, ids, 8)
@@ -546,12 +628,12 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
     long.close()
     with pytest.raises(RuntimeError, match="prefill failed"):
         list(broken.chunks())
-    answer = [t for chunk in fine.chunks() for t in chunk]
+    answer = tokens(fine)
     ids = tok(CODE_PROMPTS[2], return_tensors="pt", add_special_tokens=False).input_ids
     assert answer == reference(pair, ids, 24) and fine.complete
     assert not long.complete and long.stats.new_tokens < 400 and not broken.complete
     again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0]
-    assert len([t for chunk in again.chunks() for t in chunk]) == 5 and server.running() == 0
+    assert len(tokens(again)) == 5 and server.running() == 0
 
 
 def test_the_scheduler_survives_an_error_of_its_own(pair):
@@ -574,7 +656,7 @@ def test_the_scheduler_survives_an_error_of_its_own(pair):
         with pytest.raises(RuntimeError, match="observer broke"):
             list(job.chunks())
     later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0]
-    assert len([t for chunk in later.chunks() for t in chunk]) == 6 and later.complete
+    assert len(tokens(later)) == 6 and later.complete
 
 
 def test_serve_sizes_the_batchs_trees_unless_a_budget_is_given(pair, monkeypatch):
@@ -644,7 +726,7 @@ def test_only_a_sampled_request_without_a_seed_may_decode_plainly_in_a_sized_bat
     jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0]
             for ask in ({"temperature": 1.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0})]
     for job in jobs:
-        assert 1 <= sum(len(chunk) for chunk in job.chunks()) <= 3  # (a sampled text may end early: its EOS)
+        assert 1 <= len(tokens(job)) <= 3  # (a sampled text may end early: its EOS)
     assert built == [(1.0, False), (1.0, True), (0.0, False)]  # greedy: no draws, the same text either way
     assert [job.row.sized for job in jobs] == [True, False, True]  # greedy rows are sized as before
 
@@ -656,17 +738,18 @@ def test_a_whole_answer_takes_every_chunk_once_its_row_ends():
 
     job = BatchJob(row=None, expired=threading.Event(), batcher=None)
     got = []
-    reader = threading.Thread(target=lambda: got.append(job.result()))
+    reader = threading.Thread(target=lambda: got.append(job.result()), daemon=True)
     reader.start()
     for chunk in ([1, 2], [3], [4, 5, 6]):
-        job.put(chunk)
+        job.put(torch.tensor(chunk))
     time.sleep(0.05)
     assert not got  # still waiting: the row has not ended
     job.end(complete=True)
     reader.join(5)
-    assert got == [[[1, 2], [3], [4, 5, 6]]] and job.complete
+    assert [[chunk.ids for chunk in chunks] for chunks in got] == [[[1, 2], [3], [4, 5, 6]]] and job.complete
+    assert all(chunk.logprobs is None for chunk in got[0])  # none asked
     failed = BatchJob(row=None, expired=threading.Event(), batcher=None)
-    failed.put([7])
+    failed.put(torch.tensor([7]))
     failed.end(error=RuntimeError("the step failed"))
     with pytest.raises(RuntimeError, match="the step failed"):
         failed.result()

@@ -170,6 +170,13 @@ class Row:
         return GenerationOutput(self.committed[None], self.stats, logits if self.config.output_logits else None,
                                 scores)
 
+    def pop_logits(self) -> torch.Tensor:
+        """(C, V) the raw logits of the tokens emitted since the last call (kept where `output_logits` asked them),
+        no longer kept: a server's request reads them chunk by chunk."""
+        logits = torch.cat(self.kept_logits) if self.kept_logits else torch.zeros(0, 0)
+        self.kept_logits.clear()
+        return logits
+
     def _scores(self, t: int, logits: torch.Tensor) -> torch.Tensor:
         """(V,) generate's score of the t-th new token: its raw logits through the processors, with its context (the
         sequence before it), then the warpers where it samples."""

@@ -47,10 +47,11 @@ class Request:
     seed: int | None = None
     stop: str | Sequence[str] | None = None  # stop strings (they need the speculator's tokenizer)
     logits_processor: object = None  # added to the generation_config's processors, as generate's argument
+    output_logits: bool | None = None  # keep the raw logits of its new tokens (GenerationOutput.logits)
 
     def settings(self) -> dict:
         """The SpecConfig fields this request sets."""
-        names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
+        names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "output_logits")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import prometheus_client as prom
 import uvicorn
@@ -39,6 +39,7 @@ from ..speculator import Speculator
 from ..text import TextStream
 from ..threads import release_openmp_threads
 from .batcher import Batcher, BatchJob
+from .logprobs import MAX_TOP_LOGPROBS, AnswerLogprobs, Chunk, chunk_of
 from .ranks import Call, Leader
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
@@ -92,7 +93,6 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -111,11 +111,14 @@ class SamplingFields(BaseModel):
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """The likeliest tokens to report at each new token with its log-probability; None: no log-probabilities."""
+        return None
+
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise OpenAIError(400, f"n={self.n}: opttree returns one choice per request (n=1)", "n")
-        if self.logprobs not in (None, False, 0):
-            raise OpenAIError(400, "logprobs are not supported by opttree serve", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise OpenAIError(400, f"{name} is not supported (it would change the target's distribution)", name)
@@ -132,6 +135,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # 0: the chosen tokens' alone
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -142,6 +150,14 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 @dataclass
@@ -278,20 +294,23 @@ class Server:
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        top = req.top_logprobs_asked
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
                         top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=seed)
+        if top is not None:  # log-probabilities: its row keeps its logits
+            sampling["output_logits"] = True
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
             if self.leader:
                 run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
-                return Job(run, self.turns, self.expired, lambda: self.discard(run)), ids  # its turn taken now
+                return Job(run, self.turns, self.expired, lambda: self.discard(run), top), ids  # its turn taken now
             sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
             # a sampled request that named no seed may decode plainly on the steps where the batch is faster so
             row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
                                                                     reproducible=req.seed is not None)
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
-        job = BatchJob(row, self.expired, self.batcher)
+        job = BatchJob(row, self.expired, self.batcher, top)
         self.batcher.submit(job)
         return job, ids
 
@@ -367,8 +386,10 @@ class Job:
     """One request's generation: decoded in its turn; stops at the next step once cancelled (the client
     left) or once the server's shutdown grace has run out."""
 
-    def __init__(self, run, turns: Turns, expired: threading.Event, discard: Callable[[], None] = lambda: None):
+    def __init__(self, run, turns: Turns, expired: threading.Event, discard: Callable[[], None] = lambda: None,
+                 logprobs: int | None = None):
         self.run, self.turns, self.expired, self.discard = run, turns, expired, discard
+        self.logprobs = logprobs  # the likeliest tokens to report at each new token; None: no log-probabilities
         self.ticket = turns.join()
         self.cancelled = threading.Event()
         self.complete = False  # the generation ran to its end (length, EOS or stop)
@@ -381,18 +402,18 @@ class Job:
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self.expired.is_set()
 
-    def result(self) -> list[list[int]]:
+    def result(self) -> list[Chunk]:
         """Every chunk: this thread decodes them in its turn."""
         return list(self.chunks())
 
-    def chunks(self) -> Iterator[list[int]]:
+    def chunks(self) -> Iterator[Chunk]:
         if not self.turns.wait(self.ticket, self.stopped):
             return
         self.waited_s = time.perf_counter() - self.joined
         steps = iter(self.run)
         try:
             for chunk in steps:
-                yield chunk.tolist()
+                yield chunk_of(chunk, self.run.row, self.logprobs)
                 if self.stopped():
                     return
             self.complete = True
@@ -439,12 +460,16 @@ class Completion:
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created, self.began = int(time.time()), time.perf_counter()
 
-    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+    def choice(self, text: str | None, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = ({"role": "assistant", "content": text} if text is not None else {}) if delta else \
             {"role": "assistant", "content": text}
-        return {"index": 0, ("delta" if delta else "message"): body, "finish_reason": finish}
+        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self) -> AnswerLogprobs | None:
+        """Where the request asked for log-probabilities, what reports them as its text is sent."""
+        return None if self.req.top_logprobs_asked is None else AnswerLogprobs(self.server.tokenizer, self.chat)
 
     def usage(self) -> dict:
         n = self.job.stats.new_tokens
@@ -475,9 +500,14 @@ class Completion:
         if not job.complete:
             self.done("503")
             return _error(503, SHUT_DOWN, kind="server_error")
-        text = TextStream(self.server.tokenizer, self.req.stop_list).push([t for c in chunks for t in c], final=True)
+        ids = [t for chunk in chunks for t in chunk.ids]
+        text = TextStream(self.server.tokenizer, self.req.stop_list).push(ids, final=True)
+        logprobs = self.logprobs()
+        for chunk in chunks if logprobs else ():
+            logprobs.add(chunk.logprobs)
+        choice = self.choice(text, self.finish_reason(), delta=False, logprobs=logprobs and logprobs.report(len(text)))
         answer = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.server.model_name,
-                  "choices": [self.choice(text, self.finish_reason(), delta=False)], "usage": self.usage()}
+                  "choices": [choice], "usage": self.usage()}
         self.done("200")
         return answer
 
@@ -505,7 +535,7 @@ class Completion:
             if chat:
                 yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "finish_reason": None}]})
-            deltas = TextStream(self.server.tokenizer, self.req.stop_list)
+            deltas, logprobs = TextStream(self.server.tokenizer, self.req.stop_list), self.logprobs()
             loop.run_in_executor(self.server.threads, produce)
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
@@ -515,17 +545,21 @@ class Completion:
                 if await self.request.is_disconnected():
                     status = "499"
                     break
-                text = deltas.push(item)
+                text = deltas.push(item.ids)
+                if logprobs is not None:
+                    logprobs.add(item.logprobs)
                 if text:
-                    yield event({**header, "choices": [self.choice(text, None, delta=True)]})
+                    reported = logprobs and logprobs.report(deltas.sent)
+                    yield event({**header, "choices": [self.choice(text, None, delta=True, logprobs=reported)]})
             else:
                 if not job.complete:
                     status = "503"
                     yield event({"error": {"message": SHUT_DOWN, "type": "server_error"}})
                     return
                 tail = deltas.push([], final=True)
+                reported = logprobs and logprobs.report(deltas.sent)
                 last = {**header, "choices": [self.choice(tail or None if chat else tail, self.finish_reason(),
-                                                          delta=True)]}
+                                                          delta=True, logprobs=reported)]}
                 if self.req.stream_options and self.req.stream_options.get("include_usage"):
                     last["usage"] = self.usage()
                 yield event(last)

@@ -12,9 +12,12 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
+import torch
+
 from ..batch_sizing import fits
 from ..engine import Allocator, Generation, Row, check_batchable, prefill_groups
 from ..threads import release_openmp_threads
+from .logprobs import Chunk, chunk_of
 
 _END = object()  # a job's queue: no more chunks
 
@@ -27,8 +30,9 @@ def job_groups(jobs: list["BatchJob"]) -> list[list["BatchJob"]]:
 class BatchJob:
     """One request's place in the batch: its row and the chunks the scheduler hands it."""
 
-    def __init__(self, row: Row, expired: threading.Event, batcher: "Batcher"):
+    def __init__(self, row: Row, expired: threading.Event, batcher: "Batcher", logprobs: int | None = None):
         self.row, self.expired, self.batcher = row, expired, batcher
+        self.logprobs = logprobs  # the likeliest tokens to report at each new token; None: no log-probabilities
         self.cancelled = threading.Event()
         self.complete = False  # the row ran to its end (length, EOS or stop)
         self.joined, self.waited_s = time.perf_counter(), None  # seconds before it joined the batch, once it did
@@ -42,14 +46,14 @@ class BatchJob:
     def stopped(self) -> bool:
         return self.cancelled.is_set() or self.expired.is_set()
 
-    def chunks(self) -> Iterator[list[int]]:
+    def chunks(self) -> Iterator[Chunk]:
         """The row's chunks as the scheduler emits them; ends when the row does (an error is raised here)."""
         while (item := self._chunks.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
             yield item
 
-    def result(self) -> list[list[int]]:
+    def result(self) -> list[Chunk]:
         """Every chunk, once the row has ended: its thread wakes once, not at every step (on a 2-core CPU the
         batch's forward shares the cores with whatever wakes)."""
         self._ended.wait()
@@ -59,8 +63,9 @@ class BatchJob:
         """Stop: a waiting request leaves the line now, a running one the batch before its next step."""
         self.batcher.withdraw(self)
 
-    def put(self, chunk: list[int]) -> None:
-        self._chunks.put(chunk)
+    def put(self, chunk: torch.Tensor) -> None:
+        """The (C,) tokens its row emitted this step."""
+        self._chunks.put(chunk_of(chunk, self.row, self.logprobs))
 
     def end(self, complete: bool = False, error: BaseException | None = None) -> None:
         self.complete = complete
@@ -120,7 +125,7 @@ class Lane:
         tokens = 0
         for b, chunk in pairs:
             tokens += chunk.shape[0]
-            self.jobs[b].put(chunk.tolist())
+            self.jobs[b].put(chunk)
         on_step(len(pairs), tokens, [self.jobs[b].stats.drafted_tokens - drafted[b] for b, _ in pairs], seconds)
         for b in [b for b in self.jobs if self.run.rows[b].finished]:
             self.jobs.pop(b).end(complete=True)

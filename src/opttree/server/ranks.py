@@ -87,6 +87,11 @@ class SharedRun:
     def stats(self):
         return self.run.stats
 
+    @property
+    def row(self):
+        """Rank 0's row of the generation (its statistics, its kept logits)."""
+        return self.run.rows[0]
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         steps = iter(self.run)
         try:
