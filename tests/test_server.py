@@ -165,11 +165,15 @@ def test_logprobs_are_the_targets_raw_log_probabilities_at_each_token(pair, clie
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
-def test_logprobs_stop_with_the_text_at_a_stop_string(client):
+@pytest.mark.parametrize("where", ["inside a token", "at a token's start"])
+def test_logprobs_stop_with_the_text_at_a_stop_string(client, where):
     """A token is reported once its text begins in the answer: at a stop string, none after the text's end."""
     ask = dict(model="demo", prompt=PROMPT, max_tokens=32, temperature=0, logprobs=0)
     whole = client.completions.create(**ask).choices[0]
     stop = whole.text[10:13]
+    if where == "at a token's start":  # a token of 2+ characters whose text first appears where it begins
+        lp = whole.logprobs
+        stop = next(t for t, at in zip(lp.tokens[3:], lp.text_offset[3:]) if len(t) > 1 and whole.text.index(t) == at)
     out = client.completions.create(**ask, stop=stop).choices[0]
     tokens, offsets = out.logprobs.tokens, out.logprobs.text_offset
     assert out.text == whole.text[: whole.text.index(stop)]
