@@ -167,6 +167,8 @@ def test_sharded_server_answers_the_openai_client_and_stops_cleanly(pair, tmp_pa
         seeded = [client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=1, seed=5).choices[0].text
                   for _ in range(2)]
         assert seeded[0] == seeded[1]
+        two = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=1, seed=5, n=2).choices
+        assert two[0].text == seeded[0] != two[1].text  # choice i seeded with seed + i, each in its turn
         assert client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text == expected
         rank_process(server, 0).send_signal(signal.SIGTERM)  # rank 0 shuts down and releases the others
         assert server.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]

@@ -165,6 +165,36 @@ def test_logprobs_are_the_targets_raw_log_probabilities_at_each_token(pair, clie
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_n_sampled_choices_are_n_rows_each_seeded_as_a_batch_row(pair, client):
+    """`n` sampled choices decode as n rows of the batch, choice i seeded with seed + i (what that seed gives alone);
+    streamed, every choice's events add up to its whole text; usage counts every choice's tokens."""
+    _, _, tok = pair
+    ids = tok(PROMPT, add_special_tokens=False).input_ids
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=5, n=3)
+    out = client.completions.create(**ask)
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert [c.index for c in out.choices] == [0, 1, 2] and len(set(texts)) == 3
+    alone = [reference(pair, [ids], 16, temperature=1.0, seed=5 + i) for i in range(3)]
+    assert texts == [tok.decode(tokens, skip_special_tokens=True) for tokens in alone]
+    assert out.usage.completion_tokens == sum(map(len, alone))
+    parts = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(p.choices[0].text for p in parts if p.choices and p.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    finished = [p.choices[0].index for p in parts if p.choices and p.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2] and parts[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_n_greedy_choices_are_copies_of_one_row(pair, client):
+    _, _, tok = pair
+    ids = tok(PROMPT, add_special_tokens=False).input_ids
+    one = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, n=2, logprobs=1)
+    assert [c.text for c in out.choices] == [one.choices[0].text] * 2
+    assert out.choices[0].text == tok.decode(reference(pair, [ids], 12), skip_special_tokens=True)
+    assert out.choices[0].logprobs.token_logprobs == out.choices[1].logprobs.token_logprobs
+    assert out.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 @pytest.mark.parametrize("where", ["inside a token", "at a token's start"])
 def test_logprobs_stop_with_the_text_at_a_stop_string(client, where):
     """A token is reported once its text begins in the answer: at a stop string, none after the text's end."""
@@ -199,10 +229,18 @@ def test_chat_logprobs_in_the_chat_format(pair):
     assert "".join(t.token for t in content) == out.message.content
     assert all(bytes(t.bytes).decode() == t.token and len(t.top_logprobs) == 2 for t in content)
     assert all(t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob for t in content)  # greedy
-    assert [t.top_logprobs == [] for t in chat.chat.completions.create(**ask, logprobs=True).choices[0].logprobs.content]
+    no_top = chat.chat.completions.create(**ask, logprobs=True).choices[0].logprobs.content
+    assert no_top and all(t.top_logprobs == [] for t in no_top)
     parts = chat.chat.completions.create(**ask, logprobs=True, top_logprobs=2, stream=True)
     streamed = sum((p.choices[0].logprobs.content for p in parts if p.choices and p.choices[0].logprobs), [])
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    sampled = {**ask, "temperature": 1.0, "seed": 3, "n": 2}
+    two = chat.chat.completions.create(**sampled, stream=True)
+    events = [p.choices[0] for p in two if p.choices]
+    assert sorted(e.index for e in events if e.delta.content == "") == [0, 1]  # each choice's first event
+    texts = ["".join(e.delta.content or "" for e in events if e.index == i) for i in (0, 1)]
+    whole = chat.chat.completions.create(**sampled)
+    assert texts == [c.message.content for c in whole.choices] and texts[0] != texts[1]
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         chat.chat.completions.create(**ask, top_logprobs=2)
     with pytest.raises(openai.BadRequestError) as err:
@@ -211,7 +249,8 @@ def test_chat_logprobs_in_the_chat_format(pair):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(n=2), "n"), (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(n=0), "n"), (dict(n=17, temperature=1), "n"),  # past --max-queue (16)
+    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"), (dict(logprobs=21), "logprobs"),
     (dict(max_tokens=5000), None),  # past the context window
     (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"top_k": -2}), "top_k"),
@@ -395,12 +434,12 @@ def test_sampled_requests_get_the_settings_chosen_for_sampling(pair):
     target, draft, tok = pair
     server = Server(target, draft, tok, TREE, model_name="demo",
                     sampled_options=dict(tree="dyspec", budget=3, delta=0.3, drafter="model"))
-    greedy, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
-    sampled, _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
+    (greedy,), _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
+    (sampled,), _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
     assert (greedy.row.config.tree, greedy.row.config.budget) == ("opt", 4)
     assert (sampled.row.config.tree, sampled.row.config.budget, sampled.row.config.children) == ("dyspec", 3, "auto")
     plain = Server(target, draft, tok, TREE, model_name="demo", sampled_options=dict(tree="ar"))
-    job, _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
+    (job,), _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
     assert job.row.config.tree == "ar" and job.row.drafter is None
     assert len(list(job.chunks())) >= 1 and job.complete
 
@@ -508,7 +547,7 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
-        jobs = [server.start(CompletionRequest(**ask))[0] for ask in asks]
+        jobs = [server.start(CompletionRequest(**ask))[0][0] for ask in asks]
     answers = [tokens(job) for job in jobs]
     for ask, job, answer in zip(asks, jobs, answers):
         ids = tok(ask["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
@@ -570,7 +609,7 @@ def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pa
     observe = server.batcher.on_step
     server.batcher.on_step = lambda *a: (lanes.append(server.batches()), observe(*a))
     with server.batcher.changed:
-        jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0] for p in prompts]
+        jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0][0] for p in prompts]
     answers = [tokens(job) for job in jobs]
     for prompt, answer in zip(prompts, answers):
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -592,7 +631,7 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
     server, _ = _batching_server(pair, max_batch=4)
     long_prompt = "".join(CODE_PROMPTS) * 4
     with server.batcher.changed:  # two short ones run together (the long one would not fit their lane)
-        first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0]
+        first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0][0]
                          for p in CODE_PROMPTS[:2])
     next(first.chunks())  # they run
     original, held = engine.check_batchable, {}  # held["job"]: the refused request, once started
@@ -610,7 +649,7 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
         joined_after.append(first.complete and second.complete) if held.get("job") in jobs else None,
         join(lane, jobs, *a))[1])
     with server.batcher.changed:  # the batcher takes it only once it is known here (and the patches are in place)
-        alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0]
+        alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0][0]
     answer = tokens(alone)
     assert joined_after == [True] and first.complete and second.complete
     ids = tok(long_prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -624,11 +663,11 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
 
     target, draft, tok = pair
     server, rows = _batching_server(pair, max_batch=8)
-    long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0]
+    long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0][0]
     next(long.chunks())  # it runs
-    broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0]
+    broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0][0]
     broken.row.drafter.start = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))  # its prefill's first act
-    fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0]
+    fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0][0]
     long.close()
     with pytest.raises(RuntimeError, match="prefill failed"):
         list(broken.chunks())
@@ -636,7 +675,7 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
     ids = tok(CODE_PROMPTS[2], return_tensors="pt", add_special_tokens=False).input_ids
     assert answer == reference(pair, ids, 24) and fine.complete
     assert not long.complete and long.stats.new_tokens < 400 and not broken.complete
-    again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0]
+    again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0][0]
     assert len(tokens(again)) == 5 and server.running() == 0
 
 
@@ -655,11 +694,11 @@ def test_the_scheduler_survives_an_error_of_its_own(pair):
 
     server.batcher.on_step = observer_that_fails_once
     with server.batcher.changed:
-        first = [server.start(CompletionRequest(prompt=p, max_tokens=6, temperature=0))[0] for p in CODE_PROMPTS[:2]]
+        first = [server.start(CompletionRequest(prompt=p, max_tokens=6, temperature=0))[0][0] for p in CODE_PROMPTS[:2]]
     for job in first:
         with pytest.raises(RuntimeError, match="observer broke"):
             list(job.chunks())
-    later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0]
+    later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0][0]
     assert len(tokens(later)) == 6 and later.complete
 
 
@@ -727,7 +766,7 @@ def test_only_a_sampled_request_without_a_seed_may_decode_plainly_in_a_sized_bat
     target, draft, tok = pair
     sizing = SizedBudget(BatchLatency({1: [1.0] * len(WIDTHS), 2: [2.0] * len(WIDTHS)}))
     server = Server(target, draft, tok, TREE, model_name="demo", max_batch=2, batch_budget=sizing)
-    jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0]
+    jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0][0]
             for ask in ({"temperature": 1.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0})]
     for job in jobs:
         assert 1 <= len(tokens(job)) <= 3  # (a sampled text may end early: its EOS)

@@ -92,7 +92,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices: sampled ones decode as rows of their own
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -112,13 +112,16 @@ class SamplingFields(BaseModel):
         return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
 
     @property
+    def rows(self) -> int:
+        """The rows it decodes: its `n` sampled choices, or one whose copies are its greedy choices."""
+        return self.n if self.temperature > 0 else 1
+
+    @property
     def top_logprobs_asked(self) -> int | None:
         """The likeliest tokens to report at each new token with its log-probability; None: no log-probabilities."""
         return None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise OpenAIError(400, f"n={self.n}: opttree returns one choice per request (n=1)", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise OpenAIError(400, f"{name} is not supported (it would change the target's distribution)", name)
@@ -276,7 +279,7 @@ class Server:
         """Batches decoding now (one request at a time: 0 or 1)."""
         return self.batcher.batches() if self.batcher else self.turns.running()
 
-    def start(self, req) -> tuple[BatchJob | Job, list[int]]:
+    def start(self, req) -> tuple[list[BatchJob | Job], list[int]]:
         """Validate a request and queue its generation (errors here are 400s, before anything is sent).
         Checking a new set of settings runs the target here (in the event loop's thread): this thread's
         OpenMP workers are let go after it, as the setup's are."""
@@ -285,7 +288,7 @@ class Server:
         finally:
             release_openmp_threads()
 
-    def _start(self, req) -> tuple[BatchJob | Job, list[int]]:
+    def _start(self, req) -> tuple[list[BatchJob | Job], list[int]]:
         req.refuse_unsupported()
         self.limits.check(req)
         ids = self.prompt_ids(req)
@@ -296,23 +299,26 @@ class Server:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         top = req.top_logprobs_asked
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
-                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=seed)
-        if top is not None:  # log-probabilities: its row keeps its logits
+                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p)
+        if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
+        seeds = [(seed + i) % 2**63 for i in range(req.rows)]  # choice i: seed + i, as a batch of copies is seeded
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
-            if self.leader:
-                run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
-                return Job(run, self.turns, self.expired, lambda: self.discard(run), top), ids  # its turn taken now
+            if self.leader:  # each in its turn, taken now
+                runs = [self.leader.build(Call(ids, with_draft, dict(**sampling, **options, seed=s))) for s in seeds]
+                return [Job(run, self.turns, self.expired, lambda run=run: self.discard(run), top) for run in runs], ids
             sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
             # a sampled request that named no seed may decode plainly on the steps where the batch is faster so
-            row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
-                                                                    reproducible=req.seed is not None)
+            speculator = self._speculator(options, with_draft, sized)
+            rows = [speculator.row(GenerationRequest(ids, **sampling, seed=s), reproducible=req.seed is not None)
+                    for s in seeds]
         except (ValueError, NotImplementedError, TypeError) as err:
             raise OpenAIError(400, str(err)) from None
-        job = BatchJob(row, self.expired, self.batcher, top)
-        self.batcher.submit(job)
-        return job, ids
+        jobs = [BatchJob(row, self.expired, self.batcher, top) for row in rows]
+        for job in jobs:
+            self.batcher.submit(job)
+        return jobs, ids
 
     def _speculator(self, options: dict, with_draft: bool, sized: bool) -> Speculator:
         """The settings checked once per distinct set of them (the greedy, the sampled and the requests' own)."""
@@ -435,109 +441,139 @@ SHUT_DOWN = "the server shut down before the request finished"
 
 
 async def serve(server: Server, request: Request, req, chat: bool):
-    """A completion request: refused when shutting down (503) or when the line is full (429), else in line
-    now, in arrival order, answered whole or as server-sent events."""
+    """A completion request: refused when shutting down (503) or when the line has no room for its rows (429),
+    else in line now, in arrival order, answered whole or as server-sent events."""
     if server.stopping:
         return _error(503, "the server is shutting down", kind="server_error")
-    if server.pending >= server.max_queue:
+    if req.rows > max(server.max_queue, 1):  # (a queue of 0 refuses every request with a 429)
+        raise OpenAIError(400, f"n={req.n} is past this server's limit of {server.max_queue} (--max-queue)", "n")
+    if server.pending + req.rows > server.max_queue:
         return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
                                        "type": "rate_limit_error", "param": None, "code": None}},
                             status_code=429, headers={"Retry-After": "1"})
-    job, ids = server.start(req)
-    server.pending += 1
-    completion = Completion(server, request, req, chat, job, ids)
+    jobs, ids = server.start(req)
+    server.pending += len(jobs)
+    completion = Completion(server, request, req, chat, jobs, ids)
     if not req.stream:
         return await completion.whole()
     return StreamingResponse(completion.events(), media_type="text/event-stream")
 
 
-class Completion:
-    """One admitted request: its job and the fields of its answer; `done` records how it ended."""
+class Answer:
+    """One choice of a request as it is sent: its text so far, its log-probabilities, how it ended."""
 
-    def __init__(self, server: Server, request: Request, req, chat: bool, job, ids: list[int]):
-        self.server, self.request, self.req, self.chat, self.job, self.ids = server, request, req, chat, job, ids
+    def __init__(self, completion: "Completion", index: int, job):
+        self.index, self.job = index, job
+        self.text = TextStream(completion.server.tokenizer, completion.req.stop_list)
+        self.logprobs = completion.logprobs()
+
+    def push(self, chunk: Chunk, final: bool = False) -> tuple[str, dict | None]:
+        """The text `chunk` completes (`final`: the answer ends with it) and the log-probabilities of the tokens
+        whose text that sends."""
+        text = self.text.push(chunk.ids, final=final)
+        if self.logprobs is None:
+            return text, None
+        self.logprobs.add(chunk.logprobs or [])
+        return text, self.logprobs.report(self.text.sent)
+
+
+class Completion:
+    """One admitted request: its jobs (a row each; `n` sampled choices decode as n rows, greedy ones are one row's
+    copies) and the fields of its answer; `done` records how it ended."""
+
+    def __init__(self, server: Server, request: Request, req, chat: bool, jobs: list, ids: list[int]):
+        self.server, self.request, self.req, self.chat, self.jobs, self.ids = server, request, req, chat, jobs, ids
         self.kind = "chat.completion" if chat else "text_completion"
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created, self.began = int(time.time()), time.perf_counter()
+        self.choice_jobs = [jobs[i % len(jobs)] for i in range(req.n)]  # the job each choice's tokens come from
 
-    def choice(self, text: str | None, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str | None, finish: str | None, delta: bool, logprobs: dict | None = None
+               ) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = ({"role": "assistant", "content": text} if text is not None else {}) if delta else \
             {"role": "assistant", "content": text}
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
 
     def logprobs(self) -> AnswerLogprobs | None:
         """Where the request asked for log-probabilities, what reports them as its text is sent."""
         return None if self.req.top_logprobs_asked is None else AnswerLogprobs(self.server.tokenizer, self.chat)
 
     def usage(self) -> dict:
-        n = self.job.stats.new_tokens
+        n = sum(job.stats.new_tokens for job in self.choice_jobs)  # every choice's tokens, as OpenAI counts them
         return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
 
-    def finish_reason(self) -> str:
-        return "length" if self.job.stats.new_tokens >= self.req.new_tokens else "stop"
+    def finish_reason(self, job) -> str:
+        return "length" if job.stats.new_tokens >= self.req.new_tokens else "stop"
 
     def done(self, status: str) -> None:
-        server, job = self.server, self.job
-        job.close()  # a decoding thread stops at its next step; a queued one leaves the line
-        server.pending -= 1
-        server.metrics.observe(job.stats)
+        server = self.server
+        for job in self.jobs:
+            job.close()  # a decoding thread stops at its next step; a queued one leaves the line
+            server.metrics.observe(job.stats)
+            if job.waited_s is not None:
+                server.metrics.queue_time.observe(job.waited_s)
+                server.metrics.prefill_time.observe(job.stats.prefill_s)
+        server.pending -= len(self.jobs)
         server.metrics.latency.observe(time.perf_counter() - self.began)
-        if job.waited_s is not None:
-            server.metrics.queue_time.observe(job.waited_s)
-            server.metrics.prefill_time.observe(job.stats.prefill_s)
         server.metrics.requests.labels(self.request.url.path, status).inc()
 
     async def whole(self):
         """The answer in one response."""
-        job = self.job
         try:
-            chunks = await asyncio.get_running_loop().run_in_executor(self.server.threads, job.result)
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.server.threads, lambda: {id(job): job.result() for job in self.jobs})
         except BaseException:
             self.done("500")
             raise
-        if not job.complete:
+        if not all(job.complete for job in self.jobs):
             self.done("503")
             return _error(503, SHUT_DOWN, kind="server_error")
-        ids = [t for chunk in chunks for t in chunk.ids]
-        text = TextStream(self.server.tokenizer, self.req.stop_list).push(ids, final=True)
-        logprobs = self.logprobs()
-        for chunk in chunks if logprobs else ():
-            logprobs.add(chunk.logprobs)
-        choice = self.choice(text, self.finish_reason(), delta=False, logprobs=logprobs and logprobs.report(len(text)))
-        answer = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.server.model_name,
-                  "choices": [choice], "usage": self.usage()}
+        choices = []
+        for index, job in enumerate(self.choice_jobs):
+            chunks = results[id(job)]
+            whole = Chunk([t for chunk in chunks for t in chunk.ids],
+                          [e for chunk in chunks for e in chunk.logprobs] if self.req.top_logprobs_asked is not None
+                          else None)
+            text, logprobs = Answer(self, index, job).push(whole, final=True)
+            choices.append(self.choice(index, text, self.finish_reason(job), delta=False, logprobs=logprobs))
+        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.server.model_name,
+                "choices": choices, "usage": self.usage()}
         self.done("200")
-        return answer
+        return body
 
     async def events(self):
-        """The answer as server-sent events, chunk by chunk as the job decodes them."""
-        job, chat = self.job, self.chat
+        """The answer as server-sent events, chunk by chunk as the jobs decode them (each event one choice's)."""
+        chat = self.chat
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def produce() -> None:
+        def produce(job) -> None:
             try:
                 for chunk in job.chunks():
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    loop.call_soon_threadsafe(queue.put_nowait, (job, chunk))
             except BaseException as err:  # reported to the client as an error event
-                loop.call_soon_threadsafe(queue.put_nowait, err)
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+                loop.call_soon_threadsafe(queue.put_nowait, (job, err))
+            loop.call_soon_threadsafe(queue.put_nowait, (job, None))
 
         def event(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"
 
         header = {"id": self.rid, "object": self.kind + (".chunk" if chat else ""), "created": self.created,
                   "model": self.server.model_name}
-        status = "200"
+        answers = [Answer(self, index, job) for index, job in enumerate(self.choice_jobs)]
+        status, running = "200", len(self.jobs)
         try:
             if chat:
-                yield event({**header, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                    "finish_reason": None}]})
-            deltas, logprobs = TextStream(self.server.tokenizer, self.req.stop_list), self.logprobs()
-            loop.run_in_executor(self.server.threads, produce)
-            while (item := await queue.get()) is not None:
+                for answer in answers:
+                    yield event({**header, "choices": [{"index": answer.index, "delta": {"role": "assistant",
+                                                                                         "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]})
+            for job in self.jobs:
+                loop.run_in_executor(self.server.threads, produce, job)
+            while running:
+                job, item = await queue.get()
                 if isinstance(item, BaseException):
                     status = "500"
                     yield event({"error": {"message": str(item), "type": "server_error"}})
@@ -545,24 +581,23 @@ class Completion:
                 if await self.request.is_disconnected():
                     status = "499"
                     break
-                text = deltas.push(item.ids)
-                if logprobs is not None:
-                    logprobs.add(item.logprobs)
-                if text:
-                    reported = logprobs and logprobs.report(deltas.sent)
-                    yield event({**header, "choices": [self.choice(text, None, delta=True, logprobs=reported)]})
-            else:
-                if not job.complete:
+                if item is None and not job.complete:
                     status = "503"
                     yield event({"error": {"message": SHUT_DOWN, "type": "server_error"}})
-                    return
-                tail = deltas.push([], final=True)
-                reported = logprobs and logprobs.report(deltas.sent)
-                last = {**header, "choices": [self.choice(tail or None if chat else tail, self.finish_reason(),
-                                                          delta=True, logprobs=reported)]}
-                if self.req.stream_options and self.req.stream_options.get("include_usage"):
-                    last["usage"] = self.usage()
-                yield event(last)
+                    break
+                running -= item is None
+                fed = [answer for answer in answers if answer.job is job]  # a greedy job feeds every choice
+                for answer in fed:
+                    text, logprobs = answer.push(item or Chunk([]), final=item is None)
+                    if item is not None and not text:
+                        continue
+                    finish = None if item is not None else self.finish_reason(job)
+                    body = {**header, "choices": [self.choice(answer.index, text or None if chat else text, finish,
+                                                              delta=True, logprobs=logprobs)]}
+                    if not running and answer is fed[-1] and (self.req.stream_options or {}).get("include_usage"):
+                        body["usage"] = self.usage()  # on the last event
+                    yield event(body)
+            else:
                 yield "data: [DONE]\n\n"
         except BaseException:  # the client went away (the response is cancelled): 499, as nginx logs it
             status = "499" if status == "200" else status
@@ -611,7 +646,7 @@ def create_app(server: Server) -> FastAPI:
             if getattr(req, name):
                 raise OpenAIError(400, f"{name} is not supported by opttree serve", name)
         if req.best_of not in (None, 1):
-            raise OpenAIError(400, "best_of is not supported (one choice per request)", "best_of")
+            raise OpenAIError(400, "best_of is not supported (n choices are n samples, none ranked)", "best_of")
         return await serve(server, request, req, chat=False)
 
     @app.post("/v1/chat/completions")

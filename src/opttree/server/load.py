@@ -36,7 +36,7 @@ CYCLE = ("plain", "stream", "plain", "cancel", "malformed")  # request r of clie
 MALFORMED = (  # (body as sent, what is wrong)
     ("{not json", "malformed JSON"),
     ('{"prompt": "x", "max_tokens": -1}', "negative max_tokens"),
-    ('{"prompt": "x", "n": 2}', "n > 1"),
+    ('{"prompt": "x", "n": 0}', "n < 1"),
     ('{"prompt": "x", "temperature": "hot"}', "a string temperature"),
     ('{"max_tokens": 4}', "no prompt"),
 )
