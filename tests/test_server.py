@@ -165,6 +165,39 @@ def test_logprobs_are_the_targets_raw_log_probabilities_at_each_token(pair, clie
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_penalties_are_applied_as_generate_applies_them(pair, client):
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty: greedy, the text
+    `target.generate` gives with those processors; sampled, what the library gives with them and the seed."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from opttree.genconfig import OutputPenalties
+
+    target, _, tok = pair
+    ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=32, presence_penalty=0.4, frequency_penalty=0.8,
+               extra_body={"repetition_penalty": 1.3})
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), OutputPenalties(ids.shape[1], 0.4, 0.8)])
+    with torch.inference_mode():
+        hf = target.generate(ids, do_sample=False, max_new_tokens=32, attention_mask=torch.ones_like(ids),
+                             logits_processor=processors)
+    greedy = client.completions.create(**ask, temperature=0).choices[0].text
+    assert greedy == tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True)
+    assert greedy != client.completions.create(model="demo", prompt=PROMPT, max_tokens=32, temperature=0).choices[0].text
+    sampled = client.completions.create(**ask, temperature=1.0, seed=9).choices[0].text
+    alone = reference(pair, ids, 32, temperature=1.0, seed=9, logits_processor=processors)
+    assert sampled == tok.decode(alone, skip_special_tokens=True)
+
+
+def test_output_penalties_count_the_generated_tokens_only():
+    from opttree.genconfig import OutputPenalties
+
+    scores = torch.zeros(2, 6)
+    context = torch.tensor([[1, 1, 2, 2, 2, 5], [3, 3, 0, 4, 4, 4]])  # 2 prompt tokens, then 4 generated
+    out = OutputPenalties(2, presence=0.5, frequency=0.25)(context, scores)
+    expected = torch.tensor([[0, 0, -1.25, 0, 0, -0.75], [-0.75, 0, 0, 0, -1.25, 0]])
+    assert torch.equal(out, expected)
+
+
 def test_n_sampled_choices_are_n_rows_each_seeded_as_a_batch_row(pair, client):
     """`n` sampled choices decode as n rows of the batch, choice i seeded with seed + i (what that seed gives alone);
     streamed, every choice's events add up to its whole text; usage counts every choice's tokens."""
@@ -254,6 +287,8 @@ def test_chat_logprobs_in_the_chat_format(pair):
     (dict(extra_body={"frobnicate": 1}), "frobnicate"), (dict(logprobs=21), "logprobs"),
     (dict(max_tokens=5000), None),  # past the context window
     (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"top_k": -2}), "top_k"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
 ])
 def test_bad_requests_are_400_and_the_server_stays_up(client, url, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:

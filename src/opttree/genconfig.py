@@ -22,8 +22,22 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .settings.arguments import eos_list
 from .step.tree import DraftTree, node_paths
 
+class OutputPenalties(lp.LogitsProcessor):
+    """OpenAI's presence and frequency penalties, as vLLM applies them: each token's logit is lowered by
+    `presence` if it occurs among the tokens generated so far and by `frequency` times its count there (the
+    first `prompt_len` tokens, the prompt, are not counted). A pure function of the context, applied per node."""
+
+    def __init__(self, prompt_len: int, presence: float = 0.0, frequency: float = 0.0):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[:, self.prompt_len:]  # (B, T - P)
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)  # (B, V)
+
+
 # Processors that are pure functions of (context ids, scores): exact when each row gets its own context.
-PER_NODE = (
+PER_NODE = (OutputPenalties,
     lp.RepetitionPenaltyLogitsProcessor, lp.EncoderRepetitionPenaltyLogitsProcessor, lp.NoRepeatNGramLogitsProcessor,
     lp.EncoderNoRepeatNGramLogitsProcessor, lp.NoBadWordsLogitsProcessor, lp.SequenceBiasLogitsProcessor,
     lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor,

@@ -30,10 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from ..batch_sizing import SizedBudget
 from ..engine import Allocator
 from ..flags import used_draft
+from ..genconfig import OutputPenalties
 from ..speculator import Request as GenerationRequest
 from ..speculator import Speculator
 from ..text import TextStream
@@ -93,8 +95,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     n: int = Field(default=1, ge=1)  # choices: sampled ones decode as rows of their own
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)  # OpenAI's ranges
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10)  # vLLM's extra field (transformers' processor)
     user: str | None = None
     # opttree's own extra fields: the tree settings of this request
     tree: str | None = None
@@ -111,6 +114,15 @@ class SamplingFields(BaseModel):
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
 
+    def processors(self, prompt_len: int) -> LogitsProcessorList | None:
+        """Its penalties as logits processors, applied to every node as `generate` applies them (None: none)."""
+        processors = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.presence_penalty or self.frequency_penalty:
+            processors.append(OutputPenalties(prompt_len, self.presence_penalty, self.frequency_penalty))
+        return processors or None
+
     @property
     def rows(self) -> int:
         """The rows it decodes: its `n` sampled choices, or one whose copies are its greedy choices."""
@@ -122,9 +134,6 @@ class SamplingFields(BaseModel):
         return None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise OpenAIError(400, f"{name} is not supported (it would change the target's distribution)", name)
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise OpenAIError(400, "at most 4 stop sequences", "stop")
         if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
@@ -299,7 +308,8 @@ class Server:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         top = req.top_logprobs_asked
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
-                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p)
+                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
+                        logits_processor=req.processors(len(ids)))
         if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
         seeds = [(seed + i) % 2**63 for i in range(req.rows)]  # choice i: seed + i, as a batch of copies is seeded
