@@ -188,6 +188,24 @@ def test_penalties_are_applied_as_generate_applies_them(pair, client):
     assert sampled == tok.decode(alone, skip_special_tokens=True)
 
 
+def test_logit_bias_is_added_at_every_position(pair, client):
+    """OpenAI's `logit_bias`: +100 on a token makes every greedy token that one; -100 on the greedy answer's second
+    token changes the answer into what `target.generate` gives with that bias."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    target, _, tok = pair
+    ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+    forced = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={"42": 100})
+    assert forced.choices[0].text == tok.decode([42] * 6)
+    plain = reference(pair, ids, 16)
+    biased = client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0,
+                                       logit_bias={str(plain[1]): -100}).choices[0].text
+    with torch.inference_mode():
+        hf = target.generate(ids, do_sample=False, max_new_tokens=16, attention_mask=torch.ones_like(ids),
+                             logits_processor=[SequenceBiasLogitsProcessor([[[plain[1]], -100.0]])])
+    assert biased == tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True) != tok.decode(plain)
+
+
 def test_output_penalties_count_the_generated_tokens_only():
     from opttree.genconfig import OutputPenalties
 
@@ -288,7 +306,8 @@ def test_chat_logprobs_in_the_chat_format(pair):
     (dict(max_tokens=5000), None),  # past the context window
     (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"top_k": -2}), "top_k"),
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"), (dict(logit_bias={"8192": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
 ])
 def test_bad_requests_are_400_and_the_server_stays_up(client, url, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:

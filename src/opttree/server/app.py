@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from ..batch_sizing import SizedBudget
 from ..engine import Allocator
@@ -98,6 +98,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)  # OpenAI's ranges
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=10)  # vLLM's extra field (transformers' processor)
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, -100 to 100 (OpenAI's)
     user: str | None = None
     # opttree's own extra fields: the tree settings of this request
     tree: str | None = None
@@ -114,9 +115,16 @@ class SamplingFields(BaseModel):
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
 
-    def processors(self, prompt_len: int) -> LogitsProcessorList | None:
-        """Its penalties as logits processors, applied to every node as `generate` applies them (None: none)."""
+    def processors(self, prompt_len: int, vocab: int) -> LogitsProcessorList | None:
+        """Its logit bias and penalties as logits processors (in vLLM's order), applied to every node as `generate`
+        applies processors (None: none). `vocab`: the target's, which the biased token ids must be in."""
         processors = LogitsProcessorList()
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not 0 <= token < vocab or not -100 <= bias <= 100:
+                    raise OpenAIError(400, f"logit_bias {{{token}: {bias}}}: token ids are 0 to {vocab - 1}, biases "
+                                      "-100 to 100", "logit_bias")
+            processors.append(SequenceBiasLogitsProcessor([[[token], bias] for token, bias in self.logit_bias.items()]))
         if self.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
         if self.presence_penalty or self.frequency_penalty:
@@ -246,6 +254,7 @@ class Server:
         self.target, self.draft, self.tokenizer, self.leader, self.limits = target, draft, tokenizer, leader, limits
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
+        self.vocab = target.config.get_text_config().vocab_size  # the token ids a request's logit_bias may name
         self.metrics = Metrics()
         self.turns = Turns()  # sharded: one decoding at a time, in arrival order
         self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step, batch_budget)
@@ -309,7 +318,7 @@ class Server:
         top = req.top_logprobs_asked
         sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
                         top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
-                        logits_processor=req.processors(len(ids)))
+                        logits_processor=req.processors(len(ids), self.vocab))
         if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
         seeds = [(seed + i) % 2**63 for i in range(req.rows)]  # choice i: seed + i, as a batch of copies is seeded
