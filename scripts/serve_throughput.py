@@ -55,11 +55,13 @@ def serve(server: Server) -> tuple[str, GracefulServer, threading.Thread]:
 
 
 def load(url: str, prompts: list[str], clients: int, max_tokens: int, temperature: float = 0.0,
-         seeded: bool = True) -> tuple[float, list[float], list[str], int]:
+         seeded: bool = True, logprobs: int | None = None) -> tuple[float, list[float], list[str], int]:
     """Every prompt once, from `clients` threads: (seconds, latencies, answers in prompt order, tokens)."""
     def ask(prompt: str) -> tuple[float, str, int]:
         began = time.perf_counter()
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         if seeded:  # sampled: each prompt its own seed, the same in every cell
             body["seed"] = prompts.index(prompt)
         out = http.post(url + "/v1/completions", json=body).json()
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="--max-batch values to compare")
     parser.add_argument("--batch-budgets", default="off", help="off, sized, auto or node counts (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--logprobs", default="off", help="the requests' logprobs: off or a number of likeliest "
+                        "tokens, comma-separated to compare (each a cell of its own)")
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default: 0)")
     parser.add_argument("--unseeded", action="store_true", help="sampled requests name no seed (the server picks "
                         "one, and may let them decode plainly under load): their answers differ between cells")
@@ -121,27 +125,31 @@ def main() -> None:
                for b in map(int, args.batches.split(",")) for name, allocator in allocators.items()
                if name in (named if b > 1 else named[:1])}  # one row a step: how rows share it does not matter
     reference, table = None, {}
+    asked = [None if v == "off" else int(v) for v in args.logprobs.split(",")]
     for _ in range(args.rounds):
         for b, (url, _, _) in servers.items():
             for clients in map(int, args.clients.split(",")):
-                before = metric_totals(url)
-                seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens, args.temperature, not args.unseeded)
-                reference = reference or answers
-                account = server_account(before, metric_totals(url))
-                table.setdefault((b, clients), []).append((tokens / seconds, latencies, answers == reference, seconds,
-                                                           account["step_s"], account["rows_per_step"],
-                                                           account["prefill_s_per_request"],
-                                                           account["accepted_per_request_step"]))
+                for logprobs in asked:
+                    before = metric_totals(url)
+                    seconds, latencies, answers, tokens = load(url, prompts, clients, args.max_tokens,
+                                                               args.temperature, not args.unseeded, logprobs)
+                    reference = reference or answers
+                    account = server_account(before, metric_totals(url))
+                    table.setdefault((b, clients, logprobs), []).append((
+                        tokens / seconds, latencies, answers == reference, seconds, account["step_s"],
+                        account["rows_per_step"], account["prefill_s_per_request"],
+                        account["accepted_per_request_step"]))
     method = f"{args.tree}:{args.drafter}@{args.budget}" if args.tree != "ar" else "plain decoding"
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temperature:g}, {method}, "
           f"{args.dtype} on {args.device}, {args.rounds} rounds (tokens/s: mean of rounds)")
-    print("| --max-batch | --batch-budget | clients | tokens/s | p50 latency s | p99 latency s | wall s | in steps s "
+    print("| --max-batch | --batch-budget | clients | logprobs | tokens/s | p50 latency s | p99 latency s | wall s | in steps s "
           "| rows a step | prefill s a request | accepted a request a step | answers equal |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for ((b, budget), clients), runs in table.items():
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for ((b, budget), clients, logprobs), runs in table.items():
         lat = np.concatenate([r[1] for r in runs])
         wall, steps, rows, prefill, accepted = (np.mean([r[i] for r in runs]) for i in range(3, 8))
-        print(f"| {b} | {budget} | {clients} | {np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
+        print(f"| {b} | {budget} | {clients} | {'off' if logprobs is None else logprobs} | "
+              f"{np.mean([r[0] for r in runs]):.1f} | {np.percentile(lat, 50):.2f} | "
               f"{np.percentile(lat, 99):.2f} | {wall:.2f} | {steps:.2f} | {rows:.2f} | {prefill:.3f} | "
               f"{accepted:.2f} | "
               f"{all(r[2] for r in runs) if args.dtype in ('float32', 'fp32') else '-'} |")
