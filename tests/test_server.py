@@ -265,6 +265,31 @@ def test_logprobs_stop_with_the_text_at_a_stop_string(client, where):
     assert sum((p.choices[0].logprobs.tokens for p in parts if p.choices[0].logprobs), []) == tokens
 
 
+def test_chat_answers_run_to_the_context_window_by_default_and_read_text_parts(pair):
+    """Chat without max_tokens: up to the end of the context window (OpenAI's and vLLM's default; completions keep
+    16); content as OpenAI's text parts, joined as vLLM joins them; other parts and a full window get a 400."""
+    target, draft, tok = pair
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = CHAT_TEMPLATE
+    server = Server(target, draft, tok, TREE, model_name="demo")
+    server.window = 40  # a short context window, so that the answer reaches its end
+    chat = openai.OpenAI(base_url=start(server) + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "fibonacci"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    out = chat.chat.completions.create(model="demo", messages=messages, temperature=0)
+    assert out.usage.completion_tokens == 40 - len(ids) and out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content == tok.decode(reference(pair, [ids], 40 - len(ids)), skip_special_tokens=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "fibo"}, {"type": "text", "text": "nacci"}]}]
+    joined = [{"role": "user", "content": "fibo\nnacci"}]
+    assert chat.chat.completions.create(model="demo", messages=parts, temperature=0, max_tokens=8).choices[0].message \
+        == chat.chat.completions.create(model="demo", messages=joined, temperature=0, max_tokens=8).choices[0].message
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(openai.BadRequestError, match="text parts"):
+        chat.chat.completions.create(model="demo", messages=image)
+    with pytest.raises(openai.BadRequestError, match="fills the model's context window"):
+        chat.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x " * 60}])
+
+
 def test_chat_logprobs_in_the_chat_format(pair):
     target, draft, tok = pair
     tok = type(tok).from_pretrained(tok.name_or_path)

@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from ..batch_sizing import SizedBudget
@@ -37,6 +37,7 @@ from ..engine import Allocator
 from ..flags import used_draft
 from ..genconfig import OutputPenalties
 from ..speculator import Request as GenerationRequest
+from ..step.cache import context_window
 from ..speculator import Speculator
 from ..text import TextStream
 from ..threads import release_openmp_threads
@@ -111,9 +112,14 @@ class SamplingFields(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    _fills: int | None = PrivateAttr(default=None)  # chat's default: the tokens left in the context window
+
     @property
     def new_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16  # OpenAI's default for completions
+        return self.max_completion_tokens or self.max_tokens or self._fills or 16  # OpenAI's default for completions
+
+    def fill_window(self, prompt_len: int, window: int | None) -> None:
+        """Where its default length is the rest of the context window (chat's), set it for a prompt this long."""
 
     def processors(self, prompt_len: int, vocab: int) -> LogitsProcessorList | None:
         """Its logit bias and penalties as logits processors (in vLLM's order), applied to every node as `generate`
@@ -165,13 +171,31 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | None = None
+    content: str | list[dict] | None = None  # text, or OpenAI's content parts (text ones only here)
+
+    def template_fields(self) -> dict:
+        """The message as the chat template reads it: content parts joined into one text (as vLLM joins them)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
+                raise OpenAIError(400, "a message's content parts must be text parts ({\"type\": \"text\", "
+                                  "\"text\": ...}): this server's models read text only", "messages")
+            message["content"] = "\n".join(part["text"] for part in self.content)
+        return message
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def fill_window(self, prompt_len: int, window: int | None) -> None:
+        """Without max_tokens, a chat answer may run to the end of the context window (as OpenAI's and vLLM's)."""
+        if not (self.max_completion_tokens or self.max_tokens) and window:
+            if prompt_len >= window:
+                raise OpenAIError(400, f"the prompt ({prompt_len} tokens) fills the model's context window of "
+                                  f"{window}", "messages")
+            self._fills = window - prompt_len
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -255,6 +279,7 @@ class Server:
         self.tree_options, self.model_name, self.max_queue = tree_options, model_name, max_queue
         self.sampled_options = sampled_options or tree_options
         self.vocab = target.config.get_text_config().vocab_size  # the token ids a request's logit_bias may name
+        self.window = context_window(target)  # a chat answer's default length: up to its end
         self.metrics = Metrics()
         self.turns = Turns()  # sharded: one decoding at a time, in arrival order
         self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step, batch_budget)
@@ -282,7 +307,7 @@ class Server:
         if isinstance(req, ChatRequest):
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OpenAIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", "messages")
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            messages = [m.template_fields() for m in req.messages]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if isinstance(req.prompt, list):
@@ -312,6 +337,7 @@ class Server:
         ids = self.prompt_ids(req)
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt")
+        req.fill_window(len(ids), self.window)
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
