@@ -246,6 +246,41 @@ def test_n_greedy_choices_are_copies_of_one_row(pair, client):
     assert out.usage.completion_tokens == 2 * one.usage.completion_tokens
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(pair, client):
+    """`echo=True, max_tokens=0, logprobs=1` (how lm-evaluation-harness scores a text): the prompt's tokens with their
+    log-probabilities under the target, the first without one; with max_tokens the answer follows the prompt, its
+    offsets counting the prompt's characters; streamed, the same."""
+    target, _, tok = pair
+    ids = tok(PROMPT, add_special_tokens=False).input_ids
+    scored = client.completions.create(model="demo", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0).choices[0]
+    lp = scored.logprobs
+    assert scored.text == PROMPT == "".join(lp.tokens) and scored.finish_reason == "length"
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    with torch.inference_mode():
+        forced = torch.log_softmax(target(torch.tensor([ids])).logits[0, :-1].float(), -1)  # (P - 1, V)
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), forced.gather(1, torch.tensor(ids[1:])[:, None])[:, 0],
+                          atol=1e-4)
+    assert [max(top.values()) for top in lp.top_logprobs[1:]] == pytest.approx(forced.max(-1).values.tolist(), abs=1e-4)
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=8, echo=True, logprobs=2, temperature=0)
+    both = client.completions.create(**ask).choices[0]
+    answer = client.completions.create(model="demo", prompt=PROMPT, max_tokens=8, logprobs=2, temperature=0).choices[0]
+    assert both.text == PROMPT + answer.text
+    assert both.logprobs.tokens == lp.tokens + answer.logprobs.tokens
+    assert both.logprobs.text_offset == lp.text_offset + [len(PROMPT) + o for o in answer.logprobs.text_offset]
+    assert both.logprobs.token_logprobs[len(ids):] == answer.logprobs.token_logprobs
+    parts = [p.choices[0] for p in client.completions.create(**ask, stream=True)]
+    assert "".join(p.text for p in parts) == both.text
+    assert sum((p.logprobs.tokens for p in parts if p.logprobs), []) == both.logprobs.tokens
+    alone = [p.choices[0] for p in client.completions.create(model="demo", prompt=PROMPT, max_tokens=0, echo=True,
+                                                             logprobs=1, temperature=0, stream=True)]
+    assert [(p.text, p.finish_reason, p.logprobs.tokens) for p in alone] == [(PROMPT, "length", lp.tokens)]
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=8, echo=True, temperature=0).choices[0]
+    assert plain.text == both.text and plain.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 needs echo"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=0)
+
+
 @pytest.mark.parametrize("where", ["inside a token", "at a token's start"])
 def test_logprobs_stop_with_the_text_at_a_stop_string(client, where):
     """A token is reported once its text begins in the answer: at a stop string, none after the text's end."""

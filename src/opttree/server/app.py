@@ -42,7 +42,7 @@ from ..speculator import Speculator
 from ..text import TextStream
 from ..threads import release_openmp_threads
 from .batcher import Batcher, BatchJob
-from .logprobs import MAX_TOP_LOGPROBS, AnswerLogprobs, Chunk, chunk_of
+from .logprobs import MAX_TOP_LOGPROBS, AnswerLogprobs, Chunk, chunk_of, joined, prompt_report
 from .ranks import Call, Leader
 
 TREE_FIELDS = ("tree", "budget", "delta", "max_depth", "draft_temperature")
@@ -116,7 +116,8 @@ class SamplingFields(BaseModel):
 
     @property
     def new_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or self._fills or 16  # OpenAI's default for completions
+        asked = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return asked if asked is not None else self._fills or 16  # OpenAI's default for completions
 
     def fill_window(self, prompt_len: int, window: int | None) -> None:
         """Where its default length is the rest of the context window (chat's), set it for a prompt this long."""
@@ -139,8 +140,9 @@ class SamplingFields(BaseModel):
 
     @property
     def rows(self) -> int:
-        """The rows it decodes: its `n` sampled choices, or one whose copies are its greedy choices."""
-        return self.n if self.temperature > 0 else 1
+        """The rows it decodes: its `n` sampled choices, or one whose copies are its greedy choices (none where it
+        asks no tokens: an echoed prompt scored alone)."""
+        return 0 if self.new_tokens == 0 else self.n if self.temperature > 0 else 1
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -158,7 +160,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
-    echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: the prompt scored alone
+    echo: bool = False  # the prompt's text (and its tokens' log-probabilities) before the answer
     best_of: int | None = None
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # 0: the chosen tokens' alone
@@ -338,6 +341,8 @@ class Server:
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt")
         req.fill_window(len(ids), self.window)
+        if getattr(req, "echo", False) and req.top_logprobs_asked is not None and self.leader:
+            raise OpenAIError(400, "echo with logprobs is not supported with a sharded target (--tp)", "echo")
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
@@ -347,7 +352,8 @@ class Server:
                         logits_processor=req.processors(len(ids), self.vocab))
         if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
-        seeds = [(seed + i) % 2**63 for i in range(req.rows)]  # choice i: seed + i, as a batch of copies is seeded
+        # choice i: seed + i, as a batch of copies is seeded (none: an echoed prompt alone, nothing to decode)
+        seeds = [(seed + i) % 2**63 for i in range(req.rows)]
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
             if self.leader:  # each in its turn, taken now
@@ -507,10 +513,10 @@ async def serve(server: Server, request: Request, req, chat: bool):
 class Answer:
     """One choice of a request as it is sent: its text so far, its log-probabilities, how it ended."""
 
-    def __init__(self, completion: "Completion", index: int, job):
+    def __init__(self, completion: "Completion", index: int, job, echoed: int = 0):
         self.index, self.job = index, job
         self.text = TextStream(completion.server.tokenizer, completion.req.stop_list)
-        self.logprobs = completion.logprobs()
+        self.logprobs = completion.logprobs(echoed)  # its text's offsets count the echoed prompt's characters
 
     def push(self, chunk: Chunk, final: bool = False) -> tuple[str, dict | None]:
         """The text `chunk` completes (`final`: the answer ends with it) and the log-probabilities of the tokens
@@ -531,7 +537,8 @@ class Completion:
         self.kind = "chat.completion" if chat else "text_completion"
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created, self.began = int(time.time()), time.perf_counter()
-        self.choice_jobs = [jobs[i % len(jobs)] for i in range(req.n)]  # the job each choice's tokens come from
+        # the job each choice's tokens come from (None: an echoed prompt alone)
+        self.choice_jobs = [jobs[i % len(jobs)] if jobs else None for i in range(req.n)]
 
     def choice(self, index: int, text: str | None, finish: str | None, delta: bool, logprobs: dict | None = None
                ) -> dict:
@@ -541,16 +548,31 @@ class Completion:
             {"role": "assistant", "content": text}
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
 
-    def logprobs(self) -> AnswerLogprobs | None:
+    def logprobs(self, echoed: int = 0) -> AnswerLogprobs | None:
         """Where the request asked for log-probabilities, what reports them as its text is sent."""
-        return None if self.req.top_logprobs_asked is None else AnswerLogprobs(self.server.tokenizer, self.chat)
+        if self.req.top_logprobs_asked is None:
+            return None
+        return AnswerLogprobs(self.server.tokenizer, self.chat, base=echoed)
+
+    async def echo(self) -> tuple[str, dict | None]:
+        """An echoed prompt (completions' `echo`): its text as its tokens decode, and where asked its tokens'
+        log-probabilities, from one forward over it that the scheduler runs between two steps. ("", None): none."""
+        if not getattr(self.req, "echo", False):
+            return "", None
+        tokenizer, k = self.server.tokenizer, self.req.top_logprobs_asked
+        text = tokenizer.decode(self.ids, skip_special_tokens=True)
+        if k is None:
+            return text, None
+        scored = await asyncio.get_running_loop().run_in_executor(self.server.threads, self.server.batcher.score,
+                                                                  self.ids, k)
+        return text, prompt_report(tokenizer, self.ids, scored)
 
     def usage(self) -> dict:
-        n = sum(job.stats.new_tokens for job in self.choice_jobs)  # every choice's tokens, as OpenAI counts them
+        n = sum(job.stats.new_tokens for job in self.choice_jobs if job)  # every choice's tokens, as OpenAI counts
         return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
 
     def finish_reason(self, job) -> str:
-        return "length" if job.stats.new_tokens >= self.req.new_tokens else "stop"
+        return "length" if job is None or job.stats.new_tokens >= self.req.new_tokens else "stop"
 
     def done(self, status: str) -> None:
         server = self.server
@@ -567,6 +589,7 @@ class Completion:
     async def whole(self):
         """The answer in one response."""
         try:
+            echo, echo_logprobs = await self.echo()
             results = await asyncio.get_running_loop().run_in_executor(
                 self.server.threads, lambda: {id(job): job.result() for job in self.jobs})
         except BaseException:
@@ -577,12 +600,13 @@ class Completion:
             return _error(503, SHUT_DOWN, kind="server_error")
         choices = []
         for index, job in enumerate(self.choice_jobs):
-            chunks = results[id(job)]
+            chunks = results[id(job)] if job else []
             whole = Chunk([t for chunk in chunks for t in chunk.ids],
                           [e for chunk in chunks for e in chunk.logprobs] if self.req.top_logprobs_asked is not None
                           else None)
-            text, logprobs = Answer(self, index, job).push(whole, final=True)
-            choices.append(self.choice(index, text, self.finish_reason(job), delta=False, logprobs=logprobs))
+            text, logprobs = Answer(self, index, job, len(echo)).push(whole, final=True)
+            choices.append(self.choice(index, echo + text, self.finish_reason(job), delta=False,
+                                       logprobs=joined(echo_logprobs, logprobs)))
         body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.server.model_name,
                 "choices": choices, "usage": self.usage()}
         self.done("200")
@@ -607,14 +631,18 @@ class Completion:
 
         header = {"id": self.rid, "object": self.kind + (".chunk" if chat else ""), "created": self.created,
                   "model": self.server.model_name}
-        answers = [Answer(self, index, job) for index, job in enumerate(self.choice_jobs)]
         status, running = "200", len(self.jobs)
         try:
+            echo, echo_logprobs = await self.echo()
+            answers = [Answer(self, index, job, len(echo)) for index, job in enumerate(self.choice_jobs)]
             if chat:
                 for answer in answers:
                     yield event({**header, "choices": [{"index": answer.index, "delta": {"role": "assistant",
                                                                                          "content": ""},
                                                         "logprobs": None, "finish_reason": None}]})
+            for answer in answers if echo else ():  # the echoed prompt first (alone: its only event)
+                yield event({**header, "choices": [self.choice(answer.index, echo, None if running else "length",
+                                                               delta=True, logprobs=echo_logprobs)]})
             for job in self.jobs:
                 loop.run_in_executor(self.server.threads, produce, job)
             while running:
@@ -687,9 +715,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
-        for name in ("echo", "suffix"):
-            if getattr(req, name):
-                raise OpenAIError(400, f"{name} is not supported by opttree serve", name)
+        if req.suffix:
+            raise OpenAIError(400, "suffix is not supported by opttree serve", "suffix")
+        if req.new_tokens == 0 and not req.echo:
+            raise OpenAIError(400, "max_tokens=0 needs echo=true (the prompt scored alone)", "max_tokens")
         if req.best_of not in (None, 1):
             raise OpenAIError(400, "best_of is not supported (n choices are n samples, none ranked)", "best_of")
         return await serve(server, request, req, chat=False)

@@ -17,7 +17,7 @@ import torch
 from ..batch_sizing import fits
 from ..engine import Allocator, Generation, Row, check_batchable, prefill_groups
 from ..threads import release_openmp_threads
-from .logprobs import Chunk, chunk_of
+from .logprobs import Chunk, TokenLogprob, chunk_of, token_logprobs
 
 _END = object()  # a job's queue: no more chunks
 
@@ -73,6 +73,25 @@ class BatchJob:
             self._chunks.put(error)
         self._chunks.put(_END)
         self._ended.set()
+
+
+class Scoring:
+    """A prompt whose tokens' log-probabilities the scheduler computes between two steps (an echoed prompt's)."""
+
+    def __init__(self, ids: list[int], k: int):
+        self.ids, self.k = ids, k
+        self.done = threading.Event()
+        self.result: list[TokenLogprob] | BaseException = []
+
+    def run(self, target) -> None:
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([self.ids], device=target.device)  # (1, P)
+                logits = target(ids, use_cache=False).logits[0, :-1]  # (P - 1, V): each predicts the next token
+            self.result = token_logprobs(logits, ids[0, 1:], self.k)
+        except Exception as err:  # noqa: BLE001 - its request gets the error, the batch goes on
+            self.result = err
+        self.done.set()
 
 
 class Lane:
@@ -146,6 +165,7 @@ class Batcher:
             raise ValueError(f"--max-batch must be >= 1, got {max_rows}")
         self.target, self.max_rows, self.on_step, self.allocator = target, max_rows, on_step, allocator
         self.waiting: deque[BatchJob] = deque()
+        self.scorings: deque[Scoring] = deque()  # prompts to score before the next step
         self.changed = threading.Condition()
         self.lanes: list[Lane] = []
         threading.Thread(target=self._loop, daemon=True, name="opttree-batch").start()
@@ -154,6 +174,18 @@ class Batcher:
         with self.changed:
             self.waiting.append(job)
             self.changed.notify()
+
+    def score(self, ids: list[int], k: int) -> list[TokenLogprob]:
+        """The log-probabilities of `ids[1:]` under the target (one forward over them, run by the scheduler between
+        two steps) with the `k` likeliest tokens at each; blocks until they are known."""
+        scoring = Scoring(ids, k)
+        with self.changed:
+            self.scorings.append(scoring)
+            self.changed.notify()
+        scoring.done.wait()
+        if isinstance(scoring.result, BaseException):
+            raise scoring.result
+        return scoring.result
 
     def withdraw(self, job: BatchJob) -> None:
         """A job that leaves before it joined the batch ends now; one in the batch at the next step."""
@@ -177,10 +209,13 @@ class Batcher:
             with self.changed:
                 if not self.waiting and not self.running():
                     release_openmp_threads()  # idle: its OpenMP workers go, not to slow another thread's
-                while not self.waiting and not self.running():
+                while not self.waiting and not self.running() and not self.scorings:
                     self.changed.wait()
                 room = self.max_rows - self.running()
                 arrivals = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+                scorings, self.scorings = list(self.scorings), deque()
+            for scoring in scorings:
+                scoring.run(self.target)
             try:
                 self._turn(arrivals)
             except Exception as err:  # never leave the scheduler dead: the batch's requests fail, the next start afresh

@@ -20,7 +20,7 @@ FLOOR = -9999.0  # the log-probability reported for a token of probability 0 (JS
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple[tuple[int, float], ...]  # the `k` likeliest tokens and their log-probabilities, likeliest first
 
 
@@ -54,8 +54,8 @@ class AnswerLogprobs:
     """An answer's tokens: `add` each chunk's as it comes; `report(sent)` reports those whose text begins before
     character `sent` of the answer (the text sent so far), each once, in order."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, chat: bool, base: int = 0):
+        self.tokenizer, self.chat, self.base = tokenizer, chat, base  # base: characters before the answer (an echo)
         self.ids: list[int] = []
         self.entries: list[tuple[TokenLogprob, int]] = []  # each token and its text's offset in the answer
         self.taken = 0
@@ -67,7 +67,7 @@ class AnswerLogprobs:
             self.entries.append((entry, len(before)))
             self.ids.append(entry.token)
 
-    def report(self, sent: int) -> dict:
+    def report(self, sent: float) -> dict:
         """The tokens not yet reported whose text begins in the first `sent` characters of the answer, in the chat
         API's format (`{"content": [...]}`) or the completions' (parallel lists)."""
         end = self.taken
@@ -81,8 +81,9 @@ class AnswerLogprobs:
                     "refusal": None}
         return {"tokens": [text(e.token) for e, _ in entries], "token_logprobs": [e.logprob for e, _ in entries],
                 # the k likeliest and the chosen token, which may make k + 1 (OpenAI's and vLLM's rule)
-                "top_logprobs": [{**{text(t): lp for t, lp in e.top}, text(e.token): e.logprob} for e, _ in entries],
-                "text_offset": [offset for _, offset in entries]}
+                "top_logprobs": [{**{text(t): lp for t, lp in e.top}, text(e.token): e.logprob}
+                                 if e.logprob is not None else None for e, _ in entries],
+                "text_offset": [self.base + offset for _, offset in entries]}
 
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -90,3 +91,18 @@ class AnswerLogprobs:
     def _token(self, token: int, logprob: float) -> dict:
         text = self.text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def prompt_report(tokenizer, ids: list[int], scored: list[TokenLogprob]) -> dict:
+    """An echoed prompt's tokens in the completions' format: the first one without a log-probability, the others
+    with theirs (`scored`, from the target's forward over the prompt)."""
+    logprobs = AnswerLogprobs(tokenizer, chat=False)
+    logprobs.add([TokenLogprob(ids[0], None, ())] + scored)
+    return logprobs.report(float("inf"))  # every token, those of no text too
+
+
+def joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two reports in the completions' format, one after the other."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
