@@ -235,6 +235,25 @@ def test_n_sampled_choices_are_n_rows_each_seeded_as_a_batch_row(pair, client):
     assert sorted(finished) == [0, 1, 2] and parts[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
+def test_several_prompts_in_one_request_answer_one_after_another(pair, client):
+    """OpenAI's list of prompts (texts or token lists): prompt p's j-th choice is choice p * n + j, seeded with
+    seed + p * n + j; echoed, each after its own prompt; streamed, by index; usage counts every prompt."""
+    _, _, tok = pair
+    texts = ["def fibonacci(n):\n", "import os\n"]
+    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    out = client.completions.create(model="demo", prompt=texts, max_tokens=8, temperature=1.0, seed=4, n=2)
+    got = {c.index: c.text for c in out.choices}
+    assert got == {2 * p + j: tok.decode(reference(pair, [ids[p]], 8, temperature=1.0, seed=4 + 2 * p + j),
+                                         skip_special_tokens=True) for p in range(2) for j in range(2)}
+    assert out.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    greedy = client.completions.create(model="demo", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert [c.text for c in greedy.choices] == [texts[p] + tok.decode(reference(pair, [ids[p]], 8),
+                                                                       skip_special_tokens=True) for p in range(2)]
+    parts = [p.choices[0] for p in client.completions.create(model="demo", prompt=texts, max_tokens=8, temperature=1.0,
+                                                             seed=4, n=2, stream=True)]
+    assert {i: "".join(p.text for p in parts if p.index == i) for i in range(4)} == got
+
+
 def test_n_greedy_choices_are_copies_of_one_row(pair, client):
     _, _, tok = pair
     ids = tok(PROMPT, add_special_tokens=False).input_ids
@@ -548,12 +567,12 @@ def test_sampled_requests_get_the_settings_chosen_for_sampling(pair):
     target, draft, tok = pair
     server = Server(target, draft, tok, TREE, model_name="demo",
                     sampled_options=dict(tree="dyspec", budget=3, delta=0.3, drafter="model"))
-    (greedy,), _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
-    (sampled,), _ = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
+    [(_, (greedy,))] = server.start(CompletionRequest(prompt=PROMPT, temperature=0, max_tokens=4))
+    [(_, (sampled,))] = server.start(CompletionRequest(prompt=PROMPT, temperature=0.8, max_tokens=4))
     assert (greedy.row.config.tree, greedy.row.config.budget) == ("opt", 4)
     assert (sampled.row.config.tree, sampled.row.config.budget, sampled.row.config.children) == ("dyspec", 3, "auto")
     plain = Server(target, draft, tok, TREE, model_name="demo", sampled_options=dict(tree="ar"))
-    (job,), _ = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
+    [(_, (job,))] = plain.start(CompletionRequest(prompt=PROMPT, temperature=1.0, max_tokens=4))
     assert job.row.config.tree == "ar" and job.row.drafter is None
     assert len(list(job.chunks())) >= 1 and job.complete
 
@@ -661,7 +680,7 @@ def test_concurrent_requests_decode_as_one_batch_each_exactly_its_own(pair, batc
     asks = [dict(prompt=p, max_tokens=6 + 5 * i, temperature=0.8 if sampled(i) else 0.0, seed=i)
             for i, p in enumerate(CODE_PROMPTS)]
     with server.batcher.changed:  # all in line before the scheduler looks (a reentrant lock)
-        jobs = [server.start(CompletionRequest(**ask))[0][0] for ask in asks]
+        jobs = [server.start(CompletionRequest(**ask))[0][1][0] for ask in asks]
     answers = [tokens(job) for job in jobs]
     for ask, job, answer in zip(asks, jobs, answers):
         ids = tok(ask["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
@@ -723,7 +742,7 @@ def test_a_long_prompt_decodes_in_a_lane_of_its_own_and_every_answer_is_exact(pa
     observe = server.batcher.on_step
     server.batcher.on_step = lambda *a: (lanes.append(server.batches()), observe(*a))
     with server.batcher.changed:
-        jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0][0] for p in prompts]
+        jobs = [server.start(CompletionRequest(prompt=p, max_tokens=12, temperature=0))[0][1][0] for p in prompts]
     answers = [tokens(job) for job in jobs]
     for prompt, answer in zip(prompts, answers):
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -745,7 +764,7 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
     server, _ = _batching_server(pair, max_batch=4)
     long_prompt = "".join(CODE_PROMPTS) * 4
     with server.batcher.changed:  # two short ones run together (the long one would not fit their lane)
-        first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0][0]
+        first, second = (server.start(CompletionRequest(prompt=p, max_tokens=40, temperature=0))[0][1][0]
                          for p in CODE_PROMPTS[:2])
     next(first.chunks())  # they run
     original, held = engine.check_batchable, {}  # held["job"]: the refused request, once started
@@ -763,7 +782,7 @@ def test_a_request_that_cannot_share_a_batch_waits_for_the_running_lanes(pair, m
         joined_after.append(first.complete and second.complete) if held.get("job") in jobs else None,
         join(lane, jobs, *a))[1])
     with server.batcher.changed:  # the batcher takes it only once it is known here (and the patches are in place)
-        alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0][0]
+        alone = held["job"] = server.start(CompletionRequest(prompt=long_prompt, max_tokens=8, temperature=0))[0][1][0]
     answer = tokens(alone)
     assert joined_after == [True] and first.complete and second.complete
     ids = tok(long_prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -777,11 +796,11 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
 
     target, draft, tok = pair
     server, rows = _batching_server(pair, max_batch=8)
-    long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0][0]
+    long = server.start(CompletionRequest(prompt=CODE_PROMPTS[0], max_tokens=400, temperature=0))[0][1][0]
     next(long.chunks())  # it runs
-    broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0][0]
+    broken = server.start(CompletionRequest(prompt=CODE_PROMPTS[1], max_tokens=8, temperature=0))[0][1][0]
     broken.row.drafter.start = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))  # its prefill's first act
-    fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0][0]
+    fine = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=24, temperature=0))[0][1][0]
     long.close()
     with pytest.raises(RuntimeError, match="prefill failed"):
         list(broken.chunks())
@@ -789,7 +808,7 @@ def test_a_cancelled_or_failing_request_leaves_the_batch_and_the_others_go_on(pa
     ids = tok(CODE_PROMPTS[2], return_tensors="pt", add_special_tokens=False).input_ids
     assert answer == reference(pair, ids, 24) and fine.complete
     assert not long.complete and long.stats.new_tokens < 400 and not broken.complete
-    again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0][0]
+    again = server.start(CompletionRequest(prompt=CODE_PROMPTS[3], max_tokens=5, temperature=0))[0][1][0]
     assert len(tokens(again)) == 5 and server.running() == 0
 
 
@@ -808,11 +827,11 @@ def test_the_scheduler_survives_an_error_of_its_own(pair):
 
     server.batcher.on_step = observer_that_fails_once
     with server.batcher.changed:
-        first = [server.start(CompletionRequest(prompt=p, max_tokens=6, temperature=0))[0][0] for p in CODE_PROMPTS[:2]]
+        first = [server.start(CompletionRequest(prompt=p, max_tokens=6, temperature=0))[0][1][0] for p in CODE_PROMPTS[:2]]
     for job in first:
         with pytest.raises(RuntimeError, match="observer broke"):
             list(job.chunks())
-    later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0][0]
+    later = server.start(CompletionRequest(prompt=CODE_PROMPTS[2], max_tokens=6, temperature=0))[0][1][0]
     assert len(tokens(later)) == 6 and later.complete
 
 
@@ -880,7 +899,7 @@ def test_only_a_sampled_request_without_a_seed_may_decode_plainly_in_a_sized_bat
     target, draft, tok = pair
     sizing = SizedBudget(BatchLatency({1: [1.0] * len(WIDTHS), 2: [2.0] * len(WIDTHS)}))
     server = Server(target, draft, tok, TREE, model_name="demo", max_batch=2, batch_budget=sizing)
-    jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0][0]
+    jobs = [server.start(CompletionRequest(prompt=PROMPT, max_tokens=3, **ask))[0][1][0]
             for ask in ({"temperature": 1.0}, {"temperature": 1.0, "seed": 7}, {"temperature": 0})]
     for job in jobs:
         assert 1 <= len(tokens(job)) <= 3  # (a sampled text may end early: its EOS)

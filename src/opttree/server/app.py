@@ -139,6 +139,16 @@ class SamplingFields(BaseModel):
         return processors or None
 
     @property
+    def prompts(self) -> list:
+        """Its prompts (chat: one, its messages)."""
+        return [None]
+
+    @property
+    def places(self) -> int:
+        """The rows it takes in the queue: its prompts' rows."""
+        return self.rows * len(self.prompts)
+
+    @property
     def rows(self) -> int:
         """The rows it decodes: its `n` sampled choices, or one whose copies are its greedy choices (none where it
         asks no tokens: an echoed prompt scored alone)."""
@@ -159,7 +169,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several (their choices one after another)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: the prompt scored alone
     echo: bool = False  # the prompt's text (and its tokens' log-probabilities) before the answer
     best_of: int | None = None
@@ -169,6 +179,11 @@ class CompletionRequest(SamplingFields):
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -306,16 +321,17 @@ class Server:
             timer.daemon = True
             timer.start()
 
-    def prompt_ids(self, req) -> list[int]:
+    def prompt_ids(self, req, prompt: str | list[int] | None = None) -> list[int]:
+        """The token ids of a chat request's messages, or of one of a completion request's prompts."""
         if isinstance(req, ChatRequest):
             if not getattr(self.tokenizer, "chat_template", None):
                 raise OpenAIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", "messages")
             messages = [m.template_fields() for m in req.messages]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(req.prompt, list):
-            return req.prompt
-        return self.tokenizer(req.prompt, add_special_tokens=False).input_ids
+        if isinstance(prompt, list):
+            return prompt
+        return self.tokenizer(prompt, add_special_tokens=False).input_ids
 
     def running(self) -> int:
         """Requests decoding now."""
@@ -325,7 +341,7 @@ class Server:
         """Batches decoding now (one request at a time: 0 or 1)."""
         return self.batcher.batches() if self.batcher else self.turns.running()
 
-    def start(self, req) -> tuple[list[BatchJob | Job], list[int]]:
+    def start(self, req) -> list[tuple[list[int], list[BatchJob | Job]]]:
         """Validate a request and queue its generation (errors here are 400s, before anything is sent).
         Checking a new set of settings runs the target here (in the event loop's thread): this thread's
         OpenMP workers are let go after it, as the setup's are."""
@@ -334,42 +350,55 @@ class Server:
         finally:
             release_openmp_threads()
 
-    def _start(self, req) -> tuple[list[BatchJob | Job], list[int]]:
+    def _start(self, req) -> list[tuple[list[int], list[BatchJob | Job]]]:
+        """Each prompt's ids and jobs (its rows: none for an echoed prompt alone), all checked before any is queued."""
         req.refuse_unsupported()
         self.limits.check(req)
-        ids = self.prompt_ids(req)
-        if not ids:
+        prompts = [self.prompt_ids(req, prompt) for prompt in req.prompts]
+        if not all(prompts):
             raise OpenAIError(400, "the prompt is empty", "prompt")
-        req.fill_window(len(ids), self.window)
         if getattr(req, "echo", False) and req.top_logprobs_asked is not None and self.leader:
             raise OpenAIError(400, "echo with logprobs is not supported with a sharded target (--tp)", "echo")
         options = dict(self.sampled_options if req.temperature > 0 else self.tree_options)
         options.update({name: getattr(req, name) for name in TREE_FIELDS if getattr(req, name) is not None})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         top = req.top_logprobs_asked
-        sampling = dict(stop=req.stop_list or None, max_new_tokens=req.new_tokens, temperature=req.temperature,
-                        top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
-                        logits_processor=req.processors(len(ids), self.vocab))
+        sampling = dict(stop=req.stop_list or None, temperature=req.temperature, top_p=req.top_p,
+                        top_k=max(req.top_k, 0), min_p=req.min_p)
         if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
-        # choice i: seed + i, as a batch of copies is seeded (none: an echoed prompt alone, nothing to decode)
-        seeds = [(seed + i) % 2**63 for i in range(req.rows)]
+        started = []
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
-            if self.leader:  # each in its turn, taken now
-                runs = [self.leader.build(Call(ids, with_draft, dict(**sampling, **options, seed=s))) for s in seeds]
-                return [Job(run, self.turns, self.expired, lambda run=run: self.discard(run), top) for run in runs], ids
-            sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
-            # a sampled request that named no seed may decode plainly on the steps where the batch is faster so
-            speculator = self._speculator(options, with_draft, sized)
-            rows = [speculator.row(GenerationRequest(ids, **sampling, seed=s), reproducible=req.seed is not None)
-                    for s in seeds]
+            for p, ids in enumerate(prompts):
+                req.fill_window(len(ids), self.window)
+                asked = dict(sampling, max_new_tokens=req.new_tokens,
+                             logits_processor=req.processors(len(ids), self.vocab))
+                # choice i (prompt p's j-th: p * n + j) is seeded with seed + i, as a batch of copies is seeded
+                seeds = [(seed + p * req.n + j) % 2**63 for j in range(req.rows)]
+                started.append((ids, [self._job(ids, with_draft, options, dict(asked, seed=s), top, req)
+                                      for s in seeds]))
         except (ValueError, NotImplementedError, TypeError) as err:
+            for _, jobs in started:  # none of them runs
+                for job in jobs:
+                    job.close()
             raise OpenAIError(400, str(err)) from None
-        jobs = [BatchJob(row, self.expired, self.batcher, top) for row in rows]
-        for job in jobs:
-            self.batcher.submit(job)
-        return jobs, ids
+        for _, jobs in started:
+            for job in jobs if not self.leader else ():  # (a sharded target's jobs take their turns as they run)
+                self.batcher.submit(job)
+        return started
+
+    def _job(self, ids: list[int], with_draft: bool, options: dict, sampling: dict, top: int | None, req
+             ) -> BatchJob | Job:
+        """One row's generation: a batch's row, or with a sharded target a generation on every rank in its turn."""
+        if self.leader:
+            run = self.leader.build(Call(ids, with_draft, dict(**sampling, **options)))
+            return Job(run, self.turns, self.expired, lambda: self.discard(run), top)
+        sized = self.sizing is not None and req.budget is None  # a budget the request asks is its own
+        # a sampled request that named no seed may decode plainly on the steps where the batch is faster so
+        row = self._speculator(options, with_draft, sized).row(GenerationRequest(ids, **sampling),
+                                                                reproducible=req.seed is not None)
+        return BatchJob(row, self.expired, self.batcher, top)
 
     def _speculator(self, options: dict, with_draft: bool, sized: bool) -> Speculator:
         """The settings checked once per distinct set of them (the greedy, the sampled and the requests' own)."""
@@ -496,15 +525,16 @@ async def serve(server: Server, request: Request, req, chat: bool):
     else in line now, in arrival order, answered whole or as server-sent events."""
     if server.stopping:
         return _error(503, "the server is shutting down", kind="server_error")
-    if req.rows > max(server.max_queue, 1):  # (a queue of 0 refuses every request with a 429)
-        raise OpenAIError(400, f"n={req.n} is past this server's limit of {server.max_queue} (--max-queue)", "n")
-    if server.pending + req.rows > server.max_queue:
+    if req.places > max(server.max_queue, 1):  # (a queue of 0 refuses every request with a 429)
+        raise OpenAIError(400, f"n={req.n} for {len(req.prompts)} prompt(s) is past this server's limit of "
+                          f"{server.max_queue} rows (--max-queue)", "n")
+    if server.pending + req.places > server.max_queue:
         return JSONResponse({"error": {"message": f"the queue is full ({server.max_queue} requests)",
                                        "type": "rate_limit_error", "param": None, "code": None}},
                             status_code=429, headers={"Retry-After": "1"})
-    jobs, ids = server.start(req)
-    server.pending += len(jobs)
-    completion = Completion(server, request, req, chat, jobs, ids)
+    prompts = server.start(req)
+    completion = Completion(server, request, req, chat, prompts)
+    server.pending += len(completion.jobs)
     if not req.stream:
         return await completion.whole()
     return StreamingResponse(completion.events(), media_type="text/event-stream")
@@ -529,16 +559,18 @@ class Answer:
 
 
 class Completion:
-    """One admitted request: its jobs (a row each; `n` sampled choices decode as n rows, greedy ones are one row's
-    copies) and the fields of its answer; `done` records how it ended."""
+    """One admitted request: its prompts' ids and jobs (a row each; `n` sampled choices decode as n rows, greedy
+    ones are one row's copies) and the fields of its answer; `done` records how it ended."""
 
-    def __init__(self, server: Server, request: Request, req, chat: bool, jobs: list, ids: list[int]):
-        self.server, self.request, self.req, self.chat, self.jobs, self.ids = server, request, req, chat, jobs, ids
+    def __init__(self, server: Server, request: Request, req, chat: bool, prompts: list[tuple[list[int], list]]):
+        self.server, self.request, self.req, self.chat, self.prompts = server, request, req, chat, prompts
+        self.jobs = [job for _, jobs in prompts for job in jobs]
         self.kind = "chat.completion" if chat else "text_completion"
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created, self.began = int(time.time()), time.perf_counter()
-        # the job each choice's tokens come from (None: an echoed prompt alone)
-        self.choice_jobs = [jobs[i % len(jobs)] if jobs else None for i in range(req.n)]
+        # choice i's prompt and the job its tokens come from (None: an echoed prompt alone), prompt after prompt
+        self.choices_of = [(p, jobs[j % len(jobs)] if jobs else None) for p, (_, jobs) in enumerate(prompts)
+                           for j in range(req.n)]
 
     def choice(self, index: int, text: str | None, finish: str | None, delta: bool, logprobs: dict | None = None
                ) -> dict:
@@ -554,22 +586,26 @@ class Completion:
             return None
         return AnswerLogprobs(self.server.tokenizer, self.chat, base=echoed)
 
-    async def echo(self) -> tuple[str, dict | None]:
-        """An echoed prompt (completions' `echo`): its text as its tokens decode, and where asked its tokens'
+    async def echoes(self) -> list[tuple[str, dict | None]]:
+        """Each prompt as echoed (completions' `echo`): its text as its tokens decode, and where asked its tokens'
         log-probabilities, from one forward over it that the scheduler runs between two steps. ("", None): none."""
         if not getattr(self.req, "echo", False):
-            return "", None
+            return [("", None)] * len(self.prompts)
         tokenizer, k = self.server.tokenizer, self.req.top_logprobs_asked
-        text = tokenizer.decode(self.ids, skip_special_tokens=True)
-        if k is None:
-            return text, None
-        scored = await asyncio.get_running_loop().run_in_executor(self.server.threads, self.server.batcher.score,
-                                                                  self.ids, k)
-        return text, prompt_report(tokenizer, self.ids, scored)
+        echoes = []
+        for ids, _ in self.prompts:
+            text, report = tokenizer.decode(ids, skip_special_tokens=True), None
+            if k is not None:
+                scored = await asyncio.get_running_loop().run_in_executor(self.server.threads,
+                                                                          self.server.batcher.score, ids, k)
+                report = prompt_report(tokenizer, ids, scored)
+            echoes.append((text, report))
+        return echoes
 
     def usage(self) -> dict:
-        n = sum(job.stats.new_tokens for job in self.choice_jobs if job)  # every choice's tokens, as OpenAI counts
-        return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
+        prompt = sum(len(ids) for ids, _ in self.prompts)
+        n = sum(job.stats.new_tokens for _, job in self.choices_of if job)  # every choice's tokens, as OpenAI counts
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
     def finish_reason(self, job) -> str:
         return "length" if job is None or job.stats.new_tokens >= self.req.new_tokens else "stop"
@@ -589,7 +625,7 @@ class Completion:
     async def whole(self):
         """The answer in one response."""
         try:
-            echo, echo_logprobs = await self.echo()
+            echoes = await self.echoes()
             results = await asyncio.get_running_loop().run_in_executor(
                 self.server.threads, lambda: {id(job): job.result() for job in self.jobs})
         except BaseException:
@@ -599,11 +635,12 @@ class Completion:
             self.done("503")
             return _error(503, SHUT_DOWN, kind="server_error")
         choices = []
-        for index, job in enumerate(self.choice_jobs):
+        for index, (p, job) in enumerate(self.choices_of):
             chunks = results[id(job)] if job else []
             whole = Chunk([t for chunk in chunks for t in chunk.ids],
                           [e for chunk in chunks for e in chunk.logprobs] if self.req.top_logprobs_asked is not None
                           else None)
+            echo, echo_logprobs = echoes[p]
             text, logprobs = Answer(self, index, job, len(echo)).push(whole, final=True)
             choices.append(self.choice(index, echo + text, self.finish_reason(job), delta=False,
                                        logprobs=joined(echo_logprobs, logprobs)))
@@ -633,16 +670,18 @@ class Completion:
                   "model": self.server.model_name}
         status, running = "200", len(self.jobs)
         try:
-            echo, echo_logprobs = await self.echo()
-            answers = [Answer(self, index, job, len(echo)) for index, job in enumerate(self.choice_jobs)]
+            echoes = await self.echoes()
+            answers = [Answer(self, index, job, len(echoes[p][0])) for index, (p, job) in enumerate(self.choices_of)]
             if chat:
                 for answer in answers:
                     yield event({**header, "choices": [{"index": answer.index, "delta": {"role": "assistant",
                                                                                          "content": ""},
                                                         "logprobs": None, "finish_reason": None}]})
-            for answer in answers if echo else ():  # the echoed prompt first (alone: its only event)
-                yield event({**header, "choices": [self.choice(answer.index, echo, None if running else "length",
-                                                               delta=True, logprobs=echo_logprobs)]})
+            for answer, (p, _) in zip(answers, self.choices_of):  # an echoed prompt first (alone: its only event)
+                echo, echo_logprobs = echoes[p]
+                if echo:
+                    yield event({**header, "choices": [self.choice(answer.index, echo, None if running else "length",
+                                                                   delta=True, logprobs=echo_logprobs)]})
             for job in self.jobs:
                 loop.run_in_executor(self.server.threads, produce, job)
             while running:
