@@ -378,11 +378,11 @@ class Server:
                 seeds = [(seed + p * req.n + j) % 2**63 for j in range(req.rows)]
                 started.append((ids, [self._job(ids, with_draft, options, dict(asked, seed=s), top, req)
                                       for s in seeds]))
-        except (ValueError, NotImplementedError, TypeError) as err:
+        except (ValueError, NotImplementedError, TypeError, OpenAIError) as err:
             for _, jobs in started:  # none of them runs
                 for job in jobs:
                     job.close()
-            raise OpenAIError(400, str(err)) from None
+            raise err if isinstance(err, OpenAIError) else OpenAIError(400, str(err)) from None
         for _, jobs in started:
             for job in jobs if not self.leader else ():  # (a sharded target's jobs take their turns as they run)
                 self.batcher.submit(job)
