@@ -206,6 +206,28 @@ def test_logit_bias_is_added_at_every_position(pair, client):
     assert biased == tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True) != tok.decode(plain)
 
 
+def test_stop_token_ids_end_an_answer_and_ignore_eos_decodes_past_eos(pair, client):
+    """vLLM's `stop_token_ids` (the answer ends with the first of them, kept) and `ignore_eos`."""
+    target, _, tok = pair
+    ids = tok(PROMPT, add_special_tokens=False).input_ids
+    plain = reference(pair, [ids], 12)
+    stop = next(t for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
+    out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]}).choices[0]
+    cut = plain[: plain.index(stop) + 1]
+    assert out.text == tok.decode(cut, skip_special_tokens=True) and out.finish_reason == "stop"
+    eos = target.generation_config.eos_token_id
+    eos = eos if isinstance(eos, int) else eos[0]
+    ask = dict(model="demo", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(eos): 100})  # EOS first
+    ended = client.completions.create(**ask)
+    assert ended.usage.completion_tokens == 1 and ended.choices[0].finish_reason == "stop"
+    past = client.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert past.usage.completion_tokens == 4 and past.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [10**6]})
+    assert err.value.body["param"] == "stop_token_ids"
+
+
 def test_output_penalties_count_the_generated_tokens_only():
     from opttree.genconfig import OutputPenalties
 

@@ -48,6 +48,7 @@ class Request:
     stop: str | Sequence[str] | None = None  # stop strings (they need the speculator's tokenizer)
     logits_processor: object = None  # added to the generation_config's processors, as generate's argument
     output_logits: bool | None = None  # keep the raw logits of its new tokens (GenerationOutput.logits)
+    eos_token_id: int | Sequence[int] | None = None  # its own end-of-sequence ids ([]: none), as generate's argument
 
     def settings(self) -> dict:
         """The SpecConfig fields this request sets."""
@@ -207,7 +208,8 @@ class Speculator:
         keys = static_rows(target, max_len, tree_width(config, policy)) if static else max_len + config.budget + 1
         self._check(certify, target, "target", max_len, keys - max_len, static=static)  # keys: what a step spans
         if rules is None:
-            rules = prepare(target, self.generation_config, ids, config, self.eos, _stop_strings(request.stop),
+            eos = self.eos if request.eos_token_id is None else eos_list(request.eos_token_id)
+            rules = prepare(target, self.generation_config, ids, config, eos, _stop_strings(request.stop),
                             self.tokenizer, request.logits_processor)
         drafter = None
         if policy.needs_drafter:

@@ -36,6 +36,7 @@ from ..batch_sizing import SizedBudget
 from ..engine import Allocator
 from ..flags import used_draft
 from ..genconfig import OutputPenalties
+from ..settings.arguments import eos_list
 from ..speculator import Request as GenerationRequest
 from ..step.cache import context_window
 from ..speculator import Speculator
@@ -100,6 +101,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=10)  # vLLM's extra field (transformers' processor)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, -100 to 100 (OpenAI's)
+    ignore_eos: bool = False  # vLLM's extra fields: decode past the model's end-of-sequence ids,
+    stop_token_ids: list[int] | None = None  # ... and end at these ids too (kept in the answer, as vLLM's)
     user: str | None = None
     # opttree's own extra fields: the tree settings of this request
     tree: str | None = None
@@ -121,6 +124,15 @@ class SamplingFields(BaseModel):
 
     def fill_window(self, prompt_len: int, window: int | None) -> None:
         """Where its default length is the rest of the context window (chat's), set it for a prompt this long."""
+
+    def eos(self, default: list[int], vocab: int) -> list[int] | None:
+        """Its end-of-sequence ids where it changes the model's (`default`; None: it does not)."""
+        if not self.ignore_eos and not self.stop_token_ids:
+            return None
+        if any(not 0 <= t < vocab for t in self.stop_token_ids or []):
+            raise OpenAIError(400, f"stop_token_ids are token ids, 0 to {vocab - 1}", "stop_token_ids")
+        own = [] if self.ignore_eos else list(default)
+        return own + [t for t in self.stop_token_ids or [] if t not in own]
 
     def processors(self, prompt_len: int, vocab: int) -> LogitsProcessorList | None:
         """Its logit bias and penalties as logits processors (in vLLM's order), applied to every node as `generate`
@@ -298,6 +310,7 @@ class Server:
         self.sampled_options = sampled_options or tree_options
         self.vocab = target.config.get_text_config().vocab_size  # the token ids a request's logit_bias may name
         self.window = context_window(target)  # a chat answer's default length: up to its end
+        self.eos = eos_list(target.generation_config.eos_token_id)  # what a request's stop_token_ids add to
         self.metrics = Metrics()
         self.turns = Turns()  # sharded: one decoding at a time, in arrival order
         self.batcher = None if leader else Batcher(target, max_batch, self.metrics.observe_step, batch_budget)
@@ -373,7 +386,8 @@ class Server:
             for p, ids in enumerate(prompts):
                 req.fill_window(len(ids), self.window)
                 asked = dict(sampling, max_new_tokens=req.new_tokens,
-                             logits_processor=req.processors(len(ids), self.vocab))
+                             logits_processor=req.processors(len(ids), self.vocab),
+                             eos_token_id=req.eos(self.eos, self.vocab))
                 # choice i (prompt p's j-th: p * n + j) is seeded with seed + i, as a batch of copies is seeded
                 seeds = [(seed + p * req.n + j) % 2**63 for j in range(req.rows)]
                 started.append((ids, [self._job(ids, with_draft, options, dict(asked, seed=s), top, req)
