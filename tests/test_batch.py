@@ -232,6 +232,11 @@ def test_a_speculator_checks_its_settings_once_and_each_request_keeps_its_own():
         speculator.generate(opttree.Request(batch[0], temperature=-1.0))
     with pytest.raises(TypeError, match="opttree.Request"):
         speculator.generate([batch[0]])
+    # a request's own end-of-sequence ids: its draws up to the first of them, the others keep the speculator's
+    stop = int(outs[1].new_tokens[3])
+    own = speculator.generate([opttree.Request(batch[1], temperature=0.8, seed=4, eos_token_id=stop), requests[2]])
+    first = outs[1].new_tokens.tolist().index(stop) + 1
+    assert torch.equal(own[0].new_tokens, outs[1].new_tokens[:first]) and torch.equal(own[1].sequences, outs[2].sequences)
 
 
 def test_what_decodes_one_sequence_at_a_time_is_refused_for_a_batch():
