@@ -236,7 +236,8 @@ def test_a_speculator_checks_its_settings_once_and_each_request_keeps_its_own():
     stop = int(outs[1].new_tokens[3])
     own = speculator.generate([opttree.Request(batch[1], temperature=0.8, seed=4, eos_token_id=stop), requests[2]])
     first = outs[1].new_tokens.tolist().index(stop) + 1
-    assert torch.equal(own[0].new_tokens, outs[1].new_tokens[:first]) and torch.equal(own[1].sequences, outs[2].sequences)
+    assert torch.equal(own[0].new_tokens, outs[1].new_tokens[:first])
+    assert torch.equal(own[1].sequences, outs[2].sequences)
 
 
 def test_what_decodes_one_sequence_at_a_time_is_refused_for_a_batch():
