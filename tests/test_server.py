@@ -14,7 +14,7 @@ import uvicorn
 
 import opttree
 from opttree.server.app import GracefulServer, Server, Turns, create_app
-from opttree.server.load import Outcome, _check_metrics, _check_texts, run_load
+from opttree.server.load import Outcome, _check_metrics, _check_texts, _choices_problem, run_load
 from opttree.text import TextStream
 
 TREE = dict(tree="opt", budget=4, delta=0.1)
@@ -513,8 +513,8 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
     summary = report.summary()
     print(report.table())
     assert report.ok, report.problems
-    assert summary["requests"] == 80 and summary["by_kind"] == {"cancel": 16, "malformed": 16, "plain": 32,
-                                                                "stream": 16}
+    assert summary["requests"] == 80 and summary["by_kind"] == {"cancel": 16, "malformed": 16, "plain": 16,
+                                                                "stream": 16, "choices": 16}
     assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"] and summary["tokens_per_s"] > 0
     assert summary["completion_tokens"] == sum(4 + (r % 3) for c in range(8) for r in range(10)
                                                if (c + r) % 5 in (0, 1, 2))
@@ -532,6 +532,13 @@ def test_the_load_checks_catch_mixed_answers_and_miscounts():
     assert any("expected 'x'" in p for p in _check_texts(answers, lambda prompt, n: "x"))
     assert _check_metrics(answers, {}, {"200": 2, "499": 1}) == []
     assert _check_metrics(answers, {}, {"200": 3}) != []
+    choice = {"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                                      "top_logprobs": [{"a": -0.1}, {"b": -0.2}]}}
+    assert _choices_problem([choice, {**choice, "index": 1}]) == ""
+    assert "differ" in _choices_problem([choice, {**choice, "index": 1, "text": "ac"}])
+    assert "not the text" in _choices_problem([choice, {**choice, "index": 1, "logprobs": {"tokens": ["a"]}}])
+    swapped = {**choice, "index": 1, "logprobs": {**choice["logprobs"], "top_logprobs": [{"a": -0.1}, {"c": -0.1}]}}
+    assert "not the likeliest" in _choices_problem([choice, swapped])
 
 
 def _stream_events(url: str, body: dict, first: threading.Event, events: list) -> None:

@@ -1,7 +1,8 @@
 """A bounded load test of a running `opttree serve` (or any OpenAI-compatible completions server).
 
 `clients` threads each send `requests` requests, a mix of plain and streamed completions at
-temperature 0, streams the client abandons after the first event (cancellations) and malformed
+temperature 0 (some of two choices with their log-probabilities, which must agree with each other and with
+their text), streams the client abandons after the first event (cancellations) and malformed
 requests. Every well-formed answer is checked: against `expected(prompt, max_tokens)` when given
 (e.g. `opttree.generate`'s text), otherwise for consistency (the same prompt and length must give the
 same text in every request and either mode: an answer mixed up with another request's shows). The
@@ -32,7 +33,9 @@ PROMPTS = (
     "def count_words(text):\n",
     "def binary_search(items, target):\n",
 )
-CYCLE = ("plain", "stream", "plain", "cancel", "malformed")  # request r of client c is CYCLE[(c + r) % 5]
+# request r of client c is CYCLE[(c + r) % 5]; "choices": a plain completion of n=2 with logprobs=1
+CYCLE = ("plain", "stream", "choices", "cancel", "malformed")
+ANSWERED = ("plain", "stream", "choices")  # the kinds answered whole
 MALFORMED = (  # (body as sent, what is wrong)
     ("{not json", "malformed JSON"),
     ('{"prompt": "x", "max_tokens": -1}', "negative max_tokens"),
@@ -94,12 +97,12 @@ class LoadReport:
         return not self.problems
 
     def latencies(self) -> np.ndarray:
-        return np.array([o.latency_s for o in self.outcomes if o.kind in ("plain", "stream") and not o.problem])
+        return np.array([o.latency_s for o in self.outcomes if o.kind in ANSWERED and not o.problem])
 
     def summary(self) -> dict:
         kinds = Counter(o.kind for o in self.outcomes)
         lat = self.latencies()
-        tokens = sum(o.tokens for o in self.outcomes if o.kind in ("plain", "stream"))
+        tokens = sum(o.tokens for o in self.outcomes if o.kind in ANSWERED)  # a choices answer's tokens counted once
         return {
             "clients": self.clients,
             "requests": len(self.outcomes),
@@ -176,7 +179,9 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
                 out.problem = f"{what}: expected a 400 with an OpenAI error, got {response.status_code} {response.text[:80]}"
             return out
         body = {"prompt": prompt, "temperature": 0, "max_tokens": cancel_tokens if kind == "cancel" else max_tokens}
-        if kind == "plain":
+        if kind in ("plain", "choices"):
+            if kind == "choices":
+                body.update(n=2, logprobs=1)
             response = http.post("/v1/completions", json=body)
             if _told_to_wait(response, out):
                 continue
@@ -187,6 +192,9 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
             out.text, out.tokens = answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
             if answer["choices"][0]["finish_reason"] not in ("stop", "length"):
                 out.problem = f"finish_reason {answer['choices'][0]['finish_reason']!r}"
+            if kind == "choices":
+                out.tokens //= 2
+                out.problem = out.problem or _choices_problem(answer["choices"])
         else:
             body.update(stream=True, stream_options={"include_usage": True})
             with http.stream("POST", "/v1/completions", json=body) as response:
@@ -203,6 +211,20 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
                 _read_stream(events, out)
         out.latency_s = time.perf_counter() - began
         return out
+
+
+def _choices_problem(choices: list[dict]) -> str:
+    """What is wrong with a greedy answer's two choices and their log-probabilities ("": nothing)."""
+    if sorted(c["index"] for c in choices) != [0, 1] or choices[0]["text"] != choices[1]["text"]:
+        return f"two greedy choices differ or are misnumbered: {[(c['index'], c['text']) for c in choices]}"
+    for choice in choices:
+        logprobs = choice["logprobs"] or {}
+        if "".join(logprobs.get("tokens", [])) != choice["text"]:
+            return f"the tokens with log-probabilities are not the text: {logprobs.get('tokens')!r}"
+        tops = logprobs["top_logprobs"]
+        if any(lp is None or lp > 0 or max(top.values()) != lp for lp, top in zip(logprobs["token_logprobs"], tops)):
+            return "a greedy token that is not the likeliest, or a log-probability above 0"
+    return ""
 
 
 def _told_to_wait(response: httpx.Response, out: Outcome) -> bool:
@@ -244,7 +266,7 @@ def _check_texts(outcomes: list[Outcome], expected: Callable[[str, int], str] | 
     answers: dict[tuple[str, int], set[str]] = defaultdict(set)
     problems = []
     for o in outcomes:
-        if o.kind in ("plain", "stream") and not o.problem:
+        if o.kind in ANSWERED and not o.problem:
             answers[(o.prompt, o.max_tokens)].add(o.text)
             if expected is not None and o.text != (want := expected(o.prompt, o.max_tokens)):
                 problems.append(f"{o.kind} {o.prompt[:24]!r} max_tokens={o.max_tokens}: got {o.text!r}, "
@@ -270,7 +292,7 @@ def _request_counts(url: str, settle: bool = False) -> Counter:
 def _check_metrics(outcomes: list[Outcome], before: Counter, after: Counter) -> list[str]:
     kinds = Counter(o.kind for o in outcomes)
     grew = {status: after.get(status, 0) - before.get(status, 0) for status in set(after) | set(before)}
-    want = {"200": kinds["plain"] + kinds["stream"], "400": kinds["malformed"], "499": kinds["cancel"]}
+    want = {"200": sum(kinds[kind] for kind in ANSWERED), "400": kinds["malformed"], "499": kinds["cancel"]}
     return [f"/metrics counted {grew.get(status, 0):g} requests with status {status}, the load test sent {n}"
             for status, n in want.items() if grew.get(status, 0) != n] + \
            [f"/metrics counted {n:g} unexpected requests with status {status}"
