@@ -255,6 +255,7 @@ def test_n_sampled_choices_are_n_rows_each_seeded_as_a_batch_row(pair, client):
     assert streamed == texts
     finished = [p.choices[0].index for p in parts if p.choices and p.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2] and parts[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert parts[-1].choices == [] and all(p.usage is None for p in parts[:-1])  # OpenAI's include_usage chunk
 
 
 def test_several_prompts_in_one_request_answer_one_after_another(pair, client):
@@ -426,6 +427,7 @@ def test_malformed_json_is_400(url):
 
 def test_models_and_metrics(client, url):
     assert [m.id for m in client.models.list()] == ["demo"]
+    assert client.models.list().data[0].max_model_len == 2048  # vLLM's field: the shipped target's context window
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0)
     text = httpx.get(url + "/metrics").text
     for name in ("opttree:spec_decode_num_drafts_total", "opttree:spec_decode_num_accepted_tokens_total",

@@ -682,6 +682,9 @@ class Completion:
 
         header = {"id": self.rid, "object": self.kind + (".chunk" if chat else ""), "created": self.created,
                   "model": self.server.model_name}
+        usage = bool((self.req.stream_options or {}).get("include_usage"))
+        if usage:  # OpenAI's rule: every chunk has "usage": null, and one more after the last has it, with no choices
+            header["usage"] = None
         status, running = "200", len(self.jobs)
         try:
             echoes = await self.echoes()
@@ -718,12 +721,11 @@ class Completion:
                     if item is not None and not text:
                         continue
                     finish = None if item is not None else self.finish_reason(job)
-                    body = {**header, "choices": [self.choice(answer.index, text or None if chat else text, finish,
-                                                              delta=True, logprobs=logprobs)]}
-                    if not running and answer is fed[-1] and (self.req.stream_options or {}).get("include_usage"):
-                        body["usage"] = self.usage()  # on the last event
-                    yield event(body)
+                    yield event({**header, "choices": [self.choice(answer.index, text or None if chat else text,
+                                                                   finish, delta=True, logprobs=logprobs)]})
             else:
+                if usage:
+                    yield event({**header, "choices": [], "usage": self.usage()})
                 yield "data: [DONE]\n\n"
         except BaseException:  # the client went away (the response is cancelled): 499, as nginx logs it
             status = "499" if status == "200" else status
@@ -756,7 +758,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "opttree",
-                                            "created": 0}]}
+                                            "created": 0, "max_model_len": server.window}]}  # vLLM's field
 
     @app.get("/metrics")
     async def metrics():

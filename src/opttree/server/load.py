@@ -252,11 +252,11 @@ def _read_stream(events, out: Outcome) -> None:
         if "error" in event:
             out.problem = f"error event: {event['error'].get('message')}"
             return
-        choice = event["choices"][0]
-        pieces.append(choice["text"])
-        finish = choice["finish_reason"] or finish
-        if event.get("usage"):
+        if event.get("usage"):  # the chunk after the last choice's (OpenAI's `include_usage`)
             out.tokens = event["usage"]["completion_tokens"]
+        for choice in event["choices"]:
+            pieces.append(choice["text"])
+            finish = choice["finish_reason"] or finish
     out.text = "".join(pieces)
     if not done or finish not in ("stop", "length"):
         out.problem = f"stream ended without [DONE] or finish_reason (got {finish!r})"
