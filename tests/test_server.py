@@ -622,6 +622,8 @@ def test_every_setting_at_its_extremes_gets_a_400_naming_the_limit_or_a_right_an
         "at most 256 characters": {"stop": ["x" * 100_000]},
         "tokens exceeds the target": {"prompt": "def f():\n" * 3000},
         "seed": {"seed": 2**63}, "budget must be an integer >= 1": {"budget": 0},
+        "16 rows (--max-queue)": {"n": 17, "temperature": 1}, "rows (--max-queue)": {"prompt": [PROMPT] * 17},
+        "less than or equal to 20": {"logprobs": 21}, "biases -100 to 100": {"logit_bias": {"5": 1e9}},
     }
     for message, extra in refused.items():
         began = time.perf_counter()
@@ -630,9 +632,11 @@ def test_every_setting_at_its_extremes_gets_a_400_naming_the_limit_or_a_right_an
         assert time.perf_counter() - began < 5  # refused before any work
     ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
     expected = tok.decode(reference(pair, ids, 8), skip_special_tokens=True)
-    for extra in ({"budget": 16, "max_depth": 12}, {"seed": 2**63 - 1}, {"seed": 0}, {"stop": ["x" * 256]}):
+    for extra in ({"budget": 16, "max_depth": 12}, {"seed": 2**63 - 1}, {"seed": 0}, {"stop": ["x" * 256]},
+                  {"n": 16}, {"prompt": [PROMPT] * 16}, {"logprobs": 20}, {"logit_bias": {"5": -100}}):
         answer = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
-        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected, (extra, answer.text)
+        texts = [choice["text"] for choice in answer.json()["choices"]] if answer.status_code == 200 else answer.text
+        assert texts == [expected] * extra.get("n", len(extra.get("prompt", [0]))), extra  # (token 5 is not in it)
 
 
 def test_default_limits_follow_the_device_and_never_refuse_the_servers_own_settings():
