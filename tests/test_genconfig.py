@@ -119,6 +119,25 @@ def test_sampling_settings_come_from_the_generation_config(models):
     assert opttree.stream(target, PROMPT, draft, max_new_tokens=4).config.greedy
 
 
+def test_sampling_without_a_top_k_keeps_the_top_k_generate_falls_back_on(models):
+    """Neither the caller nor the config sets top_k: generate(do_sample=True) keeps its built-in 50 likeliest tokens,
+    and so does opttree; top_k=0 asks for the whole distribution."""
+    target, draft = models
+    recorded = {}
+
+    def record(model, input_ids, logits_processor=None, **_):
+        recorded["processors"] = logits_processor
+        return input_ids
+
+    assert target.generation_config.top_k is None
+    target.generate(PROMPT, do_sample=True, max_new_tokens=2, custom_generate=record,
+                    attention_mask=torch.ones_like(PROMPT))
+    generates = [p.top_k for p in recorded["processors"] if isinstance(p, lp.TopKLogitsWarper)]
+    assert opttree.stream(target, PROMPT, draft, max_new_tokens=4, temperature=1.0).config.top_k == generates[0] == 50
+    assert opttree.stream(target, PROMPT, draft, max_new_tokens=4, temperature=1.0, top_k=0).config.top_k == 0
+    assert opttree.stream(target, PROMPT, draft, max_new_tokens=4).config.greedy  # greedy: no warper at all
+
+
 @pytest.mark.parametrize("settings,named", [
     (dict(guidance_scale=1.5), "guidance_scale=1.5"),
     (dict(num_beams=2), "num_beams=2"),

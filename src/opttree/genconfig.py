@@ -67,6 +67,8 @@ OWN_WARPERS = {
     "eta_cutoff": (lp.EtaLogitsWarper, "epsilon", lambda v: 0 < v < 1),
     "top_h": (lp.TopHLogitsWarper, "top_h", lambda v: True),
 }
+# what `generate` applies where neither the caller nor the generation_config sets a value (transformers' own table)
+GENERATE_DEFAULTS = transformers.GenerationConfig._get_default_generation_params()
 # values that mean "off" (None and False always do)
 NEUTRAL = {"guidance_scale": 1.0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
@@ -134,8 +136,9 @@ def config_defaults(generation_config, given: dict) -> dict:
     sampling = given.get("temperature", 0.0) > 0 if "temperature" in given else bool(generation_config.do_sample)
     if "temperature" not in given and sampling:
         defaults["temperature"] = float(generation_config.temperature or 1.0)
-    if sampling and "top_k" not in given and generation_config.top_k is not None:
-        defaults["top_k"] = int(generation_config.top_k)
+    if sampling and "top_k" not in given:  # the config's, else the one generate itself falls back on (50)
+        top_k = generation_config.top_k
+        defaults["top_k"] = int(top_k if top_k is not None else GENERATE_DEFAULTS["top_k"])
     if sampling and "top_p" not in given and generation_config.top_p is not None:
         defaults["top_p"] = float(generation_config.top_p)
     for name, (_, _, applies) in OWN_WARPERS.items():
