@@ -119,6 +119,22 @@ def test_sampling_settings_come_from_the_generation_config(models):
     assert opttree.stream(target, PROMPT, draft, max_new_tokens=4).config.greedy
 
 
+def test_a_max_length_in_the_config_counts_the_prompt_as_generate_reads_it(models):
+    target, draft = models
+    saved = _with_config(target, max_length=PROMPT.shape[1] + 5)
+    try:
+        with torch.inference_mode():
+            hf = target.generate(PROMPT, do_sample=False, attention_mask=torch.ones_like(PROMPT))
+        out = opttree.generate(target, PROMPT, draft)
+        assert out.new_tokens.shape[0] == 5 and torch.equal(out.sequences, hf)
+        assert opttree.generate(target, PROMPT, draft, max_new_tokens=7).new_tokens.shape[0] == 7  # the caller's wins
+        with pytest.raises(ValueError, match="max_length=3 leaves no room after the 6-token prompt"):
+            target.generation_config.max_length = 3
+            opttree.generate(target, PROMPT, draft)
+    finally:
+        target.generation_config = saved
+
+
 def test_sampling_without_a_top_k_keeps_the_top_k_generate_falls_back_on(models):
     """Neither the caller nor the config sets top_k: generate(do_sample=True) keeps its built-in 50 likeliest tokens,
     and so does opttree; top_k=0 asks for the whole distribution."""

@@ -129,9 +129,10 @@ def check_config(generation_config) -> None:
                          f"to generate without it, set {fixes}")
 
 
-def config_defaults(generation_config, given: dict) -> dict:
-    """The generation_config's sampling settings and max_new_tokens, for the ones the caller did not give.
-    As in target.generate, they sample only if `do_sample` is set there (a temperature alone does not)."""
+def config_defaults(generation_config, given: dict, prompt_len: int | None = None) -> dict:
+    """The generation_config's sampling settings and length, for the ones the caller did not give. As in
+    target.generate, they sample only if `do_sample` is set there (a temperature alone does not), and a `max_length`
+    there counts the prompt (`prompt_len`; None: checked before any prompt, the length is left for later)."""
     defaults: dict = {}
     sampling = given.get("temperature", 0.0) > 0 if "temperature" in given else bool(generation_config.do_sample)
     if "temperature" not in given and sampling:
@@ -147,6 +148,12 @@ def config_defaults(generation_config, given: dict) -> dict:
             defaults[name] = float(value)
     if "max_new_tokens" not in given and generation_config.max_new_tokens is not None:
         defaults["max_new_tokens"] = int(generation_config.max_new_tokens)
+    elif "max_new_tokens" not in given and generation_config.max_length is not None and prompt_len is not None:
+        room = int(generation_config.max_length) - prompt_len
+        if room < 1:
+            raise ValueError(f"the generation_config's max_length={generation_config.max_length} leaves no room after "
+                             f"the {prompt_len}-token prompt: pass max_new_tokens")
+        defaults["max_new_tokens"] = room
     if "max_time" not in given and generation_config.max_time is not None:
         defaults["max_time"] = float(generation_config.max_time)
     return defaults

@@ -173,7 +173,7 @@ class Speculator:
         if prompt_len is None:  # checked before any prompt: a max_length is resolved per request
             options.pop("max_length", None)
         options = spec_options(options, prompt_len or 1, mask)
-        config = SpecConfig(**{**config_defaults(self.generation_config, options), **options})
+        config = SpecConfig(**{**config_defaults(self.generation_config, options, prompt_len), **options})
         spec = config.drafter or default_drafter(self.draft is not None, config.datastore is not None)
         if auto_depth:
             config = replace(config, max_depth=default_max_depth(spec, config.budget))
