@@ -159,6 +159,7 @@ def test_sampling_without_a_top_k_keeps_the_top_k_generate_falls_back_on(models)
     (dict(num_beams=2), "num_beams=2"),
     (dict(penalty_alpha=0.6), "penalty_alpha=0.6"),
     (dict(watermarking_config={"greenlist_ratio": 0.25}), "watermarking_config"),
+    (dict(token_healing=True), "token_healing=True"),
 ])
 def test_settings_it_cannot_apply_are_refused_by_name(models, settings, named):
     target, draft = models

@@ -57,6 +57,7 @@ REFUSED_FIELDS = {
     "watermarking_config": "watermarking",
     "num_beams": "beam search", "num_beam_groups": "group beam search", "diversity_penalty": "group beam search",
     "penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding", "low_memory": "contrastive search",
+    "token_healing": "token healing (it rewrites the prompt's last tokens before generating)",
 }
 # the warpers opttree applies with transformers' own objects (`opttree.step.sampling.Warp`), as generate builds them
 # when sampling: field -> (the warper, its attribute that holds the setting, whether generate applies the value)
