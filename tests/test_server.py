@@ -65,7 +65,9 @@ def tokens(job) -> list[int]:
 
 
 def reference(pair, prompt_ids, n, **kw) -> list[int]:
+    """The library's tokens for what a request asks; top_k off unless asked, as the server's default (vLLM's)."""
     target, draft, _ = pair
+    kw = {"top_k": 0, **kw}
     return opttree.generate(target, prompt_ids, draft, max_new_tokens=n, **TREE, **kw).new_tokens.tolist()
 
 
