@@ -652,8 +652,7 @@ class Completion:
         for index, (p, job) in enumerate(self.choices_of):
             chunks = results[id(job)] if job else []
             whole = Chunk([t for chunk in chunks for t in chunk.ids],
-                          [e for chunk in chunks for e in chunk.logprobs] if self.req.top_logprobs_asked is not None
-                          else None)
+                          [entry for chunk in chunks for entry in chunk.logprobs or []])
             echo, echo_logprobs = echoes[p]
             text, logprobs = Answer(self, index, job, len(echo)).push(whole, final=True)
             choices.append(self.choice(index, echo + text, self.finish_reason(job), delta=False,
@@ -690,10 +689,8 @@ class Completion:
             echoes = await self.echoes()
             answers = [Answer(self, index, job, len(echoes[p][0])) for index, (p, job) in enumerate(self.choices_of)]
             if chat:
-                for answer in answers:
-                    yield event({**header, "choices": [{"index": answer.index, "delta": {"role": "assistant",
-                                                                                         "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]})
+                for answer in answers:  # each choice's first event: its role
+                    yield event({**header, "choices": [self.choice(answer.index, "", None, delta=True)]})
             for answer, (p, _) in zip(answers, self.choices_of):  # an echoed prompt first (alone: its only event)
                 echo, echo_logprobs = echoes[p]
                 if echo:
