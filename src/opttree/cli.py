@@ -89,7 +89,8 @@ def cmd_generate(args) -> int:
     prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     run = speculator.stream(Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                                    stop=args.stop))
+                                    stop=args.stop, logits_processor=grammar_of(args, target, tokenizer,
+                                                                                 prompt_ids.shape[1])))
     if not args.json:
         print(prompt, end="", flush=True)
     text = TextStream(tokenizer)  # a character split across chunks prints once it is whole
@@ -113,6 +114,32 @@ def cmd_generate(args) -> int:
         print(f"\n[{s.new_tokens} tokens in {s.steps} steps: mean accepted length {s.mean_accepted_length:.2f}, "
               f"{s.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def grammar_of(args, target, tokenizer, prompt_len: int) -> list | None:
+    """The grammar `generate`'s flags hold the answer to, as a logits processor (None: none)."""
+    from .grammar import Constraint, one_of
+    from .settings.arguments import eos_list
+    from .speculator import _vocab_size
+
+    schema = args.json_schema
+    if schema is not None and not schema.lstrip().startswith("{"):
+        schema = read_text_file(schema, "--json-schema")
+    lark = args.grammar and read_text_file(args.grammar, "--grammar")
+    held_to = one_of(json_schema=schema, json_object=args.json_object, regex=args.regex, choice=args.choice,
+                     lark=lark)
+    if held_to is None:
+        return None
+    eos = eos_list(target.generation_config.eos_token_id) or None
+    return [Constraint(tokenizer, held_to, prompt_len, eos, _vocab_size(target))]
+
+
+def read_text_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror}") from None
 
 
 DEMO_SHOWN_LINES = 12  # completion lines the demo prints per prompt
@@ -286,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="the prompt text (a newline in bash: --prompt $'a\\nb')")
     prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin), for multi-line prompts")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    held = gen.add_argument_group("structured output (one of these: the answer is held to it, then ends with EOS)")
+    held = held.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema: a file, or the schema itself ('{...}')")
+    held.add_argument("--json-object", action="store_true", help="any JSON object")
+    held.add_argument("--regex", help="a regular expression the whole answer matches")
+    held.add_argument("--choice", action="append", help="one of these strings (repeatable)")
+    held.add_argument("--grammar", metavar="FILE", help="a Lark grammar (or llama.cpp's GBNF) in this file")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_tp_arg(gen)
     gen.set_defaults(func=cmd_generate)

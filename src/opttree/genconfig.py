@@ -19,6 +19,7 @@ import transformers
 from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
+from .grammar import Constraint
 from .settings.arguments import eos_list
 from .step.tree import DraftTree, node_paths
 
@@ -37,7 +38,7 @@ class OutputPenalties(lp.LogitsProcessor):
 
 
 # Processors that are pure functions of (context ids, scores): exact when each row gets its own context.
-PER_NODE = (OutputPenalties,
+PER_NODE = (OutputPenalties, Constraint,
     lp.RepetitionPenaltyLogitsProcessor, lp.EncoderRepetitionPenaltyLogitsProcessor, lp.NoRepeatNGramLogitsProcessor,
     lp.EncoderNoRepeatNGramLogitsProcessor, lp.NoBadWordsLogitsProcessor, lp.SequenceBiasLogitsProcessor,
     lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor,

@@ -23,6 +23,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .speculator import stream
 from .genconfig import Rules, per_node_processors, sampling_settings, stopping_settings
+from .grammar import Constraint
 from .stats import GenerationStats
 
 # what generate() prepares for every model call; checked below where it could change the output
@@ -150,7 +151,7 @@ def _own_positions(positions: torch.Tensor, input_ids: torch.Tensor, mask) -> bo
 
 
 # processors whose rule reads the sequence's length (padding included, in a padded batch of generate)
-POSITION_COUNTING = (lp.MinLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
+POSITION_COUNTING = (Constraint, lp.MinLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
                      lp.ExponentialDecayLengthPenalty, lp.SuppressTokensAtBeginLogitsProcessor)
 
 custom_generate = CustomGenerate()

@@ -35,7 +35,9 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 from ..batch_sizing import SizedBudget
 from ..engine import Allocator
 from ..flags import used_draft
+from .. import grammar
 from ..genconfig import OutputPenalties
+from ..grammar import Constraint
 from ..settings.arguments import eos_list
 from ..speculator import Request as GenerationRequest
 from ..step.cache import context_window
@@ -103,6 +105,13 @@ class SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, -100 to 100 (OpenAI's)
     ignore_eos: bool = False  # vLLM's extra fields: decode past the model's end-of-sequence ids,
     stop_token_ids: list[int] | None = None  # ... and end at these ids too (kept in the answer, as vLLM's)
+    # structured outputs: the answer held to a grammar. OpenAI's {"type": "text" | "json_object" | "json_schema"};
+    response_format: dict | None = None
+    guided_json: dict | str | None = None  # vLLM's extra fields (its older spelling) ...
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, or GBNF
+    structured_outputs: dict | None = None  # ... and its newer: {"json" | "regex" | "choice" | "grammar" | ...: ...}
     user: str | None = None
     # opttree's own extra fields: the tree settings of this request
     tree: str | None = None
@@ -134,9 +143,47 @@ class SamplingFields(BaseModel):
         own = [] if self.ignore_eos else list(default)
         return own + [t for t in self.stop_token_ids or [] if t not in own]
 
-    def processors(self, prompt_len: int, vocab: int) -> LogitsProcessorList | None:
-        """Its logit bias and penalties as logits processors (in vLLM's order), applied to every node as `generate`
-        applies processors (None: none). `vocab`: the target's, which the biased token ids must be in."""
+    def grammar(self) -> str | None:
+        """The grammar its answer is held to (None: none), from whichever of the fields asks for one."""
+        asked = {}
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            spec = self.response_format.get("json_schema")
+            if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+                raise OpenAIError(400, 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                                  '"schema": {...}}', "response_format")
+            if kind not in ("text", "json_object", "json_schema"):
+                raise OpenAIError(400, f"response_format type {kind!r}: one of text, json_object, json_schema",
+                                  "response_format")
+            asked["response_format"] = dict(json_object=kind == "json_object",
+                                            json_schema=spec["schema"] if kind == "json_schema" else None)
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "lark")):
+            if getattr(self, name) is not None:
+                asked[name] = {kind: getattr(self, name)}
+        if self.structured_outputs is not None:
+            names = dict(json="json_schema", json_object="json_object", regex="regex", choice="choice", grammar="lark")
+            unknown = [key for key in self.structured_outputs if key not in names]
+            if unknown:
+                raise OpenAIError(400, f"structured_outputs {unknown}: this server takes {', '.join(names)}",
+                                  "structured_outputs")
+            asked["structured_outputs"] = {names[key]: value for key, value in self.structured_outputs.items()}
+        given = [name for name, kinds in asked.items() if any(v is not None and v is not False
+                                                              for v in kinds.values())]
+        if len(given) > 1:
+            raise OpenAIError(400, f"one of {', '.join(given)}: an answer follows one grammar", given[1])
+        if given and self.ignore_eos:
+            raise OpenAIError(400, "ignore_eos with a grammar: an answer that completes its grammar ends with EOS",
+                              "ignore_eos")
+        try:
+            return grammar.one_of(**asked[given[0]]) if given else None
+        except (ValueError, TypeError) as error:
+            raise OpenAIError(400, str(error), given[0]) from None
+
+    def processors(self, prompt_len: int, vocab: int, constraint=None) -> LogitsProcessorList | None:
+        """Its logit bias and penalties as logits processors (in vLLM's order), then its grammar's `constraint`,
+        applied to every node as `generate` applies processors (None: none). `vocab`: the target's, which the biased
+        token ids must be in."""
         processors = LogitsProcessorList()
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
@@ -148,6 +195,8 @@ class SamplingFields(BaseModel):
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
         if self.presence_penalty or self.frequency_penalty:
             processors.append(OutputPenalties(prompt_len, self.presence_penalty, self.frequency_penalty))
+        if constraint is not None:
+            processors.append(constraint)
         return processors or None
 
     @property
@@ -381,13 +430,15 @@ class Server:
         if top is not None:  # log-probabilities: its rows keep their logits
             sampling["output_logits"] = True
         started = []
+        held_to = req.grammar()
         try:
             with_draft = used_draft(options, self.draft) is not None  # after the request's own tree fields
             for p, ids in enumerate(prompts):
                 req.fill_window(len(ids), self.window)
+                eos = req.eos(self.eos, self.vocab)
+                constraint = held_to and Constraint(self.tokenizer, held_to, len(ids), eos or self.eos, self.vocab)
                 asked = dict(sampling, max_new_tokens=req.new_tokens,
-                             logits_processor=req.processors(len(ids), self.vocab),
-                             eos_token_id=req.eos(self.eos, self.vocab))
+                             logits_processor=req.processors(len(ids), self.vocab, constraint), eos_token_id=eos)
                 # choice i (prompt p's j-th: p * n + j) is seeded with seed + i, as a batch of copies is seeded
                 seeds = [(seed + p * req.n + j) % 2**63 for j in range(req.rows)]
                 started.append((ids, [self._job(ids, with_draft, options, dict(asked, seed=s), top, req)
