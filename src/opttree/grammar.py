@@ -27,7 +27,6 @@ def _llguidance():
     try:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
     except ImportError:  # pragma: no cover - a dependency of the package
         raise ImportError("structured outputs need llguidance: pip install llguidance") from None
     return llguidance
@@ -159,16 +158,21 @@ class Constraint(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """input_ids: (R, T) contexts; scores: (R, V). Returns (R, V) with the refused tokens at -inf."""
-        llguidance = _llguidance()
-        rows = input_ids.shape[0]
+        allowed = self.allowed([row[self.prompt_len:] for row in input_ids.tolist()], scores.shape[-1])
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def allowed(self, answers: list[list[int]], width: int) -> torch.Tensor:
+        """(R, width) bool: the tokens the grammar takes after each answer so far (the tokens after the prompt); all
+        of them after an answer it refuses; none past the tokenizer's vocabulary."""
+        rows = len(answers)
         words = torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # (R, W) all allowed
-        for r, tokens in enumerate(input_ids[:, self.prompt_len:].tolist()):
-            if self._follow(tokens):
-                llguidance.torch.fill_next_token_bitmask(self.matcher, words, r)
-        allowed = ((words[:, :, None] >> self.shifts) & 1).view(rows, -1)[:, : scores.shape[-1]]  # (R, <= V)
-        if allowed.shape[-1] < scores.shape[-1]:  # logits wider than the tokenizer: those tokens are never text
-            allowed = torch.nn.functional.pad(allowed, (0, scores.shape[-1] - allowed.shape[-1]))
-        return scores.masked_fill(allowed.to(scores.device) == 0, float("-inf"))
+        for r, tokens in enumerate(answers):
+            if self._follow(tokens):  # the row's bits, written by llguidance
+                self.matcher.unsafe_compute_mask_ptr(words[r].data_ptr(), words.shape[1] * 4)
+        allowed = ((words[:, :, None] >> self.shifts) & 1).view(rows, -1)[:, :width].bool()  # (R, <= width)
+        if allowed.shape[-1] < width:  # logits wider than the tokenizer: those tokens are never text
+            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
+        return allowed
 
     def complete(self, new_tokens: Sequence[int]) -> bool:
         """Whether `new_tokens` (an answer, its EOS included or not) is a whole sentence of the grammar."""

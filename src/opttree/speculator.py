@@ -18,6 +18,7 @@ from .certify import certify
 from .device import has_static_step, model_device
 from .engine import CHAINED, Generation, GenerationOutput, Row, Stopper, static_rows, tree_width
 from .genconfig import Rules, config_defaults, prepare
+from .grammar import Constraint
 from .settings.arguments import eos_list, prompt_and_mask, spec_options
 from .settings.config import SpecConfig
 from .settings.declared import Declared, declared_by
@@ -213,7 +214,8 @@ class Speculator:
                             self.tokenizer, request.logits_processor)
         drafter = None
         if policy.needs_drafter:
-            drafter, policy = _sources(target, self.draft, policy, config, max_len, self._check)
+            held = next((p for p in rules.processors if isinstance(p, Constraint)), None)  # a grammar to draft by
+            drafter, policy = _sources(target, self.draft, policy, config, max_len, self._check, held)
         if rules.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: pass tokenizer=...")
         stopper = Stopper(config.max_new_tokens, rules.eos_token_id, ids, rules.stop, self.tokenizer, config.max_time)
@@ -393,9 +395,11 @@ def use_static(static: bool | None, target: PreTrainedModel) -> bool:
     return forced == "1" if forced else has_static_step(target)
 
 
-def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int, check: Callable):
+def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecConfig, max_len: int, check: Callable,
+             held: Constraint | None = None):
     """(drafter, policy) for the drafter spec `config.drafter`: the draft model checked (`check`: the
-    speculator's, which runs each check once) and wrapped, the sources combined (`opttree.step.drafters.sources`)."""
+    speculator's, which runs each check once) and wrapped, the sources combined (`opttree.step.drafters.sources`);
+    the first distribution source held to the request's grammar `held`, if any."""
     vocab = _vocab_size(target)
     if isinstance(draft, PreTrainedModel):
         check(_check_vocab, target, draft)
@@ -412,7 +416,8 @@ def _sources(target: PreTrainedModel, draft, policy: TreePolicy, config: SpecCon
             raise ValueError("draft_temperature applies to a draft model; a custom Drafter returns its own "
                              "log-probabilities (scale them there)")
         draft = CheckedDrafter(draft, vocab)
-    return make_sources(config.drafter, policy, config, SourceContext(target, draft, config, vocab, model_device(target)))
+    context = SourceContext(target, draft, config, vocab, model_device(target), held)
+    return make_sources(config.drafter, policy, config, context)
 
 
 def _policy_at(config: SpecConfig, policy: TreePolicy, budget: int) -> TreePolicy:

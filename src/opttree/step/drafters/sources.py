@@ -35,6 +35,7 @@ from ..tree import DraftTree, merge_best, merge_sampled, node_paths, top_nodes
 from ..verify import Verification
 from . import Declared, Drafter
 from .datastore import open_datastore
+from .held import HeldDrafter
 from .lookup import DatastoreSource, LookupSource
 from .recycling import RecyclingDrafter
 
@@ -56,10 +57,12 @@ class CandidateSource(Protocol):
 
 
 class SourceContext:
-    """What a source factory may use: the target, the draft as a Drafter (None without one), the config."""
+    """What a source factory may use: the target, the draft as a Drafter (None without one), the config; `held`:
+    the request's grammar (`opttree.grammar.Constraint`) its first distribution source is held to, if any."""
 
-    def __init__(self, target, draft: Drafter | None, config, vocab: int, device: torch.device):
+    def __init__(self, target, draft: Drafter | None, config, vocab: int, device: torch.device, held=None):
         self.target, self.draft, self.config, self.vocab, self.device = target, draft, config, vocab, device
+        self.held = held
 
 
 SourceFactory = Callable[[SourceContext], "Drafter | CandidateSource"]
@@ -389,6 +392,8 @@ def make_sources(spec: DrafterSpec, policy, config, context: SourceContext):
     if config.draft_temperature != 1 and not spec.uses_draft_model:
         raise ValueError(f"draft_temperature applies to a draft model; drafter {spec!r} has none")
     made = [(_FACTORIES[n](context), KINDS[n].distribution) for n in spec.names]
+    if context.held is not None and made[0][1]:  # the first distribution source drafts what the grammar takes
+        made[0] = (HeldDrafter(made[0][0], context.held, context.vocab), True)
     if len(made) == 1 and spec.first.draft_model:  # the draft model alone: the policy drives it directly
         return made[0][0], policy
     first, distribution = made[0]
