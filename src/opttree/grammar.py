@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import LogitsProcessor
 
@@ -133,7 +134,6 @@ class Constraint(LogitsProcessor):
             raise ValueError(f"the grammar is not valid: {problem}")
         self.matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.consumed: list[int] = []  # the tokens the matcher has taken, in order
-        self.shifts = torch.arange(32, dtype=torch.int32)  # (32,) a word's bits
 
     def __reduce__(self):
         """Pickled as its settings (llguidance's objects are not picklable): a rank of a sharded server builds its
@@ -169,7 +169,8 @@ class Constraint(LogitsProcessor):
         for r, tokens in enumerate(answers):
             if self._follow(tokens):  # the row's bits, written by llguidance
                 self.matcher.unsafe_compute_mask_ptr(words[r].data_ptr(), words.shape[1] * 4)
-        allowed = ((words[:, :, None] >> self.shifts) & 1).view(rows, -1)[:, :width].bool()  # (R, <= width)
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, 32 W): token order
+        allowed = torch.from_numpy(bits[:, :width]).bool()  # (R, <= width)
         if allowed.shape[-1] < width:  # logits wider than the tokenizer: those tokens are never text
             allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
         return allowed

@@ -19,8 +19,9 @@ from ..verify import Verification
 class HeldDrafter(Declared):
     """`inner`'s root and expand rows, each masked by `constraint` at that node's context (the committed tokens, then
     the path from the root to the node) and renormalised; a row the mask would leave empty (the draft gives no
-    probability to any token the grammar takes) stays as `inner` gave it. It lists no top children and drafts one row
-    at a time: the masks are the grammar's, computed on the host."""
+    probability to any token the grammar takes: Token Recycling's rows list a few tokens) gives the tokens the grammar
+    takes equal chances (a forced one: 1). It lists no top children and drafts one row at a time: the masks are the
+    grammar's, computed on the host."""
 
     def __init__(self, inner, constraint: Constraint, vocab: int):
         self.inner, self.constraint, self.vocab = inner, constraint, vocab
@@ -47,5 +48,7 @@ class HeldDrafter(Declared):
         """(K, V) log-probabilities, masked at each row's path and renormalised."""
         allowed = self.constraint.allowed([self.answer + path for path in paths], logq.shape[-1]).to(logq.device)
         held = logq.masked_fill(~allowed, float("-inf"))  # (K, V)
-        empty = torch.isinf(held).all(dim=-1, keepdim=True)  # (K, 1)
-        return torch.where(empty, logq, torch.log_softmax(held.float(), dim=-1).to(logq.dtype))
+        empty = torch.isinf(held.amax(dim=-1))  # (K,) no allowed token the draft gives any chance
+        if bool(empty.any()):  # (the masks were read on the host: one more read costs nothing here)
+            held[empty] = allowed[empty].to(held.dtype).log()  # there: the allowed tokens alike
+        return torch.log_softmax(held, dim=-1)
