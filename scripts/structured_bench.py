@@ -66,7 +66,7 @@ def main() -> None:
     grammar = json_schema(SCHEMA)
     runs = methods(target, draft, tok, args.max_new_tokens)
     cases = [(name, "grammar") for name in runs] + [(name, "no grammar") for name in runs]
-    cases += [(name, "grammar, draft unheld") for name in runs if not name.startswith(("hf-ar", "ar"))]
+    cases += [(name, "grammar, draft unheld") for name in runs if not name.startswith(("hf-", "ar"))]
     prompts = [json.loads(line)["prompt"] + ASK for line in open(args.prompts)][: args.limit]
     totals = {case: [0, 0, 0.0] for case in cases}  # tokens, steps, seconds
     same = {case: 0 for case in cases}
@@ -96,7 +96,8 @@ def main() -> None:
     print(f"{'method':44s} {'grammar':22s} {'MAL':>5s} {'tokens/s':>9s} {'vs hf-ar':>8s} {'same as hf-ar':>14s}")
     for (name, how), (tokens, steps, seconds) in totals.items():
         speed, ref = tokens / seconds, base[how][0] / base[how][2]
-        print(f"{name:44s} {how:22s} {tokens / steps:5.2f} {speed:9.1f} {speed / ref:7.2f}x "
+        mal = "-" if name.startswith("hf-") else f"{tokens / steps:.2f}"  # (transformers' steps are not counted)
+        print(f"{name:44s} {how:22s} {mal:>5s} {speed:9.1f} {speed / ref:7.2f}x "
               f"{same[(name, how)]:>8d}/{len(prompts) * args.rounds}")
 
 

@@ -88,6 +88,11 @@ def test_the_mask_is_a_pure_function_of_the_context_in_any_order(pair, kind):
     scores = torch.randn(2, vocab)
     out = shared(torch.tensor([prompt + [refused, 5], prompt + [refused, 7]]), scores)
     assert torch.equal(out, scores)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(shared))  # as a sharded server's ranks receive it
+    assert all(torch.equal(allowed(again, prompt + path, vocab), allowed(shared, prompt + path, vocab))
+               for path in paths[:4])
     wide = shared(torch.tensor([prompt]), torch.zeros(1, vocab + 40))  # logits wider than the tokenizer
     assert torch.isinf(wide[0, vocab:]).all() and torch.equal(torch.isfinite(wide[0, :vocab]),
                                                                allowed(shared, prompt, vocab))
