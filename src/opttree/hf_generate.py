@@ -151,7 +151,8 @@ def _own_positions(positions: torch.Tensor, input_ids: torch.Tensor, mask) -> bo
 
 
 # processors whose rule reads the sequence's length (padding included, in a padded batch of generate)
-POSITION_COUNTING = (Constraint, lp.MinLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
-                     lp.ExponentialDecayLengthPenalty, lp.SuppressTokensAtBeginLogitsProcessor)
+# (a grammar's Constraint: where its answer starts)
+POSITION_COUNTING = (lp.MinLengthLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
+                     lp.ExponentialDecayLengthPenalty, lp.SuppressTokensAtBeginLogitsProcessor, Constraint)
 
 custom_generate = CustomGenerate()

@@ -35,9 +35,8 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 from ..batch_sizing import SizedBudget
 from ..engine import Allocator
 from ..flags import used_draft
-from .. import grammar
 from ..genconfig import OutputPenalties
-from ..grammar import Constraint
+from ..grammar import Constraint, one_of
 from ..settings.arguments import eos_list
 from ..speculator import Request as GenerationRequest
 from ..step.cache import context_window
@@ -176,7 +175,7 @@ class SamplingFields(BaseModel):
             raise OpenAIError(400, "ignore_eos with a grammar: an answer that completes its grammar ends with EOS",
                               "ignore_eos")
         try:
-            return grammar.one_of(**asked[given[0]]) if given else None
+            return one_of(**asked[given[0]]) if given else None
         except (ValueError, TypeError) as error:
             raise OpenAIError(400, str(error), given[0]) from None
 
@@ -436,7 +435,8 @@ class Server:
             for p, ids in enumerate(prompts):
                 req.fill_window(len(ids), self.window)
                 eos = req.eos(self.eos, self.vocab)
-                constraint = held_to and Constraint(self.tokenizer, held_to, len(ids), eos or self.eos, self.vocab)
+                constraint = None if held_to is None else Constraint(self.tokenizer, held_to, len(ids),
+                                                                     eos or self.eos, self.vocab)
                 asked = dict(sampling, max_new_tokens=req.new_tokens,
                              logits_processor=req.processors(len(ids), self.vocab, constraint), eos_token_id=eos)
                 # choice i (prompt p's j-th: p * n + j) is seeded with seed + i, as a batch of copies is seeded

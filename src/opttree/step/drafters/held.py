@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ...grammar import Constraint
 from ...settings.declared import Declared, pass_hooks
 from ..verify import Verification
 
@@ -23,8 +22,8 @@ class HeldDrafter(Declared):
     takes equal chances (a forced one: 1). It lists no top children and drafts one row at a time: the masks are the
     grammar's, computed on the host."""
 
-    def __init__(self, inner, constraint: Constraint, vocab: int):
-        self.inner, self.constraint, self.vocab = inner, constraint, vocab
+    def __init__(self, inner, constraint):  # an `opttree.grammar.Constraint`: its `allowed` and `prompt_len`
+        self.inner, self.constraint = inner, constraint
         pass_hooks(self, inner)
         self.answer: list[int] = []  # the committed tokens after the prompt
         self.paths: list[list[int]] = []  # this step's slots: each node's tokens after the root

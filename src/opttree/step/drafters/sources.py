@@ -393,7 +393,7 @@ def make_sources(spec: DrafterSpec, policy, config, context: SourceContext):
         raise ValueError(f"draft_temperature applies to a draft model; drafter {spec!r} has none")
     made = [(_FACTORIES[n](context), KINDS[n].distribution) for n in spec.names]
     if context.held is not None and made[0][1]:  # the first distribution source drafts what the grammar takes
-        made[0] = (HeldDrafter(made[0][0], context.held, context.vocab), True)
+        made[0] = (HeldDrafter(made[0][0], context.held), True)
     if len(made) == 1 and spec.first.draft_model:  # the draft model alone: the policy drives it directly
         return made[0][0], policy
     first, distribution = made[0]
