@@ -146,17 +146,25 @@ def test_sampled_answers_keep_to_the_grammar_and_their_seeds(pair):
         assert c.complete(tokens) if tokens[-1] == tok.eos_token_id else c._follow(tokens)
 
 
-def test_a_batch_holds_each_row_to_its_own_grammar(pair):
+@pytest.mark.parametrize("drafter", [None, "recycling+lookup"])
+def test_a_batch_holds_each_row_to_its_own_grammar_or_none(pair, drafter):
+    """Rows held to different grammars and rows held to none (whose drafters may draft together) in one batch:
+    each row's answer is what it gives alone."""
     target, draft, tok = pair
-    prompts = [tok(p, add_special_tokens=False).input_ids for p in (PROMPT, "def parse(", "x = ")]
-    kinds = ["json schema", "regex", "choice"]
-    speculator = opttree.Speculator(target, draft, budget=8, tokenizer=tok)
-    requests = [opttree.Request(p, max_new_tokens=32, temperature=0, logits_processor=[constraint(tok, k, len(p))])
-                for p, k in zip(prompts, kinds)]
-    outs = speculator.generate(requests)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in (PROMPT, "def parse(", "x = ", PROMPT, "x = ")]
+    kinds = ["json schema", "regex", "choice", None, None]
+    settings = dict(budget=8) if drafter is None else dict(budget=8, drafter=drafter)
+    used = draft if drafter is None else None
+    speculator = opttree.Speculator(target, used, tokenizer=tok, **settings)
+
+    def held(p, k):
+        return None if k is None else [constraint(tok, k, len(p))]
+
+    outs = speculator.generate([opttree.Request(p, max_new_tokens=32, temperature=0, logits_processor=held(p, k))
+                                for p, k in zip(prompts, kinds)])
     for p, k, out in zip(prompts, kinds, outs):
-        alone = opttree.generate(target, torch.tensor([p]), draft, max_new_tokens=32, temperature=0, budget=8,
-                                 logits_processor=[constraint(tok, k, len(p))])
+        alone = opttree.generate(target, torch.tensor([p]), used, max_new_tokens=32, temperature=0,
+                                 logits_processor=held(p, k), **settings)
         assert out.new_tokens.tolist() == alone.new_tokens.tolist()
 
 
