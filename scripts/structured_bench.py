@@ -5,7 +5,7 @@ grammar (the same `opttree.grammar.Constraint` as its logits processor), interle
 
 The shipped pair; each HumanEval prompt is followed by a request to describe the function as JSON, and the answer is
 held to SCHEMA. Every opttree answer is compared with `generate`'s (equal in float32; bfloat16 rounds a tree forward
-unlike a one-token one). Also reported: the same methods with no grammar, on the same prompts (other text, so other
+unlike a one-token one; `--temperature T`: every method samples, top-k off, and answers differ). Also reported: the same methods with no grammar, on the same prompts (other text, so other
 acceptance), and with the grammar but the draft left unheld (`HeldDrafter` off), to show what holding the draft gives.
 """
 
@@ -30,21 +30,24 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 ASK = "\n# the function above, described as JSON:\n# "
 
 
-def methods(target, draft, tok, n: int):
-    """name -> run(ids, constraint or None) -> (new token ids, steps)."""
+def methods(target, draft, tok, n: int, temperature: float):
+    """name -> run(ids, constraint or None, seed) -> (new token ids, steps)."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+
     def hf(**kw):
-        def run(ids, held):
+        def run(ids, held, seed):
+            torch.manual_seed(seed)
             with torch.inference_mode():
-                out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                      logits_processor=[held] if held else None, **kw)
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      logits_processor=[held] if held else None, **sampling, **kw)
             new = out[0, ids.shape[1]:].tolist()
             return new, len(new)
         return run
 
     def ours(with_draft: bool, **kw):
-        def run(ids, held):
-            out = opttree.generate(target, ids, draft if with_draft else None, max_new_tokens=n, temperature=0,
-                                   logits_processor=[held] if held else None, **kw)
+        def run(ids, held, seed):
+            out = opttree.generate(target, ids, draft if with_draft else None, max_new_tokens=n, seed=seed,
+                                   temperature=temperature, top_k=0, logits_processor=[held] if held else None, **kw)
             return out.new_tokens.tolist(), out.stats.steps
         return run
 
@@ -61,10 +64,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds after one untimed warm-up round")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: every method samples (answers then differ)")
     args = ap.parse_args()
     target, draft, tok = opttree.demo_models(getattr(torch, args.dtype))
     grammar = json_schema(SCHEMA)
-    runs = methods(target, draft, tok, args.max_new_tokens)
+    runs = methods(target, draft, tok, args.max_new_tokens, args.temperature)
     cases = [(name, "grammar") for name in runs] + [(name, "no grammar") for name in runs]
     cases += [(name, "grammar, draft unheld") for name in runs if not name.startswith(("hf-", "ar"))]
     prompts = [json.loads(line)["prompt"] + ASK for line in open(args.prompts)][: args.limit]
@@ -73,14 +77,14 @@ def main() -> None:
     whole = 0
     original = HeldDrafter._held
     for rnd in range(args.rounds + 1):
-        for p in prompts:
+        for seed, p in enumerate(prompts):
             ids = tok(p, return_tensors="pt", add_special_tokens=False).input_ids
             reference = {}
             for name, how in cases:
                 held = Constraint(tok, grammar, ids.shape[1]) if how != "no grammar" else None
                 HeldDrafter._held = original if how != "grammar, draft unheld" else lambda self, logq, paths: logq
                 start = time.perf_counter()
-                new, steps = runs[name](ids, held)
+                new, steps = runs[name](ids, held, seed)
                 seconds = time.perf_counter() - start
                 HeldDrafter._held = original
                 reference.setdefault(how.split(",")[0], new)  # hf-ar's answer, with and without the grammar
@@ -91,14 +95,15 @@ def main() -> None:
                     if (name, how) == ("hf-ar", "grammar"):
                         whole += bool(new) and new[-1] == tok.eos_token_id
     base = {how: totals[("hf-ar", how.split(",")[0])] for _, how in cases}
-    print(f"{args.dtype}, {len(prompts)} prompts x {args.rounds} round(s), {args.max_new_tokens} new tokens at most; "
+    print(f"{args.dtype}, temperature {args.temperature}, {len(prompts)} prompts x {args.rounds} round(s), "
+          f"{args.max_new_tokens} new tokens at most; "
           f"hf-ar's answers under the grammar that completed it: {whole}/{len(prompts) * args.rounds}")
     print(f"{'method':44s} {'grammar':22s} {'MAL':>5s} {'tokens/s':>9s} {'vs hf-ar':>8s} {'same as hf-ar':>14s}")
     for (name, how), (tokens, steps, seconds) in totals.items():
         speed, ref = tokens / seconds, base[how][0] / base[how][2]
         mal = "-" if name.startswith("hf-") else f"{tokens / steps:.2f}"  # (transformers' steps are not counted)
         print(f"{name:44s} {how:22s} {mal:>5s} {speed:9.1f} {speed / ref:7.2f}x "
-              f"{same[(name, how)]:>8d}/{len(prompts) * args.rounds}")
+              f"{same[(name, how)] if not args.temperature else '-':>8}/{len(prompts) * args.rounds}")
 
 
 if __name__ == "__main__":
