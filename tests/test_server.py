@@ -2,6 +2,7 @@
 
 import json
 import signal
+from collections import Counter
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ import uvicorn
 
 import opttree
 from opttree.server.app import GracefulServer, Server, Turns, create_app
-from opttree.server.load import Outcome, _check_metrics, _check_texts, _choices_problem, run_load
+from opttree.server.load import CYCLE, WORDS, Outcome, _check_metrics, _check_texts, _choices_problem, run_load
 from opttree.text import TextStream
 
 TREE = dict(tree="opt", budget=4, delta=0.1)
@@ -517,11 +518,14 @@ def test_load_eight_clients_mixing_streams_cancellations_and_malformed_requests(
     summary = report.summary()
     print(report.table())
     assert report.ok, report.problems
-    assert summary["requests"] == 80 and summary["by_kind"] == {"cancel": 16, "malformed": 16, "plain": 16,
-                                                                "stream": 16, "choices": 16}
+    kinds = [CYCLE[(c + r) % len(CYCLE)] for c in range(8) for r in range(10)]
+    assert summary["requests"] == 80 and summary["by_kind"] == dict(Counter(kinds))
     assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"] and summary["tokens_per_s"] > 0
+    held = [o for o in report.outcomes if o.kind == "structured"]
+    assert held and all(o.text in WORDS for o in held)
     assert summary["completion_tokens"] == sum(4 + (r % 3) for c in range(8) for r in range(10)
-                                               if (c + r) % 5 in (0, 1, 2))
+                                               if CYCLE[(c + r) % len(CYCLE)] in ("plain", "stream", "choices")) + \
+        sum(o.tokens for o in held)
     # the server's own account of the load: steps of one or more requests, which took part of the wall
     account = summary["server"]
     assert account["steps"] >= summary["completion_tokens"] / (8 * 5) and 1 <= account["rows_per_step"] <= 8
@@ -536,6 +540,10 @@ def test_the_load_checks_catch_mixed_answers_and_miscounts():
     assert any("expected 'x'" in p for p in _check_texts(answers, lambda prompt, n: "x"))
     assert _check_metrics(answers, {}, {"200": 2, "499": 1}) == []
     assert _check_metrics(answers, {}, {"200": 3}) != []
+    held = [Outcome("plain", "a", 4, text="x"), Outcome("structured", "a", 4, text="True")]  # each its own answer
+    assert _check_texts(held, lambda prompt, n: "x") == []
+    held.append(Outcome("structured", "a", 4, text="None"))
+    assert any("2 different answers" in p for p in _check_texts(held, None))
     choice = {"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
                                                       "top_logprobs": [{"a": -0.1}, {"b": -0.2}]}}
     assert _choices_problem([choice, {**choice, "index": 1}]) == ""

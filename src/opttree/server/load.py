@@ -2,8 +2,8 @@
 
 `clients` threads each send `requests` requests, a mix of plain and streamed completions at
 temperature 0 (some of two choices with their log-probabilities, which must agree with each other and with
-their text), streams the client abandons after the first event (cancellations) and malformed
-requests. Every well-formed answer is checked: against `expected(prompt, max_tokens)` when given
+their text; some held to a choice of words, vLLM's `guided_choice`, which must answer one of them), streams the
+client abandons after the first event (cancellations) and malformed requests. Every well-formed answer is checked: against `expected(prompt, max_tokens)` when given
 (e.g. `opttree.generate`'s text), otherwise for consistency (the same prompt and length must give the
 same text in every request and either mode: an answer mixed up with another request's shows). The
 server's `/metrics` request counters must grow by exactly what was sent. Reports p50 / p99 latency
@@ -33,9 +33,11 @@ PROMPTS = (
     "def count_words(text):\n",
     "def binary_search(items, target):\n",
 )
-# request r of client c is CYCLE[(c + r) % 5]; "choices": a plain completion of n=2 with logprobs=1
-CYCLE = ("plain", "stream", "choices", "cancel", "malformed")
-ANSWERED = ("plain", "stream", "choices")  # the kinds answered whole
+# request r of client c is CYCLE[(c + r) % 6]; "choices": a plain completion of n=2 with logprobs=1; "structured":
+# one held to one of WORDS (a structured output: `guided_choice`)
+CYCLE = ("plain", "stream", "choices", "cancel", "malformed", "structured")
+ANSWERED = ("plain", "stream", "choices", "structured")  # the kinds answered whole
+WORDS = ("True", "False", "None")
 MALFORMED = (  # (body as sent, what is wrong)
     ("{not json", "malformed JSON"),
     ('{"prompt": "x", "max_tokens": -1}', "negative max_tokens"),
@@ -179,9 +181,11 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
                 out.problem = f"{what}: expected a 400 with an OpenAI error, got {response.status_code} {response.text[:80]}"
             return out
         body = {"prompt": prompt, "temperature": 0, "max_tokens": cancel_tokens if kind == "cancel" else max_tokens}
-        if kind in ("plain", "choices"):
+        if kind in ("plain", "choices", "structured"):
             if kind == "choices":
                 body.update(n=2, logprobs=1)
+            if kind == "structured":
+                body.update(guided_choice=list(WORDS))
             response = http.post("/v1/completions", json=body)
             if _told_to_wait(response, out):
                 continue
@@ -195,6 +199,8 @@ def _send(http: httpx.Client, kind: str, prompt: str, max_tokens: int, cancel_to
             if kind == "choices":
                 out.tokens //= 2
                 out.problem = out.problem or _choices_problem(answer["choices"])
+            if kind == "structured" and (out.text not in WORDS or answer["choices"][0]["finish_reason"] != "stop"):
+                out.problem = out.problem or f"held to one of {WORDS}, answered {out.text!r}"
         else:
             body.update(stream=True, stream_options={"include_usage": True})
             with http.stream("POST", "/v1/completions", json=body) as response:
@@ -263,16 +269,17 @@ def _read_stream(events, out: Outcome) -> None:
 
 
 def _check_texts(outcomes: list[Outcome], expected: Callable[[str, int], str] | None) -> list[str]:
-    answers: dict[tuple[str, int], set[str]] = defaultdict(set)
+    answers: dict[tuple[str, int, bool], set[str]] = defaultdict(set)
     problems = []
     for o in outcomes:
         if o.kind in ANSWERED and not o.problem:
-            answers[(o.prompt, o.max_tokens)].add(o.text)
-            if expected is not None and o.text != (want := expected(o.prompt, o.max_tokens)):
+            held = o.kind == "structured"  # its own answer (the same in every such request), not the plain one
+            answers[(o.prompt, o.max_tokens, held)].add(o.text)
+            if expected is not None and not held and o.text != (want := expected(o.prompt, o.max_tokens)):
                 problems.append(f"{o.kind} {o.prompt[:24]!r} max_tokens={o.max_tokens}: got {o.text!r}, "
                                 f"expected {want!r}")
     problems += [f"{prompt[:24]!r} max_tokens={n}: {len(texts)} different answers at temperature 0"
-                 for (prompt, n), texts in answers.items() if len(texts) > 1]
+                 for (prompt, n, _), texts in answers.items() if len(texts) > 1]
     return problems
 
 
