@@ -5,8 +5,9 @@ grammar (the same `opttree.grammar.Constraint` as its logits processor), interle
 
 The shipped pair; each HumanEval prompt is followed by a request to describe the function as JSON, and the answer is
 held to SCHEMA. Every opttree answer is compared with `generate`'s (equal in float32; bfloat16 rounds a tree forward
-unlike a one-token one; `--temperature T`: every method samples, top-k off, and answers differ). Also reported: the same methods with no grammar, on the same prompts (other text, so other
-acceptance), and with the grammar but the draft left unheld (`HeldDrafter` off), to show what holding the draft gives.
+unlike a one-token one; `--temperature T`: every method samples, top-k off, and answers differ). Also reported: the
+same methods with no grammar, on the same prompts (other text, so other acceptance), and with the grammar but the
+draft left unheld (`HeldDrafter` off), to show what holding the draft gives.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class Constraint(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """input_ids: (R, T) contexts; scores: (R, V). Returns (R, V) with the refused tokens at -inf."""
-        allowed = self.allowed([row[self.prompt_len:] for row in input_ids.tolist()], scores.shape[-1])
+        allowed = self.allowed(input_ids[:, self.prompt_len:].tolist(), scores.shape[-1])  # the answers alone
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
 
     def allowed(self, answers: list[list[int]], width: int) -> torch.Tensor:

@@ -144,40 +144,41 @@ class SamplingFields(BaseModel):
 
     def grammar(self) -> str | None:
         """The grammar its answer is held to (None: none), from whichever of the fields asks for one."""
-        asked = {}
+        asked = []  # (field, kind of grammar, its value), each a grammar asked for
         if self.response_format is not None:
-            kind = self.response_format.get("type")
-            spec = self.response_format.get("json_schema")
+            kind, spec = self.response_format.get("type"), self.response_format.get("json_schema")
             if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
                 raise OpenAIError(400, 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
                                   '"schema": {...}}', "response_format")
             if kind not in ("text", "json_object", "json_schema"):
                 raise OpenAIError(400, f"response_format type {kind!r}: one of text, json_object, json_schema",
                                   "response_format")
-            asked["response_format"] = dict(json_object=kind == "json_object",
-                                            json_schema=spec["schema"] if kind == "json_schema" else None)
+            asked += [("response_format", "json_object", True)] if kind == "json_object" else \
+                [("response_format", "json_schema", spec["schema"])] if kind == "json_schema" else []
         for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "lark")):
             if getattr(self, name) is not None:
-                asked[name] = {kind: getattr(self, name)}
-        if self.structured_outputs is not None:
-            names = dict(json="json_schema", json_object="json_object", regex="regex", choice="choice", grammar="lark")
-            unknown = [key for key in self.structured_outputs if key not in names]
-            if unknown:
-                raise OpenAIError(400, f"structured_outputs {unknown}: this server takes {', '.join(names)}",
-                                  "structured_outputs")
-            asked["structured_outputs"] = {names[key]: value for key, value in self.structured_outputs.items()}
-        given = [name for name, kinds in asked.items() if any(v is not None and v is not False
-                                                              for v in kinds.values())]
-        if len(given) > 1:
-            raise OpenAIError(400, f"one of {', '.join(given)}: an answer follows one grammar", given[1])
-        if given and self.ignore_eos:
+                asked.append((name, kind, getattr(self, name)))
+        names = dict(json="json_schema", json_object="json_object", regex="regex", choice="choice", grammar="lark")
+        unknown = [key for key in self.structured_outputs or {} if key not in names]
+        if unknown:
+            raise OpenAIError(400, f"structured_outputs {unknown}: this server takes {', '.join(names)}",
+                              "structured_outputs")
+        asked += [("structured_outputs", names[key], value) for key, value in (self.structured_outputs or {}).items()
+                  if value is not None and value is not False]
+        if len(asked) > 1:
+            raise OpenAIError(400, f"one of {', '.join(name for name, _, _ in asked)}: an answer follows one grammar",
+                              asked[1][0])
+        if not asked:
+            return None
+        ((name, kind, value),) = asked
+        if self.ignore_eos:
             raise OpenAIError(400, "ignore_eos with a grammar: an answer that completes its grammar ends with EOS",
                               "ignore_eos")
         try:
-            return one_of(**asked[given[0]]) if given else None
+            return one_of(**{kind: value})
         except (ValueError, TypeError) as error:
-            raise OpenAIError(400, str(error), given[0]) from None
+            raise OpenAIError(400, str(error), name) from None
 
     def processors(self, prompt_len: int, vocab: int, constraint=None) -> LogitsProcessorList | None:
         """Its logit bias and penalties as logits processors (in vLLM's order), then its grammar's `constraint`,

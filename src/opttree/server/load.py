@@ -3,9 +3,10 @@
 `clients` threads each send `requests` requests, a mix of plain and streamed completions at
 temperature 0 (some of two choices with their log-probabilities, which must agree with each other and with
 their text; some held to a choice of words, vLLM's `guided_choice`, which must answer one of them), streams the
-client abandons after the first event (cancellations) and malformed requests. Every well-formed answer is checked: against `expected(prompt, max_tokens)` when given
-(e.g. `opttree.generate`'s text), otherwise for consistency (the same prompt and length must give the
-same text in every request and either mode: an answer mixed up with another request's shows). The
+client abandons after the first event (cancellations) and malformed requests. Every well-formed answer is
+checked: against `expected(prompt, max_tokens)` when given (e.g. `opttree.generate`'s text), otherwise for
+consistency (the same prompt and length must give the same text in every request and either mode: an answer
+mixed up with another request's shows). The
 server's `/metrics` request counters must grow by exactly what was sent. Reports p50 / p99 latency
 and tokens per second.
 """
