@@ -232,9 +232,13 @@ def cmd_bench(args) -> int:
     from .methods import PEERS
 
     if packed_linears(target) is not None and any(spec.name in PEERS for spec in specs):
-        print("bench: opttree's methods (ar included) run the bf16 linear layers from weights packed for this CPU's "
-              "kernels (the same tokens; OPTTREE_PACKED=0 turns it off); the hf-* peers run transformers' own",
-              file=sys.stderr)
+        if str(next(target.parameters()).dtype) == "torch.float32":
+            what = ("opttree's tree steps run the float32 products of 2 rows or more from weights packed for this "
+                    "CPU's kernels (within float32 rounding; `mismatches` counts outputs unlike plain decoding's)")
+        else:
+            what = ("opttree's methods (ar included) run the bf16 linear layers from weights packed for this CPU's "
+                    "kernels (the same tokens)")
+        print(f"bench: {what}; OPTTREE_PACKED=0 turns it off; the hf-* peers run transformers' own", file=sys.stderr)
     cases, skipped = prepare(prompts, lambda p: encode(tokenizer, p), target, args.max_new_tokens)
     for s in skipped:
         print(f"skipped {s['prompt_id']}: {s['reason']}", file=sys.stderr)
