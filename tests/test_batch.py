@@ -387,6 +387,47 @@ def test_a_batch_is_prefilled_in_one_forward_and_each_row_hears_its_own_prompt(t
         check_rows(target, batch, speculator.generate([opttree.Request(prompt) for prompt in batch]))
 
 
+@pytest.mark.parametrize("drafter", [None, "draft", "recycling+lookup"])
+def test_rows_of_one_prompt_prefill_it_once_and_each_draws_its_own(monkeypatch, drafter):
+    """Rows that share a prompt (a prompt's num_return_sequences copies, a request's n choices) prefill it once, at
+    the start and when they join a running batch (riding its step): the prefill's forward holds each distinct prompt
+    once, every row gets its cache and logits (Token Recycling is seeded from them), and each row is what its seed
+    gives alone."""
+    from opttree.step import lean
+
+    prefilled = []  # the rows of each prompt forward (a start's prefill, or a rider's)
+    alone, forward = lean.Rider.alone, lean.LeanForward.forward
+    monkeypatch.setattr(lean.Rider, "alone", lambda self, model, **k: (prefilled.append(self.input_ids.shape[0]),
+                                                                        alone(self, model, **k))[1])
+    monkeypatch.setattr(lean.LeanForward, "forward", lambda self, *a, **k: (
+        prefilled.extend(r.input_ids.shape[0] for r in k.get("riders", ())), forward(self, *a, **k))[1])
+    target, shipped_draft, tokenizer = opttree.demo_models(torch.float32)  # trained: its answers follow the prompt
+    draft = shipped_draft if drafter == "draft" else None
+    options = dict(max_new_tokens=NEW, temperature=1.0, eos_token_id=[], budget=4)
+    options.update(drafter=drafter) if drafter not in (None, "draft") else None
+    batch = [tokenizer(text, return_tensors="pt").input_ids[0]
+             for text in ("def add(a, b):\n", "import os\nimport re\n", "import sys\nimport io\n")]  # 8, 6, 6 tokens
+    outs = opttree.generate(target, batch[:2], draft, num_return_sequences=3, seed=4, **options)
+    assert prefilled == [2]  # six rows, two prompts
+    for row, out in enumerate(outs):
+        own = opttree.generate(target, batch[row // 3], draft, seed=4 + row, **options)
+        assert torch.equal(out.sequences, own.sequences), (drafter, row)
+    prefilled.clear()
+    speculator = opttree.Speculator(target, draft, **{k: v for k, v in options.items() if k != "max_new_tokens"},
+                                    max_new_tokens=NEW)
+    run = speculator.stream([opttree.Request(batch[0], max_new_tokens=2 * NEW, seed=1)])
+    chunks = {b: list(chunk) for b, chunk in run.step()}
+    joining = [opttree.Request(batch[p], seed=s) for p, s in ((1, 5), (2, 6), (1, 7))]
+    assert run.admit_all([speculator.row(request) for request in joining]) == [1, 2, 3]
+    while not run.ended:
+        for b, chunk in run.step():
+            chunks.setdefault(b, []).extend(chunk.tolist())
+    assert prefilled == [1, 2]  # the first prompt, then the three rows' two prompts (one length: A, B, A) riding a step
+    for b, request in enumerate(joining, start=1):
+        own = opttree.generate(target, request.prompt, draft, seed=request.seed, **options)
+        assert chunks[b] == own.new_tokens.tolist(), (drafter, b)
+
+
 @pytest.mark.parametrize("ride", ["1", "0"])
 def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_the_batch_as_it_was(monkeypatch, ride):
     """`Generation.admit_all`: arrivals join a running batch in one prefill forward per group of similar lengths
@@ -408,7 +449,8 @@ def test_rows_admitted_together_share_one_prefill_and_a_failed_prefill_leaves_th
     chunks = {b: list(chunk) for b, chunk in run.step()}  # the first step (the first two rows' prefill with it)
     prefills = []
     original = engine.prefill
-    monkeypatch.setattr(engine, "prefill", lambda t, c, rows: (prefills.append(len(rows)), original(t, c, rows)))
+    monkeypatch.setattr(engine, "prefill", lambda t, c, rows, *more: (prefills.append(len(rows)),
+                                                                      original(t, c, rows, *more))[1])
     broken = [speculator.row(opttree.Request(p)) for p in later]
     broken[1].drafter.start = lambda *a: (_ for _ in ()).throw(RuntimeError("prefill failed"))
     with pytest.raises(RuntimeError, match="prefill failed"):

@@ -287,24 +287,38 @@ def prefill_groups(lengths: list[int]) -> list[list[int]]:
     return by_length(lengths, lambda group: max(group) * len(group) <= PADDING_LIMIT * sum(group))
 
 
-def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row]) -> None:
+def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row], share: bool = False) -> None:
     """The target's cache of each row's committed[:-1] (the last committed token is the root), in one
     forward; each drafter starts, and hears the prompt's logits or hidden states if it asks for them.
     Several rows: their prefixes right-padded to the longest, at positions 0.. each. A row's tokens attend
     only to earlier positions of its own row, all real, so each row's keys, values and logits are what
-    its forward alone gives; its padding lies after its end, where no tree mask reaches."""
-    inputs = prompt_inputs(rows)
-    if inputs is None:
+    its forward alone gives; its padding lies after its end, where no tree mask reaches. `share`: rows with
+    the same prompt (a request's n choices) prefill it once (`prompt_inputs`)."""
+    prompt = prompt_rider(rows, cache, share)
+    if prompt is None:
         return
-    ids, positions, kept = inputs
-    prompt = Rider(ids, positions, cache, kept)
     states = prompt.alone(target, hidden=any(row.wants_hidden for row in rows))
+    prompt.spread([row.prompt_len - 1 for row in rows])
+    if states is not None and prompt.copies is not None:
+        states = tuple(h[prompt.copies] for h in states)
     prompt_outputs(rows, prompt.logits, states)
 
 
-def prompt_inputs(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """The rows' drafters start; their prefill's (B, P) ids and positions and the last positions whose logits it
-    keeps (`prefill`); None when no row has a token to prefill."""
+def prompt_rider(rows: list[Row], cache: Cache, share: bool) -> Rider | None:
+    """The rows' drafters start; their prefill (`prompt_inputs`) as a rider into `cache`; None when no row has a token
+    to prefill."""
+    inputs = prompt_inputs(rows, share)
+    if inputs is None:
+        return None
+    ids, positions, kept, copies = inputs
+    return Rider(ids, positions, cache, kept, copies=copies)
+
+
+def prompt_inputs(rows: list[Row], share: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, list[int] | None] | None:
+    """The rows' drafters start; their prefill's (D, P) ids and positions, the last positions whose logits it
+    keeps (`prefill`) and, where rows share a prompt and `share` (a cache whose rows can be copied), each row's
+    among the D distinct ones prefilled (else None: a row each); None when no row has a token to prefill."""
     for row in rows:
         if row.drafter is not None:
             row.drafter.start(row.committed)
@@ -312,14 +326,21 @@ def prompt_inputs(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, int] | N
     longest = max(lengths)
     if longest == 0:
         return None
+    copies = None
+    if share and len(rows) > 1:  # rows of one prompt (n choices of a request): the first of them stands for all
+        firsts: dict[tuple[int, ...], int] = {}
+        copies = [firsts.setdefault(tuple(row.committed[:length].tolist()), len(firsts))
+                  for row, length in zip(rows, lengths)]
+        copies = copies if len(firsts) < len(rows) else None
+    prefilled = rows if copies is None else [rows[copies.index(d)] for d in range(max(copies) + 1)]
     device = rows[0].committed.device
-    ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (B, P)
-    for b, (row, length) in enumerate(zip(rows, lengths)):
-        ids[b, :length] = row.committed[:length]
+    ids = torch.zeros(len(prefilled), longest, dtype=torch.long, device=device)  # (D, P)
+    for b, row in enumerate(prefilled):
+        ids[b, : row.prompt_len - 1] = row.committed[: row.prompt_len - 1]
     seeds = [row.drafter.prompt_rows if row.drafter is not None else 0 for row in rows]  # rows of logits each wants
     wanted = max(longest - length + min(seed, length) for length, seed in zip(lengths, seeds))
     kept = max(wanted, 1)  # the last `kept` positions' logits (one at least: the least a model can be asked)
-    return ids, torch.arange(longest, device=device).expand(len(rows), -1), kept
+    return ids, torch.arange(longest, device=device).expand(len(prefilled), -1), kept, copies
 
 
 def prompt_outputs(rows: list[Row], logits: torch.Tensor, hidden_states: tuple | None) -> None:
@@ -528,9 +549,8 @@ class Generation:
         boarding = []
         for group in prefill_groups([self.rows[b].prompt_len for b in new]):
             rows = [new[i] for i in group]
-            inputs = prompt_inputs([self.rows[b] for b in rows])
-            boarding.append((rows, None if inputs is None else Rider(*inputs[:2], self._new_cache(self.rows[rows[0]]),
-                                                                    inputs[2])))
+            boarding.append((rows, prompt_rider([self.rows[b] for b in rows], self._new_cache(self.rows[rows[0]]),
+                                                self.shares_prompts)))
         for b in new:
             self.rows[b].began = now
         return boarding
@@ -548,6 +568,7 @@ class Generation:
         parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
         for rows, rider in done:
             if rider is not None:
+                rider.spread([self.rows[b].prompt_len - 1 for b in rows])
                 prompt_outputs([self.rows[b] for b in rows], rider.logits, None)
             parts.append((rider.cache if rider is not None else self._new_cache(self.rows[rows[0]]),
                           [self.rows[b].prefix_len for b in rows]))
@@ -565,7 +586,7 @@ class Generation:
         parts = [] if self.cache is None else [(self.cache, [self.rows[b].prefix_len for b in self.active])]
         for group in groups:
             cache = self._new_cache(self.rows[group[0]])  # several rows: the dynamic path (`check_batchable`)
-            prefill(self.target, cache, [self.rows[b] for b in group])
+            prefill(self.target, cache, [self.rows[b] for b in group], self.shares_prompts)
             parts.append((cache, [self.rows[b].prefix_len for b in group]))
         self._stack(parts, [b for group in groups for b in group])
         prefill_s = _clock(self.device) - start
@@ -621,6 +642,12 @@ class Generation:
             return step, False
         stopped, timings = self.lockstep.exchange(self.rows[0].committed, step[2:], stop)
         return (*step[:2], *timings), stopped
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether rows with one prompt prefill it once (`prefill`): where their caches' rows are keys and values that
+        copy (not the static path's preallocated caches, nor recurrent state)."""
+        return not self.static and not isinstance(self.verifier, ChainVerifier)
 
     def _new_cache(self, row: Row) -> Cache:
         if self.static:

@@ -42,7 +42,7 @@ from transformers.utils import output_capturing
 
 from ..packed import MEMORY_SHARE, active_pack, available_bytes, register_shared_inputs
 from .attention import mask_layout
-from .cache import cache_argument, last_logits_only
+from .cache import cache_argument, last_logits_only, select_rows
 
 
 @dataclass
@@ -57,6 +57,14 @@ class Rider:
     cache: object  # a cache of their own (empty)
     keep: int
     logits: torch.Tensor | None = None
+    copies: list[int] | None = None  # rows that share prompts: each one's row of the B prefilled (None: B rows)
+
+    def spread(self, lengths: list[int]) -> None:
+        """After the forward, where rows share prompts (`copies`): each row gets its prompt's cache row and logits,
+        its prefix `lengths[r]` long. The same keys and values as a forward of its own."""
+        if self.copies is not None:
+            select_rows(self.cache, self.copies, lengths)
+            self.logits = self.logits[self.copies]  # (R, keep, V)
 
     def alone(self, model, hidden: bool = False) -> tuple | None:
         """The same prefill in a forward of its own (a prompt's prefill; a rider where no forward it could ride
