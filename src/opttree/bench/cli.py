@@ -232,7 +232,7 @@ def cmd_bench(args) -> int:
     from .methods import PEERS
 
     if packed_linears(target) is not None and any(spec.name in PEERS for spec in specs):
-        if str(next(target.parameters()).dtype) == "torch.float32":
+        if str(target.dtype) == "torch.float32":  # (this module leaves torch unimported)
             what = ("opttree's tree steps run the float32 products of 2 rows or more from weights packed for this "
                     "CPU's kernels (within float32 rounding; `mismatches` counts outputs unlike plain decoding's)")
         else:
