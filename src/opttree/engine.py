@@ -293,7 +293,7 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row], share: bool 
     Several rows: their prefixes right-padded to the longest, at positions 0.. each. A row's tokens attend
     only to earlier positions of its own row, all real, so each row's keys, values and logits are what
     its forward alone gives; its padding lies after its end, where no tree mask reaches. `share`: rows with
-    the same prompt (a request's n choices) prefill it once (`prompt_inputs`)."""
+    the same prompt (a request's n choices) prefill it once (`prompt_rider`)."""
     prompt = prompt_rider(rows, cache, share)
     if prompt is None:
         return
@@ -305,20 +305,10 @@ def prefill(target: PreTrainedModel, cache: Cache, rows: list[Row], share: bool 
 
 
 def prompt_rider(rows: list[Row], cache: Cache, share: bool) -> Rider | None:
-    """The rows' drafters start; their prefill (`prompt_inputs`) as a rider into `cache`; None when no row has a token
-    to prefill."""
-    inputs = prompt_inputs(rows, share)
-    if inputs is None:
-        return None
-    ids, positions, kept, copies = inputs
-    return Rider(ids, positions, cache, kept, copies=copies)
-
-
-def prompt_inputs(rows: list[Row], share: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, int, list[int] | None] | None:
-    """The rows' drafters start; their prefill's (D, P) ids and positions, the last positions whose logits it
-    keeps (`prefill`) and, where rows share a prompt and `share` (a cache whose rows can be copied), each row's
-    among the D distinct ones prefilled (else None: a row each); None when no row has a token to prefill."""
+    """The rows' drafters start; their prefill as a rider into `cache`: (D, P) ids and positions, the last positions
+    whose logits it keeps and, where rows share a prompt and `share` (a cache whose rows can be copied), each row's
+    among the D distinct prompts prefilled (`Rider.copies`; else a row each). None when no row has a token to
+    prefill."""
     for row in rows:
         if row.drafter is not None:
             row.drafter.start(row.committed)
@@ -340,7 +330,8 @@ def prompt_inputs(rows: list[Row], share: bool = False
     seeds = [row.drafter.prompt_rows if row.drafter is not None else 0 for row in rows]  # rows of logits each wants
     wanted = max(longest - length + min(seed, length) for length, seed in zip(lengths, seeds))
     kept = max(wanted, 1)  # the last `kept` positions' logits (one at least: the least a model can be asked)
-    return ids, torch.arange(longest, device=device).expand(len(prefilled), -1), kept, copies
+    positions = torch.arange(longest, device=device).expand(len(prefilled), -1)  # (D, P)
+    return Rider(ids, positions, cache, kept, copies=copies)
 
 
 def prompt_outputs(rows: list[Row], logits: torch.Tensor, hidden_states: tuple | None) -> None:
